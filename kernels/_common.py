@@ -1,0 +1,63 @@
+"""Constants and small helpers shared by the forward and backward kernels and their launchers."""
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# exp(x) == exp2(x * LOG2E): the kernels work in base 2 with log2(e) folded into the scale.
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+MAX_HEAD_DIM = 256
+# tl.dot needs every dimension >= 16, so small head dims are padded up to this.
+MIN_BLOCK_D = 16
+
+_LOG2E = tl.constexpr(LOG2E)
+
+
+def interpreter_active() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def block_d(head_dim: int) -> int:
+    """Padded tile width for ``head_dim``: the next power of two, at least MIN_BLOCK_D."""
+    return max(MIN_BLOCK_D, triton.next_power_of_2(head_dim))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot`` input precision for ``dtype``: fp32 follows torch.get_float32_matmul_precision()
+    ("highest" -> IEEE fp32, otherwise tf32); fp16/bf16 ignore it."""
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest":
+        return "tf32"
+    return "ieee"
+
+
+def widen_bf16(dtype: torch.dtype) -> bool:
+    """Whether kernels must widen bf16 to fp32 after each load: Triton's interpreter computes
+    bf16 on raw bit patterns (dot, add and compare all give garbage), the GPU does not."""
+    return dtype == torch.bfloat16 and interpreter_active()
+
+
+@triton.jit
+def widen(x, WIDEN: tl.constexpr):
+    """fp32 copy of a freshly loaded tile when WIDEN (interpreter + bf16), else ``x`` unchanged."""
+    if WIDEN:
+        return x.to(tl.float32)
+    else:
+        return x
+
+
+@triton.jit
+def round_for_store(x, WIDEN: tl.constexpr):
+    """Round fp32 ``x`` to the nearest bf16 value (ties to even) when WIDEN, keeping fp32.
+
+    The interpreter's fp32 -> bf16 cast truncates; after this rounding the truncation is exact,
+    so interpreter results match the GPU's round-to-nearest store.
+    """
+    if WIDEN:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        return (bits & 0xFFFF0000).to(tl.float32, bitcast=True)
+    else:
+        return x

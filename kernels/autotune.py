@@ -1,0 +1,52 @@
+"""Launch configurations: the one place that lists block sizes, warps and stages.
+
+On a GPU the kernels are autotuned over these lists, pruned per head_dim by shared-memory
+footprint; in Triton's CPU interpreter autotuning would time every config in Python, so one
+small fixed config is used. The lists are short on purpose: every config is compiled and timed
+once per (head_dim, dtype, causal, dropout, seq bucket) and a long list costs minutes.
+"""
+import triton
+
+# Hopper has 228 KB of shared memory per SM (227 KB usable by one block); leave headroom for
+# the compiler's own scratch (layout conversions, reductions).
+SMEM_BUDGET_BYTES = 200 * 1024
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages)
+_FWD = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 32, 4, 4),
+        (64, 64, 4, 3), (64, 128, 4, 3), (64, 32, 4, 4), (128, 128, 8, 2)]
+_BWD = [(64, 64, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2), (32, 64, 4, 2),
+        (64, 32, 4, 3), (32, 128, 4, 2), (128, 128, 8, 1), (32, 32, 4, 1)]
+_INTERPRET = triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=1, num_stages=1)
+
+
+def _configs(table):
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+            for bm, bn, w, s in table]
+
+
+def fwd_configs(interpret: bool = False):
+    """Candidate configs for the forward kernel (BLOCK_M queries x BLOCK_N keys per step)."""
+    return [_INTERPRET] if interpret else _configs(_FWD)
+
+
+def bwd_configs(interpret: bool = False):
+    """Candidate configs for the backward kernels (dK/dV per key block, dQ per query block)."""
+    return [_INTERPRET] if interpret else _configs(_BWD)
+
+
+def smem_bytes(config, block_d: int, elem_bytes: int) -> int:
+    """Rough shared-memory footprint of a config: the query tile plus num_stages buffered K
+    and V tiles (the pipelined loads), all of width block_d."""
+    bm, bn = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
+    return (bm + 2 * max(config.num_stages, 1) * bn) * block_d * elem_bytes
+
+
+def prune_configs(configs, named_args, **kwargs):
+    """Triton `early_config_prune` hook: drop configs whose tiles cannot fit shared memory at
+    this head_dim (head_dim 256 with 128x128 tiles and 3 stages would fail to launch)."""
+    block_d = kwargs.get("BLOCK_D", 64)
+    elem_bytes = named_args["Q"].element_size() if "Q" in named_args else 2
+    fitting = [c for c in configs if smem_bytes(c, block_d, elem_bytes) <= SMEM_BUDGET_BYTES]
+    if fitting:
+        return fitting
+    return [min(configs, key=lambda c: smem_bytes(c, block_d, elem_bytes))]

@@ -1,0 +1,218 @@
+"""Fused attention forward: softmax(mask(Q Kᵀ · scale)) → dropout → @ V in one Triton kernel.
+
+FlashAttention-2 tiling: each program owns BLOCK_M query rows of one (batch, head) and streams
+over key/value tiles of BLOCK_N rows, keeping a running row max ``m_i`` and row sum ``l_i``
+(online softmax, fp32, base 2 with log2(e) folded into the scale). The (q_len × k_len) score
+matrix never leaves registers. Causal tiles entirely above the diagonal are never visited; tiles
+entirely below it run without any masking; only the diagonal band (and the ragged last key tile)
+pays for masks.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from ._common import (LN2, LOG2E, block_d, dot_precision, interpreter_active, round_for_store,
+                      widen, widen_bf16)
+from ._dropout import dropout_keep_tile, dropout_threshold
+from .autotune import fwd_configs, prune_configs
+
+
+@triton.jit
+def load_rows(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr,
+              CHECK_ROWS: tl.constexpr, CHECK_D: tl.constexpr):
+    """Load a (rows × BLOCK_D) tile, masking rows >= n_rows and head-dim padding only when the
+    corresponding CHECK_* flag says the tile can reach them (the fast paths load unmasked)."""
+    if CHECK_ROWS:
+        if CHECK_D:
+            mask = (rows < n_rows)[:, None] & (offs_d < HEAD_DIM)[None, :]
+        else:
+            mask = (rows < n_rows)[:, None]
+        return tl.load(ptrs, mask=mask, other=0.0)
+    else:
+        if CHECK_D:
+            return tl.load(ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+        else:
+            return tl.load(ptrs)
+
+
+@triton.jit
+def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
+                    offs_m, offs_d, lo, hi, q_len, k_len, qk_scale,
+                    seed, bh, drop_threshold,
+                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    MASKED: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr,
+                    EVEN_D: tl.constexpr, WIDEN: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Stream key tiles [lo, hi) into the running (acc, l_i, m_i) of one query block.
+
+    MASKED=False is the hot loop over tiles every row of the block fully sees: no causal or
+    bounds masks. MASKED=True handles the diagonal band and the ragged last tile.
+    """
+    offs_n0 = tl.arange(0, BLOCK_N)
+    # Bottom-right alignment: query i sees key j iff j <= i + (k_len - q_len).
+    diag = k_len - q_len
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        offs_n = start_n + offs_n0
+        # 64-bit tile base so huge (batch·seq·heads·dim > 2**31) tensors never wrap.
+        k_tile = k_base + start_n.to(tl.int64) * stride_kn
+        k = load_rows(k_tile + offs_n0[:, None] * stride_kn + offs_d[None, :], offs_n, k_len,
+                      offs_d, HEAD_DIM, MASKED, not EVEN_D)
+        k = widen(k, WIDEN)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if MASKED:
+            visible = offs_n[None, :] < k_len
+            if CAUSAL:
+                visible = visible & (offs_n[None, :] <= offs_m[:, None] + diag)
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if MASKED:
+            # A row that has seen no visible key yet keeps m = -inf; subtracting 0 instead of
+            # -inf avoids (-inf) - (-inf) = NaN and leaves its p at exp2(-inf) = 0.
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_sub = m_new
+        alpha = tl.exp2(m_i - m_sub)
+        p = tl.exp2(s - m_sub[:, None])
+        # The softmax denominator counts every weight; dropout zeroes weights after it.
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if DROPOUT:
+            keep = dropout_keep_tile(seed, bh, offs_m, start_n, q_len, k_len, drop_threshold,
+                                     BLOCK_M, BLOCK_N)
+            p = tl.where(keep, p, 0.0)
+        v_tile = v_base + start_n.to(tl.int64) * stride_vn
+        v = load_rows(v_tile + offs_n0[:, None] * stride_vn + offs_d[None, :], offs_n, k_len,
+                      offs_d, HEAD_DIM, MASKED, not EVEN_D)
+        v = widen(v, WIDEN)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd(Q, K, V, O, LSE,
+              stride_qb, stride_qh, stride_qm,
+              stride_kb, stride_kh, stride_kn,
+              stride_vb, stride_vh, stride_vn,
+              stride_ob, stride_oh, stride_om,
+              H, q_len, k_len, qk_scale, seed, drop_threshold, drop_scale,
+              Q_BUCKET, K_BUCKET,  # autotune key only (power-of-two buckets of q_len/k_len)
+              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+              CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, WIDEN: tl.constexpr,
+              DOT_PRECISION: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program = BLOCK_M query rows of one (batch, head). Grid: (cdiv(q_len, BLOCK_M), H, B).
+
+    Q: (B, H, q_len, HEAD_DIM), K/V: (B, H, k_len, HEAD_DIM), O like Q, all with unit stride in
+    the last dim; LSE: fp32 (B*H, q_len) contiguous, natural log, -inf for rows with no key.
+    ``qk_scale`` = softmax_scale · log2(e).
+    """
+    pid_m = tl.program_id(0)
+    if CAUSAL:
+        # Longest rows first: the GPU starts the most expensive causal blocks early, so the
+        # short ones fill the tail instead of leaving SMs idle at the end.
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    bh = b * H + h
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+
+    q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+    k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
+    v_base = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
+    q_tile = q_base + start_m.to(tl.int64) * stride_qm
+    q = load_rows(q_tile + tl.arange(0, BLOCK_M)[:, None] * stride_qm + offs_d[None, :],
+                  offs_m, q_len, offs_d, HEAD_DIM, True, not EVEN_D)
+    q = widen(q, WIDEN)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    if CAUSAL:
+        # Keys the block's last row can see end at start_m + BLOCK_M - 1 + (k_len - q_len);
+        # keys its first row sees (hence every row) end at start_m + (k_len - q_len).
+        hi = tl.minimum(tl.maximum(start_m + BLOCK_M + k_len - q_len, 0), k_len)
+        n_full = tl.minimum(tl.maximum(start_m + 1 + k_len - q_len, 0), k_len)
+        n_full = (n_full // BLOCK_N) * BLOCK_N
+    else:
+        hi = k_len
+        n_full = (k_len // BLOCK_N) * BLOCK_N
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
+                                    offs_m, offs_d, 0, n_full, q_len, k_len, qk_scale,
+                                    seed, bh, drop_threshold,
+                                    HEAD_DIM, BLOCK_M, BLOCK_N, False, CAUSAL, DROPOUT,
+                                    EVEN_D, WIDEN, DOT_PRECISION)
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
+                                    offs_m, offs_d, n_full, hi, q_len, k_len, qk_scale,
+                                    seed, bh, drop_threshold,
+                                    HEAD_DIM, BLOCK_M, BLOCK_N, True, CAUSAL, DROPOUT,
+                                    EVEN_D, WIDEN, DOT_PRECISION)
+
+    # Rows that saw no key (causal with q_len > k_len) have l_i = 0: output 0, lse -inf.
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    acc = acc * (drop_scale / l_safe)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
+    tl.store(LSE + bh.to(tl.int64) * q_len + offs_m, lse, mask=offs_m < q_len)
+
+    o_tile = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh \
+        + start_m.to(tl.int64) * stride_om
+    o_ptrs = o_tile + tl.arange(0, BLOCK_M)[:, None] * stride_om + offs_d[None, :]
+    o_mask = (offs_m < q_len)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    tl.store(o_ptrs, round_for_store(acc, WIDEN).to(O.dtype.element_ty), mask=o_mask)
+
+
+_attn_fwd_tuned = triton.autotune(
+    configs=fwd_configs(),
+    key=["Q_BUCKET", "K_BUCKET", "HEAD_DIM", "CAUSAL", "DROPOUT", "DOT_PRECISION"],
+    prune_configs_by={"early_config_prune": prune_configs},
+)(_attn_fwd)
+
+
+def attention_forward(q, k, v, *, causal, softmax_scale, dropout_p, seed, out=None):
+    """Launch the fused forward on validated inputs.
+
+    Args:
+        q: (B, H, q_len, D); k, v: (B, H, k_len, D); same dtype and device, unit stride in the
+            last dim (any other strides), 1 <= D <= 256.
+        causal: bottom-right causal mask. softmax_scale: float > 0.
+        dropout_p: 0 <= p < 1; seed: int in [0, 2**63) for the in-kernel Philox mask.
+        out: optional (B, H, q_len, D) tensor to write into (test hook / preallocated output).
+    Returns:
+        (o, lse): o (B, H, q_len, D) in q's dtype with q's memory layout when q is dense;
+        lse fp32 (B, H, q_len), natural-log row log-sum-exp, -inf for rows that see no key.
+    """
+    B, H, q_len, D = q.shape
+    k_len = k.shape[2]
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
+    o = torch.empty_like(q) if out is None else out
+    lse = torch.empty((B, H, q_len), dtype=torch.float32, device=q.device)
+    if o.numel() == 0:
+        return o, lse
+    dropout = dropout_p > 0.0
+    args = (q, k, v, o, lse,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            o.stride(0), o.stride(1), o.stride(2),
+            H, q_len, k_len, softmax_scale * LOG2E,
+            seed if dropout else 0, dropout_threshold(dropout_p) if dropout else 0,
+            1.0 / (1.0 - dropout_p),
+            triton.next_power_of_2(q_len), triton.next_power_of_2(k_len))
+    meta = dict(HEAD_DIM=D, BLOCK_D=block_d(D), CAUSAL=causal, DROPOUT=dropout,
+                WIDEN=widen_bf16(q.dtype), DOT_PRECISION=dot_precision(q.dtype))
+    if interpreter_active():
+        # Autotuning in the interpreter would time every config in Python: use one config.
+        config = fwd_configs(interpret=True)[0]
+        grid = (triton.cdiv(q_len, config.kwargs["BLOCK_M"]), H, B)
+        _attn_fwd[grid](*args, **meta, **config.kwargs, num_warps=config.num_warps,
+                        num_stages=config.num_stages)
+    else:
+        def grid(cfg):
+            return (triton.cdiv(q_len, cfg["BLOCK_M"]), H, B)
+        _attn_fwd_tuned[grid](*args, **meta)
+    return o, lse
