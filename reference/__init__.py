@@ -1,0 +1,46 @@
+"""Pure-PyTorch reference oracles for the fused causal-attention kernel.
+
+* ``modules``: the attention classes of "Build a Large Language Model (From Scratch)", ch. 3.
+* ``gpt``: the book's GPT-2 (124M) model, ch. 4.
+* ``functional``: ``attention`` (float64 oracle / low-precision baseline) and ``causal_mask``.
+* ``dropout``: the kernel's Philox dropout mask, bit for bit (``dropout_keep_mask``).
+
+Nothing here imports ``kernels``: the reference must not share the code it checks.
+"""
+from .dropout import dropout_keep_mask, philox4x32
+from .functional import attention, causal_mask
+from .gpt import (
+    GELU,
+    GPT_CONFIG_124M,
+    FeedForward,
+    GPTModel,
+    LayerNorm,
+    TransformerBlock,
+    generate_text_simple,
+)
+from .modules import (
+    CausalAttention,
+    MultiHeadAttention,
+    MultiHeadAttentionWrapper,
+    SelfAttention_v1,
+    SelfAttention_v2,
+)
+
+__all__ = [
+    "SelfAttention_v1",
+    "SelfAttention_v2",
+    "CausalAttention",
+    "MultiHeadAttentionWrapper",
+    "MultiHeadAttention",
+    "GPT_CONFIG_124M",
+    "LayerNorm",
+    "GELU",
+    "FeedForward",
+    "TransformerBlock",
+    "GPTModel",
+    "generate_text_simple",
+    "attention",
+    "causal_mask",
+    "dropout_keep_mask",
+    "philox4x32",
+]
