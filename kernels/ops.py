@@ -117,8 +117,9 @@ def _like(t):
                                                                       device=t.device)
 
 
-def _fallback_attention(q, k, v, causal, dropout_p, softmax_scale, seed):
-    """PyTorch math with the kernel's semantics and dropout mask: (o, lse), fp32 inside."""
+def _fallback_weights(q, k, lse, causal, dropout_p, softmax_scale, seed):
+    """(P, drop, lse): softmax weights P (fp32, zero where masked), the dropout factor
+    keep / (1 - p) (1.0 without dropout) and the row log-sum-exp (computed when None)."""
     from reference.dropout import dropout_keep_mask
     from reference.functional import causal_mask
     B, H, q_len, _ = q.shape
@@ -126,14 +127,40 @@ def _fallback_attention(q, k, v, causal, dropout_p, softmax_scale, seed):
     s = torch.matmul(q.float(), k.float().transpose(-2, -1)) * softmax_scale
     if causal:
         s = s.masked_fill(~causal_mask(q_len, k_len, device=q.device), float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
+    if lse is None:
+        lse = torch.logsumexp(s, dim=-1)
+    # Rows with no visible key have lse = -inf and all-masked scores: P = exp(-inf) = 0.
     p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    drop = 1.0
     if dropout_p > 0:
         keep = dropout_keep_mask(seed, B, H, q_len, k_len, dropout_p, device=q.device)
-        p = p * keep / (1.0 - dropout_p)
+        drop = keep / (1.0 - dropout_p)
+    return p, drop, lse
+
+
+def _fallback_forward(q, k, v, causal, dropout_p, softmax_scale, seed):
+    """PyTorch math with the kernel's semantics and dropout mask: (o, lse), fp32 inside."""
+    p, drop, lse = _fallback_weights(q, k, None, causal, dropout_p, softmax_scale, seed)
     o = _like(q)
-    o.copy_(torch.matmul(p, v.float()))
+    o.copy_(torch.matmul(p * drop, v.float()))
     return o, lse
+
+
+def _fallback_backward(do, q, k, v, o, lse, causal, dropout_p, softmax_scale, seed):
+    """The backward kernels' formulas in PyTorch (custom-op bodies run without autograd)."""
+    p, drop, _ = _fallback_weights(q, k, lse, causal, dropout_p, softmax_scale, seed)
+    p_drop = p * drop
+    do, v = do.float(), v.float()
+    delta = (do * o.float()).sum(-1, keepdim=True)  # rowsum(dO * O), right with dropout too
+    dp = torch.matmul(do, v.transpose(-2, -1)) * drop
+    ds = p * (dp - delta)
+    grads = (torch.matmul(ds, k.float()) * softmax_scale,
+             torch.matmul(ds.transpose(-2, -1), q.float()) * softmax_scale,
+             torch.matmul(p_drop.transpose(-2, -1), do))
+    outs = tuple(_like(t) for t in (q, k, v))
+    for out, g in zip(outs, grads):
+        out.copy_(g)
+    return outs
 
 
 @torch.library.custom_op("fused_attention::fwd", mutates_args=())
@@ -141,7 +168,7 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, dro
             softmax_scale: float, seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     seed_int = int(seed.item())
     if _use_fallback(q):
-        return _fallback_attention(q, k, v, causal, dropout_p, softmax_scale, seed_int)
+        return _fallback_forward(q, k, v, causal, dropout_p, softmax_scale, seed_int)
     o = _like(q)
     return attention_forward(_unit_last(q), _unit_last(k), _unit_last(v), causal=causal,
                              softmax_scale=softmax_scale, dropout_p=dropout_p, seed=seed_int,
@@ -161,14 +188,8 @@ def _bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     seed_int = int(seed.item())
     if _use_fallback(q):
-        with torch.enable_grad():
-            qf, kf, vf = (t.detach().requires_grad_() for t in (q, k, v))
-            of, _ = _fallback_attention(qf, kf, vf, causal, dropout_p, softmax_scale, seed_int)
-            grads = torch.autograd.grad(of, (qf, kf, vf), do)
-        outs = tuple(_like(t) for t in (q, k, v))
-        for out, g in zip(outs, grads):
-            out.copy_(g)
-        return outs
+        return _fallback_backward(do, q, k, v, o, lse, causal, dropout_p, softmax_scale,
+                                  seed_int)
     from .backward import attention_backward  # TEMP until backward.py lands
     return attention_backward(_unit_last(do), _unit_last(q), _unit_last(k), _unit_last(v),
                               _unit_last(o), lse, causal=causal, softmax_scale=softmax_scale,
