@@ -7,7 +7,7 @@
 
 Nothing here imports ``kernels``: the reference must not share the code it checks.
 """
-from .dropout import dropout_keep_mask, philox4x32
+from .dropout import dropout_keep_mask, dropout_keep_rows, philox4x32
 from .functional import attention, causal_mask
 from .gpt import (
     GELU,
@@ -42,5 +42,6 @@ __all__ = [
     "attention",
     "causal_mask",
     "dropout_keep_mask",
+    "dropout_keep_rows",
     "philox4x32",
 ]

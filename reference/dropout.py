@@ -76,6 +76,35 @@ def philox4x32(seed, counter):
     return c0, c1, c2, c3
 
 
+def _check_args(seed, dropout_p):
+    if not 0 <= seed < 2 ** 63:
+        raise ValueError(f"seed must be an int in [0, 2**63); got {seed}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1); got {dropout_p}")
+
+
+def dropout_keep_rows(seed, rows, k_len, dropout_p):
+    """The kernel's keep mask for selected rows only (for shapes too big to build whole).
+
+    Args:
+        seed: Python int in [0, 2**63), the seed given to the kernel.
+        rows: int64 tensor (n,) of flattened row ids ``bh * q_len + i`` (bh = b * heads + h).
+        k_len: number of key columns.
+        dropout_p: drop probability in [0, 1).
+
+    Returns:
+        bool tensor (n, k_len) on ``rows``' device, True = keep.
+    """
+    _check_args(seed, dropout_p)
+    groups = (k_len + 3) // 4
+    group_ids = torch.arange(groups, dtype=torch.int64, device=rows.device)
+    counter = rows.to(torch.int64)[:, None] * groups + group_ids[None, :]  # (n, groups)
+    words = torch.stack(philox4x32(seed, counter), dim=-1)  # (n, groups, 4)
+    # Word w of group g is column 4 * g + w; the last group may overhang k_len.
+    words = words.reshape(rows.numel(), groups * 4)[:, :k_len]
+    return (words >> (32 - _DROPOUT_BITS)) >= _dropout_threshold(dropout_p)
+
+
 def dropout_keep_mask(seed, batch, heads, q_len, k_len, dropout_p, device=None):
     """The fused kernel's dropout keep mask (see module docstring for the definition).
 
@@ -89,25 +118,13 @@ def dropout_keep_mask(seed, batch, heads, q_len, k_len, dropout_p, device=None):
         bool tensor (batch, heads, q_len, k_len), True = keep. Use it as ``keep_mask`` of
         ``reference.attention`` to reproduce the kernel's dropout exactly.
     """
-    if not 0 <= seed < 2 ** 63:
-        raise ValueError(f"seed must be an int in [0, 2**63); got {seed}")
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1); got {dropout_p}")
-    threshold = _dropout_threshold(dropout_p)
-    shift = 32 - _DROPOUT_BITS
-    groups = (k_len + 3) // 4
+    _check_args(seed, dropout_p)
     n_rows = batch * heads * q_len  # row r = bh * q_len + i
     keep = torch.empty(n_rows, k_len, dtype=torch.bool, device=device)
-
     # Rows are independent: do them in chunks to bound the Philox temporaries' memory.
-    rows_per_chunk = max(1, _CHUNK // max(groups, 1))
-    group_ids = torch.arange(groups, dtype=torch.int64, device=device)
+    rows_per_chunk = max(1, _CHUNK // max((k_len + 3) // 4, 1))
     for start in range(0, n_rows, rows_per_chunk):
         rows = torch.arange(start, min(start + rows_per_chunk, n_rows), dtype=torch.int64,
                             device=device)
-        counter = rows[:, None] * groups + group_ids[None, :]  # (rows, groups)
-        words = torch.stack(philox4x32(seed, counter), dim=-1)  # (rows, groups, 4)
-        # Word w of group g is column 4 * g + w; the last group may overhang k_len.
-        words = words.reshape(rows.numel(), groups * 4)[:, :k_len]
-        keep[start:start + rows.numel()] = (words >> shift) >= threshold
+        keep[start:start + rows.numel()] = dropout_keep_rows(seed, rows, k_len, dropout_p)
     return keep.view(batch, heads, q_len, k_len)
