@@ -12,7 +12,6 @@ MAX_HEAD_DIM = 256
 # tl.dot needs every dimension >= 16, so small head dims are padded up to this.
 MIN_BLOCK_D = 16
 
-_LOG2E = tl.constexpr(LOG2E)
 
 
 def interpreter_active() -> bool:
@@ -61,3 +60,17 @@ def round_for_store(x, WIDEN: tl.constexpr):
         return (bits & 0xFFFF0000).to(tl.float32, bitcast=True)
     else:
         return x
+
+
+@triton.jit
+def dot_operand(x, like, WIDEN: tl.constexpr):
+    """fp32 tile ``x`` (P or dS) as a tl.dot operand of ``like``'s dtype (the input dtype).
+
+    On the GPU that is a cast (fp16/bf16 tensor cores; a no-op for fp32). Under the interpreter
+    with bf16 the operands are widened fp32 tiles, so instead round ``x`` to bf16 values and keep
+    it fp32: the products then match the GPU's bf16 MMA.
+    """
+    if WIDEN:
+        return round_for_store(x, WIDEN)
+    else:
+        return x.to(like.dtype)

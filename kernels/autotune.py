@@ -50,3 +50,42 @@ def prune_configs(configs, named_args, **kwargs):
     if fitting:
         return fitting
     return [min(configs, key=lambda c: smem_bytes(c, block_d, elem_bytes))]
+
+
+# Budgets for prune_bwd_configs, H100-sized with headroom: 227 KiB of shared memory per block
+# (the compiler also needs scratch for layout conversions) and 255 registers per thread.
+_BWD_SMEM_BUDGET = 160 * 1024
+_BWD_ACC_REGS = 128      # fp32 accumulator values per thread (dK+dV, or dQ)
+_BWD_TILE_REGS = 64      # fp32 values per thread of one (BLOCK_M, BLOCK_N) score tile
+
+
+def prune_bwd_configs(configs, named_args, **kwargs):
+    """``early_config_prune`` for the backward kernels: drop configs that cannot fit on chip.
+
+    Per program, the dK/dV kernel keeps BLOCK_N rows of K, V and two fp32 accumulators resident
+    and streams BLOCK_M rows of Q, dO per pipeline stage; the dQ kernel does the converse with
+    one accumulator. Estimates use the padded head dim; the autotuner also skips configs that
+    fail to compile, so this only saves compile time and spills. Keeps at least one config.
+    """
+    import torch  # local: this module otherwise only needs triton
+
+    args = {**named_args, **kwargs}
+    width = max(16, triton.next_power_of_2(int(args["HEAD_DIM"])))
+    elem = args["Q"].element_size() if isinstance(args.get("Q"), torch.Tensor) else 2
+    dkdv = "DK" in args
+
+    def fits(cfg):
+        bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
+        resident, streamed, n_acc = (bn, bm, 2) if dkdv else (bm, bn, 1)
+        threads = 32 * cfg.num_warps
+        smem = elem * width * (2 * resident + 2 * streamed * max(cfg.num_stages, 1))
+        return (smem <= _BWD_SMEM_BUDGET
+                and n_acc * resident * width <= _BWD_ACC_REGS * threads
+                and bm * bn <= _BWD_TILE_REGS * threads)
+
+    kept = [cfg for cfg in configs if fits(cfg)]
+    if kept:
+        return kept
+    smallest = min(configs, key=lambda c: (c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"],
+                                           -c.num_warps, c.num_stages))
+    return [smallest]

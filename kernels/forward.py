@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (LN2, LOG2E, block_d, dot_precision, interpreter_active, round_for_store,
-                      widen, widen_bf16)
+from ._common import (LN2, LOG2E, block_d, dot_operand, dot_precision, interpreter_active,
+                      round_for_store, widen, widen_bf16)
 from ._dropout import dropout_keep_tile, dropout_threshold
 from .autotune import fwd_configs, prune_configs
 
@@ -84,7 +84,7 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
         v = load_rows(v_tile + offs_n0[:, None] * stride_vn + offs_d[None, :], offs_n, k_len,
                       offs_d, HEAD_DIM, MASKED, not EVEN_D)
         v = widen(v, WIDEN)
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(dot_operand(p, v, WIDEN), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 

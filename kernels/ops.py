@@ -18,6 +18,7 @@ import warnings
 import torch
 
 from ._common import MAX_HEAD_DIM, interpreter_active
+from .backward import attention_backward
 from .forward import attention_forward
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -190,7 +191,6 @@ def _bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if _use_fallback(q):
         return _fallback_backward(do, q, k, v, o, lse, causal, dropout_p, softmax_scale,
                                   seed_int)
-    from .backward import attention_backward  # TEMP until backward.py lands
     return attention_backward(_unit_last(do), _unit_last(q), _unit_last(k), _unit_last(v),
                               _unit_last(o), lse, causal=causal, softmax_scale=softmax_scale,
                               dropout_p=dropout_p, seed=seed_int)

@@ -1,0 +1,293 @@
+"""Command line of ``python -m benchmarks`` (see ``--help`` and benchmarks/README.md).
+
+1. Parity: ``kernels.attention`` (forward and gradients) against the float64 oracle; a failure
+   exits with status 1 before anything is timed.
+2. Module level: reference.MultiHeadAttention vs kernels.FusedMultiHeadAttention, and a GPT
+   training step without / with kernels.fuse_attention (``--no-modules`` to skip).
+3. The attention sweep over seq_len x mode x dtype x head_dim x dropout x provider.
+4. ``<out-dir>/<date>-<gpu-or-cpu>.json`` and ``.csv`` (rewritten after every point, so a killed
+   run leaves valid partial files with ``meta.complete = false``), PNG plots, a terminal table.
+
+Without CUDA (or with ``--device cpu``) the kernel runs in Triton's interpreter and everything
+is small: those figures say nothing about GPU speed.
+"""
+import argparse
+import os
+import sys
+import time
+
+REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# benchmarks/results/ of the checkout; when the package is installed elsewhere (site-packages),
+# ./benchmarks/results/ under the current directory instead.
+DEFAULT_OUT = (os.path.join(REPO_DIR, "benchmarks", "results")
+               if os.path.exists(os.path.join(REPO_DIR, "setup.py"))
+               else os.path.join(os.getcwd(), "benchmarks", "results"))
+
+DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16",
+                 "float16": "float16", "half": "float16", "fp32": "float32",
+                 "float32": "float32"}
+
+# Defaults per device type; --quick swaps in the smaller set. See README.md for the reasoning.
+DEFAULTS = {
+    "cuda": dict(seq_lens=[128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768],
+                 modes=["fwd", "bwd", "fwd_bwd"], dtypes=["bfloat16", "float16"],
+                 head_dims=[128, 64], dropout=[0.0, 0.1], tokens=16384, hidden=2048,
+                 quadratic_max_seq=8192, time_budget=300.0),
+    "cuda_quick": dict(seq_lens=[1024, 4096], modes=["fwd", "bwd", "fwd_bwd"],
+                       dtypes=["bfloat16"], head_dims=[128], dropout=[0.0, 0.1], tokens=16384,
+                       hidden=2048, quadratic_max_seq=8192, time_budget=150.0),
+    "cpu": dict(seq_lens=[64, 128, 256], modes=["fwd", "bwd", "fwd_bwd"],
+                dtypes=["bfloat16"], head_dims=[64], dropout=[0.0, 0.1], tokens=256,
+                hidden=64, quadratic_max_seq=1 << 30, time_budget=100.0),
+    "cpu_quick": dict(seq_lens=[32, 64], modes=["fwd", "bwd", "fwd_bwd"], dtypes=["bfloat16"],
+                      head_dims=[32], dropout=[0.0, 0.1], tokens=64, hidden=64,
+                      quadratic_max_seq=1 << 30, time_budget=60.0),
+}
+
+
+def parity_shapes(device_type, head_dims):
+    """Shapes of the parity check: odd seq_len (partial tiles), one per swept head_dim on GPU
+    (so its compiled kernels are reused by the sweep), one tiny shape on CPU."""
+    if device_type == "cuda":
+        return [(2, 3, 257, hd) for hd in head_dims]
+    return [(1, 2, 40, 32)]
+
+
+def _dtype_name(text):
+    try:
+        return DTYPE_ALIASES[text.lower()]
+    except KeyError:
+        raise argparse.ArgumentTypeError(
+            f"unknown dtype {text!r}; use one of {', '.join(sorted(DTYPE_ALIASES))}") from None
+
+
+def build_parser():
+    """The argparse parser (every sweep dimension can be chosen)."""
+    from .flops import MODES
+    from .providers import PROVIDERS
+
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description="Parity check + benchmark of kernels.attention against PyTorch attention "
+                    "implementations. Defaults depend on the device (GPU: full sweep within "
+                    "--time-budget; CPU: tiny sweep in Triton's interpreter).")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+                   help="cuda if available (auto), or force the CPU/interpreter path")
+    p.add_argument("--quick", action="store_true", help="a small sweep (a quick look / smoke)")
+    p.add_argument("--seq-lens", type=int, nargs="+", help="sequence lengths (q_len = k_len)")
+    p.add_argument("--modes", nargs="+", choices=list(MODES))
+    p.add_argument("--dtypes", type=_dtype_name, nargs="+", help="bf16, fp16, fp32")
+    p.add_argument("--head-dims", type=int, nargs="+")
+    p.add_argument("--dropout", type=float, nargs="+", help="dropout probabilities")
+    p.add_argument("--providers", nargs="+", choices=list(PROVIDERS),
+                   help="default: all (torch.compile ones skipped on CPU unless named here)")
+    p.add_argument("--tokens", type=int, help="batch*seq_len per point (batch >= 1)")
+    p.add_argument("--hidden", type=int, help="heads*head_dim per point")
+    p.add_argument("--quadratic-max-seq", type=int,
+                   help="largest seq_len for providers that store seq^2 scores (reference, "
+                        "reference_compiled, sdpa_math)")
+    p.add_argument("--time-budget", type=float,
+                   help="seconds for the whole run; points not started by then are recorded "
+                        "as 'skipped: time budget' (0 = no limit)")
+    p.add_argument("--warmup-ms", type=float, default=10.0, help="do_bench warm-up time (GPU)")
+    p.add_argument("--rep-ms", type=float, default=50.0, help="do_bench repetition time (GPU)")
+    p.add_argument("--cpu-reps", type=int, default=3, help="most timed runs per row on CPU")
+    p.add_argument("--cpu-max-s", type=float, default=1.0,
+                   help="on CPU, no further timed run of a row starts after this many seconds")
+    p.add_argument("--out-dir", default=DEFAULT_OUT, help="where JSON/CSV/PNG go")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-modules", action="store_true",
+                   help="skip the MultiHeadAttention and GPT training-step benchmarks")
+    p.add_argument("--no-sweep", action="store_true", help="skip the attention sweep")
+    p.add_argument("--skip-parity", action="store_true", help="do not run the parity check")
+    p.add_argument("--table-metric", choices=["tflops", "ms"],
+                   help="what the terminal table shows (default: tflops on GPU, ms on CPU)")
+    p.add_argument("--strict", action="store_true",
+                   help="exit with status 2 when any row has status 'error: ...'")
+    return p
+
+
+def resolve_args(args, device_type):
+    """Fill unset options with the defaults for ``device_type`` ("cuda" or "cpu")."""
+    defaults = DEFAULTS[device_type + ("_quick" if args.quick else "")]
+    for key, value in defaults.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, list(value) if isinstance(value, list) else value)
+    args.explicit_providers = args.providers is not None
+    if args.providers is None:
+        from .providers import PROVIDERS
+
+        args.providers = list(PROVIDERS)
+    if args.table_metric is None:
+        args.table_metric = "tflops" if device_type == "cuda" else "ms"
+    return args
+
+
+class Progress:
+    """A one-line progress display on stderr (redrawn in place on a terminal; in a log, one
+    line every few seconds)."""
+
+    def __init__(self, start, every_s=5.0):
+        self.start = start
+        self.tty = sys.stderr.isatty()
+        self.every_s = every_s
+        self._last = -1e9
+
+    def __call__(self, done, total, text):
+        now = time.monotonic()
+        elapsed = now - self.start
+        if done is None:
+            msg = f"[{elapsed:6.1f}s] {text}"
+        else:
+            frac = done / total if total else 1.0
+            bar = "#" * int(24 * frac)
+            msg = f"[{bar:<24}] {done}/{total} {elapsed:6.1f}s  {text}"
+        if self.tty:
+            sys.stderr.write("\r" + msg[:118].ljust(118))
+            sys.stderr.flush()
+        elif now - self._last >= self.every_s or text == "done":
+            print(msg, file=sys.stderr, flush=True)
+            self._last = now
+
+    def close(self):
+        """End the in-place line."""
+        if self.tty:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def main(argv=None):
+    """Entry point; returns the process exit status."""
+    args = build_parser().parse_args(argv)
+    start = time.monotonic()
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda but torch.cuda.is_available() is False", file=sys.stderr)
+        return 2
+    device_type = "cuda" if (args.device != "cpu" and torch.cuda.is_available()) else "cpu"
+    from . import use_interpreter_if_no_cuda
+
+    # TRITON_INTERPRET must be set before `kernels` is imported (all imports of it are lazy).
+    use_interpreter_if_no_cuda(force_cpu=device_type == "cpu")
+    resolve_args(args, device_type)
+    return run(args, device_type, start)
+
+
+def run(args, device_type, start):
+    """Everything after argument parsing (see the module docstring)."""
+    import torch
+
+    from . import report
+    from .modules import gpt_rows, module_rows
+    from .parity import check_parity
+    from .sweep import SweepConfig, run_sweep
+
+    device = "cuda" if device_type == "cuda" else "cpu"
+    eprint = report.eprint
+    deadline = start + args.time_budget if args.time_budget and args.time_budget > 0 else (
+        float("inf"))
+    args_dict = {k: v for k, v in vars(args).items()}
+    meta = report.collect_meta(device, args_dict, REPO_DIR)
+    eprint(f"benchmarks: device {meta['device']}, torch {meta['torch']}, triton "
+           f"{meta['triton']}, cuda {meta['cuda']}, commit {meta['commit']}")
+    if device_type == "cpu":
+        eprint("benchmarks: NO GPU - " + meta["note"])
+    os.makedirs(args.out_dir, exist_ok=True)
+    stem = report.results_stem(device)
+    json_path = os.path.join(args.out_dir, stem + ".json")
+    csv_path = os.path.join(args.out_dir, stem + ".csv")
+
+    # 1. Parity.
+    if not args.skip_parity:
+        t0 = time.monotonic()
+        # The primary dtype only (the test suite covers the others): every dtype, head_dim and
+        # dropout setting costs an autotuning pass of compiles before anything is timed.
+        dtypes = [getattr(torch, args.dtypes[0])]
+        try:
+            parity = check_parity(device, dtypes, parity_shapes(device_type, args.head_dims))
+        except Exception as exc:
+            import traceback
+
+            traceback.print_exc()
+            eprint(f"benchmarks: PARITY CHECK COULD NOT RUN: {type(exc).__name__}: {exc}")
+            return 1
+        meta["parity"] = parity
+        bad = [r for r in parity if not r["ok"]]
+        for r in parity:
+            flag = "ok  " if r["ok"] else "FAIL"
+            eprint(f"  parity {flag} {r['name']:<24} {r['dtype']:<9} {str(r['shape']):<18} "
+                   f"err {r['err']:.3e}  budget {r['budget']:.3e}")
+        if bad:
+            eprint(f"benchmarks: PARITY FAILED for {len(bad)} of {len(parity)} checks "
+                   "(error above 2x/3x PyTorch's own error vs float64); nothing was timed.")
+            return 1
+        eprint(f"benchmarks: parity ok ({len(parity)} checks, {time.monotonic() - t0:.1f}s)")
+
+    rows = []
+    meta["complete"] = False
+
+    def save(current):
+        meta["elapsed_s"] = round(time.monotonic() - start, 1)
+        report.write_json(json_path, meta, current)
+        report.write_csv(csv_path, current)
+
+    progress = Progress(start)
+    primary = getattr(torch, args.dtypes[0])
+    opts = dict(warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, cpu_reps=args.cpu_reps,
+                cpu_max_s=args.cpu_max_s)
+    # 2. Module level.
+    if not args.no_modules:
+        rows += module_rows(device, primary, args.dropout, opts, deadline, progress, args.quick)
+        save(rows)
+        rows += gpt_rows(device, primary, opts, deadline, progress, args.quick)
+        save(rows)
+    # 3. Sweep.
+    if not args.no_sweep:
+        cfg = SweepConfig(device=device, seq_lens=args.seq_lens, modes=args.modes,
+                          dtypes=args.dtypes, head_dims=args.head_dims, dropouts=args.dropout,
+                          providers=args.providers, tokens=args.tokens, hidden=args.hidden,
+                          quadratic_max_seq=args.quadratic_max_seq,
+                          explicit_providers=args.explicit_providers,
+                          warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, cpu_reps=args.cpu_reps,
+                          cpu_max_s=args.cpu_max_s, deadline=deadline)
+        done = list(rows)
+        sweep_rows = run_sweep(cfg, lambda name: getattr(torch, name),
+                               on_point=lambda current: save(done + current),
+                               progress=progress)
+        rows = done + sweep_rows
+    progress.close()
+    meta["complete"] = True
+    save(rows)
+    paths = [json_path, csv_path]
+    if not args.no_plots:
+        paths += report_plots(rows, args.out_dir, stem, meta)
+    print(report.format_tables(rows, args.table_metric))
+    print(report.format_headline(rows))
+    if device_type == "cpu":
+        print("\nNOTE: " + meta["note"])
+    summary = report.status_summary(rows)
+    print(f"\n{len(rows)} rows: " + ", ".join(f"{k} {v}" for k, v in sorted(summary.items()))
+          + f"; {time.monotonic() - start:.1f}s")
+    cut = sum(r["status"] == "skipped: time budget" for r in rows)
+    if cut:
+        print(f"TIME BUDGET: {cut} rows were not run within --time-budget {args.time_budget:.0f}s "
+              "(status 'skipped: time budget'); raise it or narrow the sweep to get them")
+    for r in report.errors(rows):
+        print(f"  ERROR {r['provider']} {r['mode']} {r['dtype']} d{r['head_dim']} "
+              f"p{r['dropout_p']} seq {r['seq_len']}: {r['status']}")
+    print("wrote " + ", ".join(paths))
+    if args.strict and report.errors(rows):
+        return 2
+    return 0
+
+
+def report_plots(rows, out_dir, stem, meta):
+    """Write the PNGs (never fails the run)."""
+    from .plots import write_plots
+
+    try:
+        return write_plots(rows, out_dir, stem, title=meta["device"])
+    except Exception as exc:  # plotting must not lose a finished sweep
+        print(f"plots: failed ({type(exc).__name__}: {exc}); results files are intact")
+        return []

@@ -1,0 +1,126 @@
+"""Measure one callable in one mode: status, time quantiles, peak memory, first-call time.
+
+Protocol for every row (same for all providers):
+
+1. ``make()`` builds the timed function (for ``bwd`` it runs the forward once, outside timing)
+   and the function is called once: warm-up, torch.compile / autotuning / JIT compilation.
+   Its wall time is reported as ``first_call_s``. Failures here classify the row as ``oom``,
+   ``unsupported: <reason>`` or ``error: <message>``.
+2. GPU only: the function is rebuilt and called once more between
+   ``torch.cuda.reset_peak_memory_stats()`` and ``max_memory_allocated()``: ``peak_mem_bytes`` is
+   the peak allocated during ``make()`` + one call, minus what was allocated before (the inputs
+   q, k, v, do and anything else alive). So for ``bwd`` it includes the forward's saved
+   activations, and for every mode the gradients / output written.
+3. Timing: ``triton.testing.do_bench`` (CUDA events, L2 flushed before each call, gradients set
+   to None before each call) on GPU; a few wall-clock runs on CPU.
+"""
+import time
+import warnings
+
+import torch
+
+from .timing import PeakMemory, free_memory, is_oom, synchronize, time_cpu, time_cuda
+
+MEASURE_KEYS = ("status", "ms", "ms_p20", "ms_p80", "peak_mem_bytes", "first_call_s")
+
+
+def mode_maker(forward, mode, dout, grads):
+    """``make()`` returning the function timed for ``mode``.
+
+    ``forward()`` computes the output from inputs it closes over; ``dout`` is the upstream
+    gradient; ``grads`` are the leaf tensors whose ``.grad`` the backward writes.
+    fwd: forward under ``torch.no_grad()``; bwd: backward of one retained forward graph;
+    fwd_bwd: forward then backward.
+    """
+    if mode == "fwd":
+        def make():
+            def fn():
+                with torch.no_grad():
+                    return forward()
+            return fn
+    elif mode == "bwd":
+        def make():
+            out = forward()
+
+            def fn():
+                out.backward(dout, retain_graph=True)
+            return fn
+    elif mode == "fwd_bwd":
+        def make():
+            def fn():
+                forward().backward(dout)
+            return fn
+    else:
+        raise ValueError(f"unknown mode {mode!r}")
+    return make
+
+
+def _describe(exc):
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}"[:240]
+
+
+def classify_failure(exc, caught_warnings=(), unsupported_reason=None):
+    """Status string for an exception raised while running a case: ``oom``, ``unsupported: ..``
+    (NotImplementedError, or what the provider's ``unsupported_reason`` recognises) or
+    ``error: <type>: <message>``."""
+    if is_oom(exc):
+        return "oom"
+    if unsupported_reason is not None:
+        reason = unsupported_reason(exc, caught_warnings)
+        if reason:
+            return f"unsupported: {reason}"
+    if isinstance(exc, NotImplementedError):
+        return f"unsupported: {' '.join(str(exc).split())[:200]}"
+    return f"error: {_describe(exc)}"
+
+
+def measure(make, device, *, grads=(), warmup_ms=25, rep_ms=100, cpu_reps=3, cpu_max_s=2.0,
+            unsupported_reason=None):
+    """Run the protocol in this module's docstring; return a dict with MEASURE_KEYS."""
+    result = dict.fromkeys(MEASURE_KEYS)
+    cuda = torch.device(device).type == "cuda"
+
+    def clear_grads():
+        for t in grads:
+            t.grad = None
+
+    status = None
+    fn = None
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            t0 = time.perf_counter()
+            try:
+                fn = make()
+                fn()
+                synchronize(device)
+            except Exception as exc:  # classified below, never re-raised
+                status = classify_failure(exc, caught, unsupported_reason)
+            result["first_call_s"] = round(time.perf_counter() - t0, 3)
+        if status is None and cuda:
+            clear_grads()
+            fn = None  # frees the warm-up's graph and outputs (no cycles: no gc needed)
+            with PeakMemory(device) as pm:
+                fn = make()
+                fn()
+            result["peak_mem_bytes"] = pm.extra_bytes
+        if status is None:
+            if cuda:
+                ms, p20, p80 = time_cuda(fn, warmup_ms=warmup_ms, rep_ms=rep_ms,
+                                         grad_to_none=list(grads) or None)
+            else:
+                def timed():
+                    clear_grads()
+                    fn()
+                ms, p20, p80 = time_cpu(timed, reps=cpu_reps, max_s=cpu_max_s)
+            result.update(ms=ms, ms_p20=p20, ms_p80=p80)
+            status = "ok"
+    except Exception as exc:
+        status = classify_failure(exc, (), unsupported_reason)
+    result["status"] = status
+    fn = None
+    clear_grads()
+    if status != "ok":
+        free_memory(device)
+    return result

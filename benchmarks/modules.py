@@ -1,0 +1,178 @@
+"""Module-level benchmarks: the attention module and a GPT training step, reference vs ours.
+
+Rows (same keys as the attention sweep, plus the extras named here):
+
+* ``bench="module"``, provider ``module_reference`` (``reference.MultiHeadAttention``) or
+  ``module_kernels`` (``kernels.FusedMultiHeadAttention``, loaded with the reference's weights),
+  modes ``fwd`` and ``fwd_bwd``, in training mode (dropout active), input x of shape
+  (batch, seq_len, emb_dim) requiring grad. Extra keys: ``emb_dim``, ``same_weights``.
+  TFLOP/s count the four projections and the attention core (:func:`flops.mha_flops`).
+* ``bench="gpt_step"``, provider ``gpt_step_reference`` (``reference.GPTModel``) or
+  ``gpt_step_kernels`` (a deep copy passed through ``kernels.fuse_attention``), mode
+  ``train_step``: zero_grad, forward, cross-entropy, backward, AdamW step. On CUDA the model is
+  fp32 under ``torch.autocast`` in the sweep's first dtype; on CPU plain fp32. Extra keys:
+  ``n_layers``, ``emb_dim``, ``vocab_size``, ``autocast``, ``fused_modules`` (the count
+  fuse_attention returned), ``tokens_per_s``. TFLOP/s from :func:`flops.gpt_step_flops`.
+"""
+import contextlib
+import copy
+import time
+
+import torch
+
+from .flops import gpt_step_flops, mha_flops, tflops
+from .measure import MEASURE_KEYS, classify_failure, measure, mode_maker
+from .providers import Case
+from .sweep import new_row
+from .timing import free_memory
+
+# Sizes per profile ("cuda", "cpu", "cpu_quick"): (batch, seq_len, emb_dim, heads) of the
+# module benchmark; overrides of GPT_CONFIG_124M and the batch of the GPT step.
+MODULE_SHAPE = {"cuda": (8, 1024, 768, 12), "cpu": (1, 64, 64, 2), "cpu_quick": (1, 32, 32, 2)}
+GPT_OVERRIDES = {
+    "cuda": {},
+    "cpu": {"vocab_size": 256, "context_length": 64, "emb_dim": 64, "n_heads": 2, "n_layers": 1},
+    "cpu_quick": {"vocab_size": 128, "context_length": 32, "emb_dim": 32, "n_heads": 2,
+                  "n_layers": 1},
+}
+GPT_BATCH = {"cuda": 8, "cpu": 1, "cpu_quick": 1}
+
+
+def _profile(device, quick):
+    kind = torch.device(device).type
+    return "cpu_quick" if kind == "cpu" and quick else kind
+
+
+def _timing_kwargs(opts):
+    return {k: opts[k] for k in ("warmup_ms", "rep_ms", "cpu_reps", "cpu_max_s")}
+
+
+def module_rows(device, dtype, dropouts, opts, deadline=float("inf"), progress=None,
+                quick=False):
+    """Rows for reference.MultiHeadAttention vs kernels.FusedMultiHeadAttention."""
+    import kernels
+    import reference
+
+    batch, seq, emb, heads = MODULE_SHAPE[_profile(device, quick)]
+    rows = []
+    for dropout in dropouts:
+        case = Case(batch=batch, heads=heads, seq_len=seq, head_dim=emb // heads, dtype=dtype,
+                    dropout_p=dropout, device=device)
+        torch.manual_seed(0)
+        modules = {}
+        try:
+            ref = reference.MultiHeadAttention(emb, emb, seq, dropout, heads)
+            fused = kernels.FusedMultiHeadAttention(emb, emb, seq, dropout, heads)
+            missing, _ = fused.load_state_dict(ref.state_dict(), strict=False)
+            names = {n for n, _ in fused.named_parameters()}
+            same = not (set(missing) & names)
+            modules = {"module_reference": ref, "module_kernels": fused}
+            build_error = None
+        except Exception as exc:
+            same, build_error = False, classify_failure(exc)
+        for name in ("module_reference", "module_kernels"):
+            for mode in ("fwd", "fwd_bwd"):
+                row = new_row(name, mode, case, bench="module")
+                row.update(emb_dim=emb, same_weights=same)
+                if progress:
+                    progress(None, None, f"{name} {mode} p{dropout}")
+                if build_error:
+                    row["status"] = build_error
+                elif time.monotonic() > deadline:
+                    row["status"] = "skipped: time budget"
+                else:
+                    row.update(_measure_module(modules[name], case, mode, emb, device, opts))
+                    if row["status"] == "ok":
+                        row["tflops"] = tflops(mha_flops(batch, seq, emb, emb, heads, mode=mode),
+                                               row["ms"])
+                rows.append(row)
+        modules = None
+        free_memory(device)
+    return rows
+
+
+def _measure_module(module, case, mode, emb, device, opts):
+    """Measure ``module`` (moved to the case's device and dtype, training mode) in ``mode``."""
+    try:
+        module.to(device=device, dtype=case.dtype).train()
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(case.batch, case.seq_len, emb, generator=g).to(device, case.dtype)
+        x.requires_grad_(True)
+        dout = torch.randn(case.batch, case.seq_len, emb, generator=g).to(device, case.dtype)
+    except Exception as exc:
+        return dict(dict.fromkeys(MEASURE_KEYS), status=classify_failure(exc))
+    grads = [x, *module.parameters()] if mode != "fwd" else []
+    make = mode_maker(lambda: module(x), mode, dout, grads)
+    return measure(make, device, grads=grads, **_timing_kwargs(opts))
+
+
+def gpt_rows(device, dtype, opts, deadline=float("inf"), progress=None, quick=False):
+    """Rows for one GPT training step without and with kernels.fuse_attention."""
+    import torch.nn.functional as F
+
+    import kernels
+    import reference
+
+    kind = torch.device(device).type
+    profile = _profile(device, quick)
+    cfg = dict(reference.GPT_CONFIG_124M, **GPT_OVERRIDES[profile])
+    batch, seq = GPT_BATCH[profile], cfg["context_length"]
+    use_autocast = kind == "cuda"
+    run_dtype = dtype if use_autocast else torch.float32
+    case = Case(batch=batch, heads=cfg["n_heads"], seq_len=seq,
+                head_dim=cfg["emb_dim"] // cfg["n_heads"], dtype=run_dtype,
+                dropout_p=float(cfg.get("drop_rate", 0.0)), device=device)
+    extra = dict(n_layers=cfg["n_layers"], emb_dim=cfg["emb_dim"], vocab_size=cfg["vocab_size"],
+                 autocast=use_autocast)
+    rows = []
+    models, build_error = {}, None
+    try:
+        torch.manual_seed(0)
+        base = reference.GPTModel(cfg)
+        fused, count = kernels.fuse_attention(copy.deepcopy(base))
+        models = {"gpt_step_reference": (base, None), "gpt_step_kernels": (fused, count)}
+    except Exception as exc:
+        build_error = classify_failure(exc)
+    g = torch.Generator().manual_seed(2)
+    idx = torch.randint(0, cfg["vocab_size"], (batch, seq + 1), generator=g)
+    for name in ("gpt_step_reference", "gpt_step_kernels"):
+        row = new_row(name, "train_step", case, bench="gpt_step")
+        row.update(extra)
+        row["fused_modules"] = models[name][1] if name in models else None
+        if progress:
+            progress(None, None, name)
+        if build_error:
+            row["status"] = build_error
+        elif time.monotonic() > deadline:
+            row["status"] = "skipped: time budget"
+        else:
+            try:
+                model = models[name][0].to(device).train()
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+                inp, tgt = idx[:, :-1].to(device), idx[:, 1:].to(device)
+                ctx = (lambda: torch.autocast("cuda", dtype=dtype)) if use_autocast else (
+                    contextlib.nullcontext)
+
+                def step(model=model, opt=opt, inp=inp, tgt=tgt, ctx=ctx):
+                    opt.zero_grad(set_to_none=True)
+                    with ctx():
+                        logits = model(inp)
+                    loss = F.cross_entropy(logits.flatten(0, 1).float(), tgt.flatten())
+                    loss.backward()
+                    opt.step()
+
+                row.update(measure(lambda: step, device, **_timing_kwargs(opts)))
+                linear = sum(m.weight.numel() for m in model.modules()
+                             if isinstance(m, torch.nn.Linear))
+                if row["status"] == "ok":
+                    row["tflops"] = tflops(gpt_step_flops(linear, cfg["n_layers"], batch, seq,
+                                                          cfg["emb_dim"], cfg["n_heads"]),
+                                           row["ms"])
+                    row["tokens_per_s"] = batch * seq / (row["ms"] * 1e-3)
+            except Exception as exc:
+                row["status"] = classify_failure(exc)
+            model = opt = None
+            models.pop(name, None)
+            free_memory(device)
+        rows.append(row)
+    return rows

@@ -1,0 +1,260 @@
+"""The attention implementations being compared ("providers"), all on identical inputs.
+
+Every provider computes the same function: causal attention (square, so PyTorch's top-left and
+our bottom-right alignment coincide), scale 1/sqrt(head_dim), dropout ``p`` on the weights.
+
+=====================  ===========================================================================
+kernels                ``kernels.attention`` (ours, Triton)
+reference              ``reference.attention(upcast=False)``: the reference MultiHeadAttention's
+                       math in eager PyTorch, in the input dtype (stores seq^2 scores)
+reference_compiled     the same under ``torch.compile`` (compiled once per shape)
+sdpa_math              ``F.scaled_dot_product_attention`` forced to the MATH backend
+sdpa_efficient         ... EFFICIENT_ATTENTION (memory-efficient / xFormers kernel)
+sdpa_flash             ... FLASH_ATTENTION (FlashAttention-2 on CUDA)
+sdpa_cudnn             ... CUDNN_ATTENTION
+flex                   FlexAttention with a causal BlockMask, compiled (no dropout)
+=====================  ===========================================================================
+
+A provider that cannot run a case gets the status ``unsupported: <reason>``: either known up
+front (:meth:`Provider.static_reason`) or from the error its first call raises
+(:meth:`Provider.unsupported_reason`).
+"""
+import re
+from dataclasses import dataclass
+
+import torch
+
+PROVIDERS = ("kernels", "reference", "reference_compiled", "sdpa_math", "sdpa_efficient",
+             "sdpa_flash", "sdpa_cudnn", "flex")
+SDPA_PROVIDERS = tuple(p for p in PROVIDERS if p.startswith("sdpa_"))
+# Providers that materialise the (seq x seq) score matrix: limited by --quadratic-max-seq.
+QUADRATIC = ("reference", "reference_compiled", "sdpa_math")
+# Providers that need torch.compile: slow to compile on CPU, so only run there when asked for.
+COMPILED = ("reference_compiled", "flex")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One attention problem: q, k, v of shape (batch, heads, seq_len, head_dim)."""
+
+    batch: int
+    heads: int
+    seq_len: int
+    head_dim: int
+    dtype: torch.dtype
+    dropout_p: float
+    device: str
+    causal: bool = True
+
+    @property
+    def dtype_name(self) -> str:
+        """``"bfloat16"`` etc. (the dtype as written in the results)."""
+        return str(self.dtype).replace("torch.", "")
+
+    def make_inputs(self, generator_seed=0):
+        """Random q, k, v (leaf tensors requiring grad) and an upstream gradient ``do``, drawn
+        on the device from a generator seeded with ``generator_seed`` (never zeros)."""
+        g = torch.Generator(device=self.device).manual_seed(generator_seed)
+        shape = (self.batch, self.heads, self.seq_len, self.head_dim)
+
+        def rnd():
+            return torch.randn(shape, generator=g, device=self.device).to(self.dtype)
+
+        q, k, v = (rnd().requires_grad_(True) for _ in range(3))
+        return q, k, v, rnd()
+
+
+def _clean_warning(text: str) -> str:
+    text = re.sub(r"\s*\(Triggered internally at [^)]*\)\.?", "", str(text))
+    return " ".join(text.split())
+
+
+class Provider:
+    """Base class: ``forward(case)`` returns ``f(q, k, v) -> out`` for that case."""
+
+    name = "?"
+
+    def static_reason(self, case: Case):
+        """Why this provider cannot run ``case`` at all (a string), or None."""
+        return None
+
+    def forward(self, case: Case):
+        """A callable ``f(q, k, v) -> out`` computing the case's attention."""
+        raise NotImplementedError
+
+    def unsupported_reason(self, exc: BaseException, caught_warnings):
+        """If ``exc`` (raised by the first call) means "this case is not supported", the reason."""
+        return None
+
+
+class KernelsProvider(Provider):
+    """Ours: ``kernels.attention``."""
+
+    name = "kernels"
+
+    def forward(self, case):
+        import kernels
+
+        return lambda q, k, v: kernels.attention(q, k, v, causal=case.causal,
+                                                 dropout_p=case.dropout_p)
+
+
+def _reference_lowp(q, k, v, causal, dropout_p):
+    import reference
+
+    return reference.attention(q, k, v, causal=causal, dropout_p=dropout_p, upcast=False)
+
+
+class ReferenceProvider(Provider):
+    """``reference.attention(upcast=False)`` in eager PyTorch."""
+
+    name = "reference"
+
+    def forward(self, case):
+        return lambda q, k, v: _reference_lowp(q, k, v, case.causal, case.dropout_p)
+
+
+_COMPILED = {}
+
+
+def _compiled(key, fn):
+    """``torch.compile(fn, dynamic=False)``, created once per key (recompiles per shape)."""
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(fn, dynamic=False)
+    return _COMPILED[key]
+
+
+def configure_dynamo(limit=256):
+    """Settings for timing compiled providers.
+
+    * Raise torch.compile's recompile limit so that a sweep never silently falls back to eager.
+    * Turn off AOTAutograd's donated buffers: a compiled backward that reuses its saved tensors'
+      memory refuses ``backward(retain_graph=True)``, which the ``bwd`` mode calls repeatedly on
+      one forward graph. (Costs the compiled providers a little backward memory.)
+    """
+    import torch._dynamo.config as cfg
+
+    for attr in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
+                 "accumulated_cache_size_limit"):
+        if hasattr(cfg, attr):
+            setattr(cfg, attr, max(getattr(cfg, attr), limit))
+    try:
+        import torch._functorch.config as functorch_cfg
+
+        functorch_cfg.donated_buffer = False
+    except (ImportError, AttributeError):  # older torch: no donated buffers
+        pass
+
+
+def reset_compiled():
+    """Drop compiled graphs (called when the shape changes: each shape compiles afresh anyway)."""
+    try:
+        torch._dynamo.reset()
+    except Exception:  # pragma: no cover - best effort
+        pass
+
+
+class ReferenceCompiledProvider(Provider):
+    """``reference.attention(upcast=False)`` under ``torch.compile`` (one graph per shape)."""
+
+    name = "reference_compiled"
+
+    def forward(self, case):
+        fn = _compiled("reference", _reference_lowp)
+        return lambda q, k, v: fn(q, k, v, case.causal, case.dropout_p)
+
+
+_SDPA_BACKENDS = {
+    "sdpa_math": "MATH",
+    "sdpa_efficient": "EFFICIENT_ATTENTION",
+    "sdpa_flash": "FLASH_ATTENTION",
+    "sdpa_cudnn": "CUDNN_ATTENTION",
+}
+
+
+class SdpaProvider(Provider):
+    """``F.scaled_dot_product_attention`` with one backend forced by ``sdpa_kernel``."""
+
+    def __init__(self, name):
+        self.name = name
+        self.backend_name = _SDPA_BACKENDS[name]
+
+    def static_reason(self, case):
+        try:
+            from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: F401
+        except ImportError:
+            return "torch.nn.attention.sdpa_kernel missing in this torch"
+        from torch.nn.attention import SDPBackend
+
+        if not hasattr(SDPBackend, self.backend_name):
+            return f"SDPBackend.{self.backend_name} missing in this torch"
+        on_cpu = torch.device(case.device).type == "cpu"
+        if on_cpu and self.name in ("sdpa_efficient", "sdpa_cudnn"):
+            return "CUDA-only backend"
+        if self.name == "sdpa_cudnn" and not torch.backends.cudnn.is_available():
+            return "cuDNN missing in this torch build"
+        return None
+
+    def forward(self, case):
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backend = getattr(SDPBackend, self.backend_name)
+
+        def f(q, k, v):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=case.causal,
+                                                      dropout_p=case.dropout_p)
+        return f
+
+    def unsupported_reason(self, exc, caught_warnings):
+        text = str(exc)
+        if not isinstance(exc, RuntimeError) or not ("No available kernel" in text
+                                                     or "No viable backend" in text):
+            return None
+        msgs = [_clean_warning(w.message) for w in caught_warnings]
+        msgs = [m for m in msgs if m and not m.endswith("not used because:")]
+        reason = "; ".join(dict.fromkeys(msgs)) or _clean_warning(text)
+        return reason[:200]
+
+
+def _causal_mask(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+class FlexProvider(Provider):
+    """FlexAttention (compiled) with a causal BlockMask built once per shape."""
+
+    name = "flex"
+
+    def static_reason(self, case):
+        try:
+            import torch.nn.attention.flex_attention  # noqa: F401
+        except ImportError:
+            return "torch.nn.attention.flex_attention missing in this torch"
+        if case.dropout_p > 0:
+            return "FlexAttention has no dropout"
+        return None
+
+    def forward(self, case):
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        mask = create_block_mask(_causal_mask, B=None, H=None, Q_LEN=case.seq_len,
+                                 KV_LEN=case.seq_len, device=case.device)
+        fn = _compiled("flex", flex_attention)
+        return lambda q, k, v: fn(q, k, v, block_mask=mask)
+
+
+def get_provider(name: str) -> Provider:
+    """The provider called ``name`` (one of PROVIDERS)."""
+    if name == "kernels":
+        return KernelsProvider()
+    if name == "reference":
+        return ReferenceProvider()
+    if name == "reference_compiled":
+        return ReferenceCompiledProvider()
+    if name in _SDPA_BACKENDS:
+        return SdpaProvider(name)
+    if name == "flex":
+        return FlexProvider()
+    raise ValueError(f"unknown provider {name!r}; choose from {', '.join(PROVIDERS)}")

@@ -1,0 +1,230 @@
+"""Results files (JSON, CSV), the terminal table and the run's metadata.
+
+JSON: ``{"meta": {...}, "rows": [...]}``. ``meta`` always has device, torch, triton, cuda,
+commit, date, plus how things were measured (timing, peak_mem, flops) and the run's arguments.
+Every row has the keys of ``sweep.ROW_KEYS``; module rows add the extras in ``modules.py``.
+CSV: one line per row, columns = the union of the rows' keys (extras empty where absent).
+"""
+import csv
+import datetime as _dt
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+
+import torch
+
+SHORT_NAMES = {"kernels": "kernels", "reference": "ref", "reference_compiled": "ref_comp",
+               "sdpa_math": "math", "sdpa_efficient": "effic", "sdpa_flash": "flash",
+               "sdpa_cudnn": "cudnn", "flex": "flex"}
+
+
+def device_name(device) -> str:
+    """GPU name (e.g. "NVIDIA H100 80GB HBM3") or "cpu"."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_name(torch.device(device))
+    return "cpu"
+
+
+def git_commit(repo_dir) -> str:
+    """Short commit hash of the checkout (``-dirty`` when it has changes), or "unknown"."""
+    try:
+        sha = subprocess.run(["git", "-C", repo_dir, "rev-parse", "--short", "HEAD"],
+                             capture_output=True, text=True, timeout=10)
+        if sha.returncode != 0:
+            return "unknown"
+        dirty = subprocess.run(["git", "-C", repo_dir, "status", "--porcelain"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return sha.stdout.strip() + ("-dirty" if dirty else "")
+    except Exception:
+        return "unknown"
+
+
+def collect_meta(device, args_dict, repo_dir):
+    """The ``meta`` block: versions, device, date, and how things were measured."""
+    import triton
+
+    cuda = torch.device(device).type == "cuda"
+    meta = {
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "commit": git_commit(repo_dir),
+        "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "interpreter": os.environ.get("TRITON_INTERPRET") == "1",
+        "timing": ("triton.testing.do_bench: CUDA events, L2 flushed before each call, "
+                   "median and 20/80th percentiles after warm-up" if cuda else
+                   "wall clock (time.perf_counter), median/p20/p80 of a few runs after one "
+                   "warm-up; kernels run in Triton's CPU interpreter"),
+        "peak_mem": ("peak_mem_bytes = torch.cuda.max_memory_allocated() during building the "
+                     "timed function (bwd: its forward) + one call, minus memory_allocated() "
+                     "just before (inputs q, k, v, do excluded)" if cuda else
+                     "not measured on CPU (null)"),
+        "flops": ("forward = 4*batch*heads*q_len*k_len*head_dim, halved for causal; "
+                  "bwd = 2.5x forward; fwd_bwd = 3.5x forward (benchmarks/flops.py)"),
+        "speedup": "speedup_vs_best_sdpa = fastest ok sdpa_* ms / kernels ms at the same point",
+        "compile": ("reference_compiled and flex: torch.compile(dynamic=False), recompiled per "
+                    "shape, AOTAutograd donated buffers off (bwd mode needs retain_graph)"),
+        "args": args_dict,
+    }
+    if cuda:
+        props = torch.cuda.get_device_properties(torch.device(device))
+        meta["sm_count"] = props.multi_processor_count
+        meta["gpu_memory_bytes"] = props.total_memory
+    else:
+        meta["note"] = ("CPU run: the kernel runs in Triton's interpreter and PyTorch on the CPU; "
+                        "these figures say nothing about GPU speed.")
+    return meta
+
+
+def results_stem(device, date=None) -> str:
+    """``<YYYY-MM-DD>-<gpu-or-cpu>``, e.g. ``2026-11-22-nvidia-h100-80gb-hbm3``."""
+    date = date or _dt.date.today().isoformat()
+    slug = re.sub(r"[^a-z0-9]+", "-", device_name(device).lower()).strip("-") or "cpu"
+    return f"{date}-{slug}"
+
+
+def _jsonable(value):
+    if isinstance(value, float) and value != value:  # NaN -> null
+        return None
+    return value
+
+
+def write_json(path, meta, rows):
+    """Write ``{"meta": meta, "rows": rows}`` atomically (a partial run leaves a valid file)."""
+    data = {"meta": meta, "rows": [{k: _jsonable(v) for k, v in r.items()} for r in rows]}
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+
+
+def write_csv(path, rows):
+    """Write rows as CSV, columns = union of the rows' keys in first-seen order."""
+    fields = list(dict.fromkeys(k for r in rows for k in r))
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in fields})
+    os.replace(tmp, path)
+
+
+def _cell(row, metric):
+    status = row["status"]
+    if status == "ok":
+        value = row[metric]
+        if value is None:
+            return "?"
+        return f"{value:.1f}" if value >= 10 else f"{value:.3g}"
+    if status == "oom":
+        return "oom"
+    if status.startswith("unsupported"):
+        return "n/a"
+    if status.startswith("skipped: time"):
+        return "time"
+    if status.startswith("skipped"):
+        return "-"
+    return "ERR"
+
+
+def format_tables(rows, metric="tflops"):
+    """Readable text tables: one per (mode, dtype, head_dim, dropout), seq_len down, providers
+    across, cells = ``metric`` ("tflops" or "ms"), then the module / GPT rows."""
+    out = []
+    attn = [r for r in rows if r["bench"] == "attention"]
+    providers = list(dict.fromkeys(r["provider"] for r in attn))
+    groups = list(dict.fromkeys((r["mode"], r["dtype"], r["head_dim"], r["dropout_p"])
+                                for r in attn))
+    unit = "TFLOP/s" if metric == "tflops" else "ms (median)"
+    for mode, dtype, hd, p in groups:
+        sel = [r for r in attn if (r["mode"], r["dtype"], r["head_dim"], r["dropout_p"])
+               == (mode, dtype, hd, p)]
+        out.append(f"\n{mode}  {dtype}  head_dim={hd}  dropout={p}  causal  [{unit}]")
+        head = f"{'seq':>6} {'BxH':>6} " + " ".join(f"{SHORT_NAMES.get(n, n)[:8]:>8}"
+                                                     for n in providers) + "  ours/best-sdpa"
+        out.append(head)
+        for seq in dict.fromkeys(r["seq_len"] for r in sel):
+            cells = {r["provider"]: r for r in sel if r["seq_len"] == seq}
+            any_row = next(iter(cells.values()))
+            line = f"{seq:>6} {str(any_row['batch']) + 'x' + str(any_row['heads']):>6} "
+            line += " ".join(f"{_cell(cells[n], metric) if n in cells else '':>8}"
+                             for n in providers)
+            k = cells.get("kernels")
+            if k and k.get("speedup_vs_best_sdpa"):
+                line += f"  {k['speedup_vs_best_sdpa']:.3g}x ({SHORT_NAMES[k['best_sdpa']]})"
+            out.append(line)
+    other = [r for r in rows if r["bench"] != "attention"]
+    if other:
+        out.append(f"\n{'module / model':<20} {'mode':<10} {'dtype':<9} {'p':>4} {'shape':>16} "
+                   f"{'ms':>9} {'TFLOP/s':>8} {'peak MiB':>9}  status")
+        for r in other:
+            shape = f"{r['batch']}x{r['seq_len']}x{r.get('emb_dim', '')}"
+            ms = f"{r['ms']:.3f}" if r["ms"] is not None else ""
+            tf = f"{r['tflops']:.3g}" if r["tflops"] is not None else ""
+            mem = (f"{r['peak_mem_bytes'] / 2**20:.0f}" if r["peak_mem_bytes"] is not None
+                   else "")
+            out.append(f"{r['provider']:<20} {r['mode']:<10} {r['dtype']:<9} "
+                       f"{r['dropout_p']:>4} {shape:>16} {ms:>9} {tf:>8} {mem:>9}  "
+                       f"{r['status'][:60]}")
+    out.append("\ncells: number = ok; oom; n/a = unsupported; '-' = skipped (quadratic limit, "
+               "earlier OOM, compile provider on CPU); time = time budget ran out; ERR = error "
+               "(see status in the JSON)")
+    return "\n".join(out)
+
+
+def format_headline(rows):
+    """Compact summary of the primary config (the first attention row's dtype, head_dim and
+    dropout): per seq_len and mode, ours vs the fastest SDPA backend in TFLOP/s."""
+    attn = [r for r in rows if r["bench"] == "attention"]
+    ours = [r for r in attn if r["provider"] == "kernels"]
+    if not ours:
+        return ""
+    conf = (attn[0]["dtype"], attn[0]["head_dim"], attn[0]["dropout_p"])
+    ours = {(r["seq_len"], r["mode"]): r for r in ours
+            if (r["dtype"], r["head_dim"], r["dropout_p"]) == conf}
+    modes = list(dict.fromkeys(m for _, m in ours))
+    out = [f"\nheadline: {conf[0]} head_dim={conf[1]} dropout={conf[2]} causal; TFLOP/s "
+           "ours / fastest SDPA backend (ours over it)",
+           f"{'seq':>6}  " + "".join(f"{m:<30}" for m in modes).rstrip()]
+    for seq in dict.fromkeys(s for s, _ in ours):
+        line = f"{seq:>6}  "
+        for m in modes:
+            r = ours.get((seq, m))
+            if r is None:
+                cell = ""
+            elif r["status"] != "ok":
+                cell = _cell(r, "tflops")
+            elif r.get("best_sdpa"):
+                best = r["tflops"] / r["speedup_vs_best_sdpa"]  # same FLOPs over its time
+                cell = (f"{r['tflops']:.3g} / {best:.3g} {SHORT_NAMES[r['best_sdpa']]} "
+                        f"({r['speedup_vs_best_sdpa']:.3g}x)")
+            else:
+                cell = f"{r['tflops']:.3g} / -"
+            line += f"{cell:<28}  "
+        out.append(line.rstrip())
+    return "\n".join(out)
+
+
+def status_summary(rows):
+    """Counts of each status kind, e.g. {"ok": 40, "unsupported": 12}."""
+    counts = {}
+    for r in rows:
+        kind = r["status"].split(":")[0]
+        counts[kind] = counts.get(kind, 0) + 1
+    return counts
+
+
+def errors(rows):
+    """Rows whose status is an error (for the end-of-run message)."""
+    return [r for r in rows if r["status"].startswith("error")]
+
+
+def eprint(*args):
+    """print to stderr."""
+    print(*args, file=sys.stderr, flush=True)
