@@ -14,8 +14,10 @@ setup(
     # No upper pins: a user's CUDA build of torch must not be replaced. Triton 3.6 is the oldest
     # release tested (the H100 host's); CPU machines run newer ones in the interpreter.
     install_requires=["torch>=2.5", "triton>=3.6"],
+    # numpy: Triton's CPU interpreter (how tests and the CPU benchmark run without CUDA)
+    # needs it, and triton does not declare it.
     extras_require={
-        "test": ["pytest>=7", "pytest-benchmark>=4", "hypothesis>=6"],
-        "bench": ["matplotlib>=3.5", "pytest-benchmark>=4"],
+        "test": ["pytest>=7", "pytest-benchmark>=4", "hypothesis>=6", "numpy"],
+        "bench": ["matplotlib>=3.5", "pytest-benchmark>=4", "numpy"],
     },
 )
