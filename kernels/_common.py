@@ -26,10 +26,11 @@ def block_d(head_dim: int) -> int:
 
 def dot_precision(dtype: torch.dtype) -> str:
     """``tl.dot`` input precision for ``dtype``: fp32 follows torch.get_float32_matmul_precision()
-    ("highest" -> IEEE fp32, otherwise tf32); fp16/bf16 ignore it."""
-    if dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest":
-        return "tf32"
-    return "ieee"
+    ("highest" -> IEEE fp32, otherwise tf32). fp16/bf16 get Triton's default ("tf32"), which
+    only concerns fp32 operands and leaves their tensor-core path alone."""
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+        return "ieee"
+    return "tf32"
 
 
 def widen_bf16(dtype: torch.dtype) -> bool:
