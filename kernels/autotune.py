@@ -4,7 +4,13 @@ On a GPU the kernels are autotuned over these lists, pruned per head_dim by shar
 footprint; in Triton's CPU interpreter autotuning would time every config in Python, so one
 small fixed config is used. The lists are short on purpose: every config is compiled and timed
 once per (head_dim, dtype, causal, dropout, seq bucket) and a long list costs minutes.
+
+``KERNELS_AUTOTUNE=0`` turns autotuning off on the GPU: each launch then takes the first config
+of its list that survives pruning. The GPU test suite sets it, so that its hundreds of small
+shapes do not each compile and time every config (tests/test_gpu.py runs every config once).
 """
+import os
+
 import triton
 
 # Hopper has 228 KB of shared memory per SM (227 KB usable by one block); leave headroom for
@@ -32,6 +38,17 @@ def fwd_configs(interpret: bool = False):
 def bwd_configs(interpret: bool = False):
     """Candidate configs for the backward kernels (dK/dV per key block, dQ per query block)."""
     return [_INTERPRET] if interpret else _configs(_BWD)
+
+
+def autotune_enabled() -> bool:
+    """False when the environment sets KERNELS_AUTOTUNE=0 (see the module docstring)."""
+    return os.environ.get("KERNELS_AUTOTUNE", "1") != "0"
+
+
+def fixed_config(configs, prune, named_args, **meta):
+    """The config a launch uses without autotuning: the first of ``configs`` that ``prune``
+    (an ``early_config_prune`` hook) keeps for these arguments."""
+    return prune(configs, named_args, **meta)[0]
 
 
 def smem_bytes(config, block_d: int, elem_bytes: int) -> int:

@@ -43,7 +43,7 @@ import triton.language as tl
 from ._common import (LOG2E, block_d, dot_operand, dot_precision, interpreter_active,
                       round_for_store, widen, widen_bf16)
 from ._dropout import dropout_keep_tile, dropout_threshold
-from .autotune import bwd_configs, prune_bwd_configs
+from .autotune import autotune_enabled, bwd_configs, fixed_config, prune_bwd_configs
 
 _LOG2E = tl.constexpr(LOG2E)
 # Rows per program of the (memory-bound) delta pre-pass; independent of the autotuned blocks.
@@ -416,19 +416,27 @@ def attention_backward(do, q, k, v, o, lse, *, causal, softmax_scale, dropout_p=
     dkdv_args = (q, k, v, do, lse, delta, dk, dv, *common, *_strides(dk), *_strides(dv), *tail)
     dq_args = (q, k, v, do, lse, delta, dq, *common, *_strides(dq), *tail)
 
-    if config is None and not interpreter_active():
+    if config is None and not interpreter_active() and autotune_enabled():
         _bwd_dkdv_tuned[lambda meta: (triton.cdiv(k_len, meta["BLOCK_N"]), H, B)](
             *dkdv_args, **consts)
         _bwd_dq_tuned[lambda meta: (triton.cdiv(q_len, meta["BLOCK_M"]), H, B)](
             *dq_args, **consts)
         return dq, dk, dv
 
-    # Under the interpreter autotuning would time every config in Python: one fixed config.
-    if config is None:
-        config = bwd_configs(interpret=True)[0]
-    BLOCK_M, BLOCK_N = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
-    launch = dict(consts, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=config.num_warps,
-                  num_stages=config.num_stages)
-    _bwd_dkdv[(triton.cdiv(k_len, BLOCK_N), H, B)](*dkdv_args, **launch)
-    _bwd_dq[(triton.cdiv(q_len, BLOCK_M), H, B)](*dq_args, **launch)
+    if config is not None:
+        config_dkdv = config_dq = config
+    elif interpreter_active():
+        # Under the interpreter autotuning would time every config in Python: one fixed config.
+        config_dkdv = config_dq = bwd_configs(interpret=True)[0]
+    else:  # KERNELS_AUTOTUNE=0: the first config each kernel's pruning keeps
+        config_dkdv = fixed_config(bwd_configs(), prune_bwd_configs, {"Q": q, "DK": dk},
+                                   **consts)
+        config_dq = fixed_config(bwd_configs(), prune_bwd_configs, {"Q": q, "DQ": dq}, **consts)
+
+    def launch(kernel, cfg, n_rows, block, args):
+        kernel[(triton.cdiv(n_rows, cfg.kwargs[block]), H, B)](
+            *args, **consts, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+    launch(_bwd_dkdv, config_dkdv, k_len, "BLOCK_N", dkdv_args)
+    launch(_bwd_dq, config_dq, q_len, "BLOCK_M", dq_args)
     return dq, dk, dv

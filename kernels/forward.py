@@ -14,7 +14,7 @@ import triton.language as tl
 from ._common import (LN2, LOG2E, block_d, dot_operand, dot_precision, interpreter_active,
                       round_for_store, widen, widen_bf16)
 from ._dropout import dropout_keep_tile, dropout_threshold
-from .autotune import fwd_configs, prune_configs
+from .autotune import autotune_enabled, fixed_config, fwd_configs, prune_configs
 
 
 @triton.jit
@@ -173,7 +173,8 @@ _attn_fwd_tuned = triton.autotune(
 )(_attn_fwd)
 
 
-def attention_forward(q, k, v, *, causal, softmax_scale, dropout_p, seed, out=None):
+def attention_forward(q, k, v, *, causal, softmax_scale, dropout_p, seed, out=None,
+                      config=None):
     """Launch the fused forward on validated inputs.
 
     Args:
@@ -182,6 +183,9 @@ def attention_forward(q, k, v, *, causal, softmax_scale, dropout_p, seed, out=No
         causal: bottom-right causal mask. softmax_scale: float > 0.
         dropout_p: 0 <= p < 1; seed: int in [0, 2**63) for the in-kernel Philox mask.
         out: optional (B, H, q_len, D) tensor to write into (test hook / preallocated output).
+        config: a ``triton.Config`` with BLOCK_M, BLOCK_N to force (tests); default: autotuned
+            on a GPU (or the first fitting config with KERNELS_AUTOTUNE=0), the small
+            interpreter config under TRITON_INTERPRET=1.
     Returns:
         (o, lse): o (B, H, q_len, D) in q's dtype with q's memory layout when q is dense;
         lse fp32 (B, H, q_len), natural-log row log-sum-exp, -inf for rows that see no key.
@@ -205,14 +209,17 @@ def attention_forward(q, k, v, *, causal, softmax_scale, dropout_p, seed, out=No
             triton.next_power_of_2(q_len), triton.next_power_of_2(k_len))
     meta = dict(HEAD_DIM=D, BLOCK_D=block_d(D), CAUSAL=causal, DROPOUT=dropout,
                 WIDEN=widen_bf16(q.dtype), DOT_PRECISION=dot_precision(q.dtype))
-    if interpreter_active():
-        # Autotuning in the interpreter would time every config in Python: use one config.
-        config = fwd_configs(interpret=True)[0]
-        grid = (triton.cdiv(q_len, config.kwargs["BLOCK_M"]), H, B)
-        _attn_fwd[grid](*args, **meta, **config.kwargs, num_warps=config.num_warps,
-                        num_stages=config.num_stages)
-    else:
+    if config is None and not interpreter_active() and autotune_enabled():
         def grid(cfg):
             return (triton.cdiv(q_len, cfg["BLOCK_M"]), H, B)
         _attn_fwd_tuned[grid](*args, **meta)
+        return o, lse
+    if config is None and interpreter_active():
+        # Autotuning in the interpreter would time every config in Python: use one config.
+        config = fwd_configs(interpret=True)[0]
+    elif config is None:
+        config = fixed_config(fwd_configs(), prune_configs, {"Q": q}, **meta)
+    grid = (triton.cdiv(q_len, config.kwargs["BLOCK_M"]), H, B)
+    _attn_fwd[grid](*args, **meta, **config.kwargs, num_warps=config.num_warps,
+                    num_stages=config.num_stages)
     return o, lse
