@@ -13,7 +13,9 @@
 #   <date>-<gpu>.json / .csv    benchmark results (schema: benchmarks/README.md)
 #   plots.tar                   the benchmark's PNG plots
 # Environment knobs: PYTHON (default python3), GPU_CHECK_BUDGET, TESTS_TIMEOUT (default 240),
-# BENCH_ARGS (extra arguments for `python -m benchmarks`, e.g. "--quick").
+# BENCH_ARGS (extra arguments for `python -m benchmarks`, e.g. "--quick"), GPU_CHECK_STAGES
+# (default "versions ceilings tests bench"; e.g. "versions tests" with TESTS_TIMEOUT=500 gives
+# the compiled test suite a whole device call when compiling every test shape takes longer).
 # Exit status: 0 when every stage passed, else the first failing stage's status.
 set -uo pipefail
 
@@ -30,6 +32,8 @@ PY=${PYTHON:-python3}
 BUDGET=${GPU_CHECK_BUDGET:-540}
 TESTS_TIMEOUT=${TESTS_TIMEOUT:-240}
 BENCH_ARGS=${BENCH_ARGS:-}
+STAGES=" ${GPU_CHECK_STAGES:-versions ceilings tests bench} "
+wanted() { [[ "$STAGES" == *" $1 "* ]]; }
 
 main() {
     local start status=0 summary=""
@@ -50,7 +54,7 @@ main() {
         return 0
     }
 
-    stage "device and versions" 60 bash -c '
+    wanted versions && stage "device and versions" 60 bash -c '
         nvidia-smi || echo "nvidia-smi failed"
         '"$PY"' -c "import sys, torch, triton; print(\"python\", sys.version.split()[0]); \
 print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"cudnn\", \
@@ -59,13 +63,21 @@ print(\"device\", torch.cuda.get_device_name() if torch.cuda.is_available() else
         '"$PY"' -m pip list 2>/dev/null | grep -i -E "^(torch|triton|matplotlib|pytest|numpy)" || true
         git rev-parse --short HEAD 2>/dev/null || echo "(no git checkout)"'
 
-    stage "ceilings" 90 "$PY" -m benchmarks.ceilings --out "$OUTDIR/ceilings.json"
+    wanted ceilings && stage "ceilings" 90 "$PY" -m benchmarks.ceilings --out "$OUTDIR/ceilings.json"
 
-    local tests_limit=$(( $(left) - 200 ))
-    [ $tests_limit -gt "$TESTS_TIMEOUT" ] && tests_limit=$TESTS_TIMEOUT
-    [ $tests_limit -lt 30 ] && tests_limit=30
-    stage "tests (GPU)" "$tests_limit" "$PY" -m pytest tests -q -x -p no:cacheprovider \
-        --junitxml "$OUTDIR/junit.xml"
+    if wanted tests; then
+        local reserve=10
+        wanted bench && reserve=200
+        local tests_limit=$(( $(left) - reserve ))
+        [ $tests_limit -gt "$TESTS_TIMEOUT" ] && tests_limit=$TESTS_TIMEOUT
+        [ $tests_limit -lt 30 ] && tests_limit=30
+        stage "tests (GPU)" "$tests_limit" "$PY" -m pytest tests -q -x -p no:cacheprovider \
+            --durations=15 --junitxml "$OUTDIR/junit.xml"
+    fi
+    if ! wanted bench; then
+        echo; echo "=== summary ($(( $(date +%s) - start ))s in all) ==="; printf "%s" "$summary"
+        return $status
+    fi
 
     local bench_limit=$(( $(left) - 10 ))
     local bench_budget=$(( bench_limit - 60 ))
