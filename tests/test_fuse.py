@@ -190,3 +190,18 @@ def test_fused_gpt_in_low_precision(dtype):
     out = model(idx)
     assert out.dtype == dtype
     assert_parity(out, oracle(idx), unfused(idx))
+
+
+def test_greedy_generation_gpt_124m_unchanged():
+    """The issue's check at full size: GPT_CONFIG_124M (12 layers x 12 heads, random weights
+    under the book's seed), greedy generation from the book's "Hello, I am" tokens."""
+    from reference import GPT_CONFIG_124M, GPTModel
+    torch.manual_seed(123)
+    model = GPTModel(GPT_CONFIG_124M).to(DEVICE).eval()
+    prompt = torch.tensor([[15496, 11, 314, 716]], device=DEVICE)  # "Hello, I am" (GPT-2 BPE)
+    ctx = GPT_CONFIG_124M["context_length"]
+    want = generate_text_simple(model, prompt, max_new_tokens=6, context_size=ctx)
+    _, swapped = fuse_attention(model)  # in place: no second 163M-parameter copy
+    assert swapped == GPT_CONFIG_124M["n_layers"]
+    got = generate_text_simple(model, prompt, max_new_tokens=6, context_size=ctx)
+    assert torch.equal(got, want)
