@@ -15,7 +15,9 @@
 # Environment knobs: PYTHON (default python3), GPU_CHECK_BUDGET, TESTS_TIMEOUT (default 240),
 # BENCH_ARGS (extra arguments for `python -m benchmarks`, e.g. "--quick"), GPU_CHECK_STAGES
 # (default "versions ceilings tests bench"; e.g. "versions tests" with TESTS_TIMEOUT=500 gives
-# the compiled test suite a whole device call when compiling every test shape takes longer).
+# the compiled test suite a whole device call when compiling every test shape takes longer),
+# TEST_WORKERS (default 8: pytest-xdist processes for the tests stage when xdist is importable,
+# 0 = one process; the suite compiles ~500 kernel variants, ~0.5-1 s each, serially per process).
 # Exit status: 0 when every stage passed, else the first failing stage's status.
 set -uo pipefail
 
@@ -32,6 +34,7 @@ PY=${PYTHON:-python3}
 BUDGET=${GPU_CHECK_BUDGET:-540}
 TESTS_TIMEOUT=${TESTS_TIMEOUT:-240}
 BENCH_ARGS=${BENCH_ARGS:-}
+TEST_WORKERS=${TEST_WORKERS:-8}
 STAGES=" ${GPU_CHECK_STAGES:-versions ceilings tests bench} "
 wanted() { [[ "$STAGES" == *" $1 "* ]]; }
 
@@ -71,8 +74,13 @@ print(\"device\", torch.cuda.get_device_name() if torch.cuda.is_available() else
         local tests_limit=$(( $(left) - reserve ))
         [ $tests_limit -gt "$TESTS_TIMEOUT" ] && tests_limit=$TESTS_TIMEOUT
         [ $tests_limit -lt 30 ] && tests_limit=30
+        local xdist_args=""
+        if [ "$TEST_WORKERS" -gt 0 ] 2>/dev/null && "$PY" -c "import xdist" 2>/dev/null; then
+            xdist_args="-n $TEST_WORKERS"
+        fi
+        # shellcheck disable=SC2086
         stage "tests (GPU)" "$tests_limit" "$PY" -m pytest tests -q -x -p no:cacheprovider \
-            --durations=15 --junitxml "$OUTDIR/junit.xml"
+            $xdist_args --durations=15 --junitxml "$OUTDIR/junit.xml"
     fi
     if ! wanted bench; then
         echo; echo "=== summary ($(( $(date +%s) - start ))s in all) ==="; printf "%s" "$summary"

@@ -66,7 +66,14 @@ def prune_configs(configs, named_args, **kwargs):
     fitting = [c for c in configs if smem_bytes(c, block_d, elem_bytes) <= SMEM_BUDGET_BYTES]
     if fitting:
         return fitting
-    return [min(configs, key=lambda c: smem_bytes(c, block_d, elem_bytes))]
+    # None fits (fp32 with head_dim > 128): the smallest tiles with fewer pipeline stages. As
+    # listed (4 stages) fp32 head_dim 256 needs 264 KiB on sm_90, over the 227 KiB a block gets.
+    smallest = min(configs, key=lambda c: smem_bytes(c, block_d, elem_bytes))
+    for stages in range(max(smallest.num_stages, 1), 0, -1):
+        cfg = triton.Config(dict(smallest.kwargs), num_warps=smallest.num_warps,
+                            num_stages=stages)
+        if stages == 1 or smem_bytes(cfg, block_d, elem_bytes) <= SMEM_BUDGET_BYTES:
+            return [cfg]
 
 
 # Budgets for prune_bwd_configs, H100-sized with headroom: 227 KiB of shared memory per block

@@ -16,6 +16,9 @@ from ._common import (LN2, LOG2E, block_d, dot_operand, dot_precision, interpret
 from ._dropout import dropout_keep_tile, dropout_threshold
 from .autotune import autotune_enabled, fixed_config, fwd_configs, prune_configs
 
+# Compiled kernels may only read globals that are tl.constexpr (the interpreter reads any).
+_LN2 = tl.constexpr(LN2)
+
 
 @triton.jit
 def load_rows(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr,
@@ -156,7 +159,7 @@ def _attn_fwd(Q, K, V, O, LSE,
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     acc = acc * (drop_scale / l_safe)[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * _LN2)
     tl.store(LSE + bh.to(tl.int64) * q_len + offs_m, lse, mask=offs_m < q_len)
 
     o_tile = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh \

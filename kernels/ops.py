@@ -26,6 +26,10 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SEED_LIMIT = 2 ** 63
 # Triton's grid dimensions 1 and 2 (heads, batch) are limited to 65535 programs.
 MAX_GRID_YZ = 65535
+# The seed of every call without dropout: one shared CPU tensor (the ops never write it). Under
+# torch.compile it enters the graph as an input, so Inductor emits no CPU C++ kernel to build it.
+with torch.inference_mode(False):  # a normal tensor even if first imported in inference mode
+    _NO_SEED = torch.zeros((), dtype=torch.int64, device="cpu")
 
 
 # --------------------------------------------------------------------------------------------
@@ -264,7 +268,7 @@ def attention(q, k, v, *, causal=True, dropout_p=0.0, softmax_scale=None, seed=N
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     if dropout_p == 0.0:
-        seed_t = torch.zeros((), dtype=torch.int64)
+        seed_t = _NO_SEED
     elif seed is None:
         seed_t = torch.randint(0, SEED_LIMIT - 1, (), dtype=torch.int64)
     else:
