@@ -71,9 +71,9 @@ def _bwd_preprocess(O, DO, Delta,
     mask = (offs_m[:, None] < q_len) & (offs_d[None, :] < HEAD_DIM)
 
     o_ptrs = O + off_b * stride_ob + off_h * stride_oh \
-        + offs_m[:, None] * stride_om + offs_d[None, :]
+        + offs_m[:, None].to(tl.int64) * stride_om + offs_d[None, :]
     do_ptrs = DO + off_b * stride_dob + off_h * stride_doh \
-        + offs_m[:, None] * stride_dom + offs_d[None, :]
+        + offs_m[:, None].to(tl.int64) * stride_dom + offs_d[None, :]
     # Casting straight to fp32 is right for bf16 under the interpreter too (what `widen` does).
     o = tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)
     do = tl.load(do_ptrs, mask=mask, other=0.0).to(tl.float32)
@@ -95,13 +95,17 @@ def _bwd_dkdv_step(dk, dv, k, v, Q, DO, LSE, Delta,
     Works in the transposed orientation (keys x queries) so that every dot takes a loaded tile
     or a freshly computed one as is: Q is loaded as Q^T, and only loaded tiles get tl.trans.
     """
-    offs_m = start_m + tl.arange(0, BLOCK_M)
+    rows = tl.arange(0, BLOCK_M)
+    offs_m = start_m + rows
     row_ok = offs_m < q_len
     d_ok = offs_d < HEAD_DIM
-    qT = tl.load(Q + offs_m[None, :] * stride_qm + offs_d[:, None],
+    # 64-bit tile bases: seq_len * row stride can pass 2**31 (e.g. 1M tokens x 16 heads x 128).
+    Q += tl.cast(start_m, tl.int64) * stride_qm
+    DO += tl.cast(start_m, tl.int64) * stride_dom
+    qT = tl.load(Q + rows[None, :] * stride_qm + offs_d[:, None],
                  mask=row_ok[None, :] & d_ok[:, None], other=0.0)           # (BLOCK_D, BLOCK_M)
     qT = widen(qT, WIDEN)
-    do = tl.load(DO + offs_m[:, None] * stride_dom + offs_d[None, :],
+    do = tl.load(DO + rows[:, None] * stride_dom + offs_d[None, :],
                  mask=row_ok[:, None] & d_ok[None, :], other=0.0)           # (BLOCK_M, BLOCK_D)
     do = widen(do, WIDEN)
     # Out-of-range rows get lse = +inf, so their P is exactly 0 without a mask. Rows that see no
@@ -174,12 +178,18 @@ def _bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV,
     Delta += bh.to(tl.int64) * q_len
 
     start_n = pid_n * BLOCK_N
-    offs_n = start_n + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_N)
+    offs_n = start_n + cols
     offs_d = tl.arange(0, BLOCK_D)
     kv_mask = (offs_n[:, None] < k_len) & (offs_d[None, :] < HEAD_DIM)
-    k = widen(tl.load(K + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0),
+    # This program's key block, as 64-bit tile bases (see _bwd_dkdv_step).
+    K += tl.cast(start_n, tl.int64) * stride_kn
+    V += tl.cast(start_n, tl.int64) * stride_vn
+    DK += tl.cast(start_n, tl.int64) * stride_dkn
+    DV += tl.cast(start_n, tl.int64) * stride_dvn
+    k = widen(tl.load(K + cols[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0),
               WIDEN)                                                        # (BLOCK_N, BLOCK_D)
-    v = widen(tl.load(V + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0),
+    v = widen(tl.load(V + cols[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0),
               WIDEN)
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
@@ -214,9 +224,9 @@ def _bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV,
     # dK = scale * dS^T Q: the scale is applied once here instead of on every tile.
     dk = round_for_store(dk * softmax_scale, WIDEN)
     dv = round_for_store(dv, WIDEN)
-    tl.store(DK + offs_n[:, None] * stride_dkn + offs_d[None, :],
+    tl.store(DK + cols[:, None] * stride_dkn + offs_d[None, :],
              dk.to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + offs_n[:, None] * stride_dvn + offs_d[None, :],
+    tl.store(DV + cols[:, None] * stride_dvn + offs_d[None, :],
              dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
@@ -234,11 +244,15 @@ def _bwd_dq_step(dq, q, do, lse, delta, K, V,
     K and V are loaded transposed (BLOCK_D, BLOCK_N) so S = Q K^T and dPd = dO V^T need no
     register transpose.
     """
-    offs_n = start_n + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_N)
+    offs_n = start_n + cols
     kv_mask = (offs_n[None, :] < k_len) & (offs_d[:, None] < HEAD_DIM)
-    kT = widen(tl.load(K + offs_n[None, :] * stride_kn + offs_d[:, None], mask=kv_mask,
+    # 64-bit tile bases, 32-bit offsets inside the tile (see _bwd_dkdv_step).
+    K += tl.cast(start_n, tl.int64) * stride_kn
+    V += tl.cast(start_n, tl.int64) * stride_vn
+    kT = widen(tl.load(K + cols[None, :] * stride_kn + offs_d[:, None], mask=kv_mask,
                        other=0.0), WIDEN)                                   # (BLOCK_D, BLOCK_N)
-    vT = widen(tl.load(V + offs_n[None, :] * stride_vn + offs_d[:, None], mask=kv_mask,
+    vT = widen(tl.load(V + cols[None, :] * stride_vn + offs_d[:, None], mask=kv_mask,
                        other=0.0), WIDEN)
 
     s = tl.dot(q, kT, input_precision=DOT_PRECISION)                        # (BLOCK_M, BLOCK_N)
@@ -299,10 +313,11 @@ def _bwd_dq(Q, K, V, DO, LSE, Delta, DQ,
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < q_len
     q_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-    q = widen(tl.load(Q + offs_m[:, None] * stride_qm + offs_d[None, :], mask=q_mask, other=0.0),
-              WIDEN)                                                        # (BLOCK_M, BLOCK_D)
-    do = widen(tl.load(DO + offs_m[:, None] * stride_dom + offs_d[None, :], mask=q_mask,
-                       other=0.0), WIDEN)
+    # Tile pointers built from the batch/head base: 64-bit row offsets, as in the dK/dV kernel.
+    q = widen(tl.load(Q + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :],
+                      mask=q_mask, other=0.0), WIDEN)                       # (BLOCK_M, BLOCK_D)
+    do = widen(tl.load(DO + offs_m[:, None].to(tl.int64) * stride_dom + offs_d[None, :],
+                       mask=q_mask, other=0.0), WIDEN)
     # lse = +inf for out-of-range rows and for rows that see no key (-inf): their P is 0 (the
     # latter only occur in masked tiles, which would zero it too), so their dQ row is 0.
     lse = tl.load(LSE + offs_m, mask=row_ok, other=float("inf"))
@@ -336,7 +351,7 @@ def _bwd_dq(Q, K, V, DO, LSE, Delta, DQ,
                           BLOCK_M, BLOCK_N)
 
     dq = round_for_store(dq * softmax_scale, WIDEN)
-    tl.store(DQ + offs_m[:, None] * stride_dqm + offs_d[None, :],
+    tl.store(DQ + offs_m[:, None].to(tl.int64) * stride_dqm + offs_d[None, :],
              dq.to(DQ.dtype.element_ty), mask=q_mask)
 
 
