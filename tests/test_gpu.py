@@ -40,6 +40,14 @@ def test_large_shape_parity(dtype, d):
     _parity_fwd_bwd(q, k, v)
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_autotuned_parity(d, monkeypatch):
+    """The autotuned launch path (conftest.py fixes one config for the rest of the suite)."""
+    monkeypatch.setenv("KERNELS_AUTOTUNE", "1")
+    q, k, v = (randn(2, 8, 1000, d, dtype=torch.bfloat16) for _ in range(3))
+    _parity_fwd_bwd(q, k, v)
+
+
 def test_large_shape_dropout_parity():
     q, k, v = (randn(1, 4, 1536, 128, dtype=torch.bfloat16) for _ in range(3))
     keep = reference.dropout_keep_mask(42, 1, 4, 1536, 1536, 0.1, device="cuda")
