@@ -18,8 +18,11 @@ import triton
 SMEM_BUDGET_BYTES = 200 * 1024
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages)
-_FWD = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 32, 4, 4),
-        (64, 64, 4, 3), (64, 128, 4, 3), (64, 32, 4, 4), (128, 128, 8, 2)]
+# The first entry that survives pruning is also the fixed choice under KERNELS_AUTOTUNE=0:
+# (128, 64, 8 warps) for head_dim <= 128, its two-stage twin at 256 (a 128 x 256 fp32
+# accumulator needs 8 warps' registers).
+_FWD = [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3), (128, 32, 4, 4),
+        (64, 64, 4, 3), (64, 128, 4, 3), (64, 32, 4, 4), (128, 128, 8, 2), (64, 64, 8, 2)]
 _BWD = [(64, 64, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2), (32, 64, 4, 2),
         (64, 32, 4, 3), (32, 128, 4, 2), (128, 128, 8, 1), (32, 32, 4, 1)]
 _INTERPRET = triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=1, num_stages=1)
