@@ -1,5 +1,8 @@
-"""Test devices, inputs and the parity assertion (the budget rule lives in reference.parity)."""
+"""Test devices, inputs and the parity assertion (the budget rule lives in reference.parity;
+fa2_oracle derives the extra allowance of FlashAttention-2-style gradients in float64)."""
 import torch
+
+import reference
 
 from reference.parity import GRAD_FACTOR, OUT_FACTOR, parity_budget  # noqa: F401
 
@@ -7,17 +10,61 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def assert_parity(out, ref, ref_lowp, *, factor=OUT_FACTOR, name="output"):
-    """Assert FlashAttention's budget rule (reference/parity.py); NaNs always fail."""
+def assert_parity(out, ref, ref_lowp, *, factor=OUT_FACTOR, extra=0.0, name="output"):
+    """Assert FlashAttention's budget rule (reference/parity.py); NaNs always fail.
+
+    ``extra``: an allowance derived in float64 from the inputs themselves (see ``fa2_oracle``),
+    never a hand-picked tolerance.
+    """
     assert out.shape == ref.shape, f"{name}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
     assert not torch.isnan(out).any(), f"{name}: NaN in the result (an element never written?)"
     err, budget = parity_budget(out, ref, ref_lowp, factor=factor)
-    assert err <= budget, (
+    assert err <= budget + extra, (
         f"{name}: max error {err:.3e} vs float64 oracle exceeds the budget {budget:.3e} "
-        f"({factor}x PyTorch-{out.dtype} error + floor)")
+        f"({factor}x PyTorch-{out.dtype} error + floor) + derived allowance {extra:.3e}")
 
 
 def randn(*shape, dtype=torch.float32, device=DEVICE, requires_grad=False):
     """Standard-normal test input (never zeros or ones)."""
     x = torch.randn(*shape, dtype=torch.float32, device=device).to(dtype)
     return x.requires_grad_(requires_grad)
+
+
+def fa2_oracle(q, k, v, do, o, lse, *, causal, softmax_scale, dropout_p, keep_mask):
+    """Two allowances on top of FlashAttention's budget rule, both computed in float64 and
+    both owed to the FlashAttention-2 formulation, not to a kernel bug:
+
+    * gradients from FA-2's formulas given the forward's ``o`` as stored (rounded to the
+      input dtype): their distance to the true gradient is error inherited through
+      delta = rowsum(dO * O). It matters when PyTorch's own low-precision gradient happens to
+      be nearly exact (tiny shapes, one key per row: P = 1 makes dS = dP - delta vanish);
+    * a first-order bound (2 fp32 ulps) of the fp32 rounding FA-2 cannot avoid: P =
+      exp2(s * c - lse * log2 e) has relative error ~eps * (|s| + |lse|), and dS = P * (dP -
+      delta) subtracts two sums (a dot, a rowsum of dO * O) of size |dO| |V| and |dO| |O|.
+      It is fp32-sized: visible only for fp32 inputs, where PyTorch's softmax is more exact.
+
+    Returns ((dq, dk, dv) given o, (dq, dk, dv) max fp32 rounding allowance).
+    """
+    q, k, v, do, o = (t.double() for t in (q, k, v, do, o))
+    s = softmax_scale * (q @ k.transpose(-1, -2))
+    if causal:
+        s = s.masked_fill(~reference.causal_mask(q.shape[2], k.shape[2], device=q.device),
+                          float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)          # rows that see no key: P = 0
+    drop = keep_mask / (1.0 - dropout_p) if keep_mask is not None else torch.ones_like(p)
+    dv = (p * drop).transpose(-1, -2) @ do
+    dp = (do @ v.transpose(-1, -2)) * drop
+    delta = (do * o).sum(-1, keepdim=True)
+    ds = p * (dp - delta)
+    given_o = (softmax_scale * (ds @ k), softmax_scale * (ds.transpose(-1, -2) @ q), dv)
+
+    p_rel = s.nan_to_num(0.0, neginf=0.0).abs() + lse.double().nan_to_num(
+        0.0, neginf=0.0)[..., None].abs()                    # P's relative error / eps
+    sums = (do.abs() @ v.abs().transpose(-1, -2)) * drop + (do.abs() * o.abs()).sum(
+        -1, keepdim=True)                                   # size of dP and delta
+    ds_err = p * (sums + p_rel * (dp - delta).abs())
+    noise = (softmax_scale * (ds_err @ k.abs()),
+             softmax_scale * (ds_err.transpose(-1, -2) @ q.abs()),
+             (p * p_rel * drop).transpose(-1, -2) @ do.abs())
+    eps = torch.finfo(torch.float32).eps
+    return given_o, [2 * eps * n.max().item() if n.numel() else 0.0 for n in noise]
