@@ -1,17 +1,27 @@
 """In-kernel dropout: the keep mask of one (BLOCK_M, BLOCK_N) tile of attention weights.
 
-The mask is a pure function of (seed, batch*heads index, query row, key column), never of the
-block sizes, so the forward, both backward kernels and the PyTorch oracle
-(`reference.dropout_keep_mask`) all see the same bits on every device.
+The mask is a pure function of (seed, query row id, key column), never of the block sizes, so
+the forward, both backward kernels and the PyTorch oracle (``reference.dropout_keep_mask`` and
+``reference.dropout_keep_mask_varlen``) all see the same bits on every device.
 
 Definition (shared with ``reference/dropout.py``; change both or neither):
 
-* ``groups = ceil(k_len / 4)``; the Philox counter of element (bh, i, j) is the 64-bit integer
-  ``(bh * q_len + i) * groups + j // 4`` and it selects word ``j % 4`` of
-  ``tl.randint4x(seed, counter)`` (Philox-4x32-10, key = the seed's two 32-bit halves).
-  One Philox call thus feeds four adjacent key columns.
-* The word's top 24 bits ``r >> 8`` (uniform on [0, 2**24)) keep the element iff
-  ``r >> 8 >= threshold`` with ``threshold = round(p * 2**24)``; kept weights are scaled by
+* Each query row has a **row id** ``r``, the index of its entry in the lse tensor:
+
+  - dense (batch, heads_q, q_len): ``r = (b * heads_q + h) * q_len + i``, and
+    ``groups = ceil(k_len / 4)``;
+  - packed sequences, lse (heads_q, total_q): ``r = h * total_q + cu_seqlens_q[s] + i`` (i the
+    row inside sequence s), and ``groups = ceil(total_k / 4)``: one stride for every sequence,
+    so no two (sequence, head, row, column) share a Philox word, and the mask does not depend
+    on the ``max_seqlen`` hints. One packed sequence gives the dense mask of batch 1.
+
+  Grouped-query heads change nothing: ``h`` is the query head.
+* The Philox counter of element (r, j) (j the key column inside its sequence) is the 64-bit
+  integer ``r * groups + j // 4``; it selects word ``j % 4`` of ``tl.randint4x(seed, counter)``
+  (Philox-4x32-10, key = the seed's two 32-bit halves). One Philox call feeds four adjacent key
+  columns.
+* The word's top 24 bits ``w >> 8`` (uniform on [0, 2**24)) keep the element iff
+  ``w >> 8 >= threshold`` with ``threshold = round(p * 2**24)``; kept weights are scaled by
   ``1 / (1 - p)`` by the caller.
 """
 import triton
@@ -29,18 +39,19 @@ def dropout_threshold(dropout_p: float) -> int:
 
 
 @triton.jit
-def dropout_keep_tile(seed, bh, offs_m, start_n, q_len, k_len, threshold,
+def dropout_keep_tile(seed, row_base, offs_m, start_n, groups, threshold,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Boolean keep mask of shape (BLOCK_M, BLOCK_N) for rows ``offs_m`` and key columns
-    ``start_n + arange(BLOCK_N)`` of head ``bh`` (= batch * heads + head).
+    """Boolean keep mask of shape (BLOCK_M, BLOCK_N) for the rows with ids ``row_base + offs_m``
+    and key columns ``start_n + arange(BLOCK_N)`` (see the module docstring: ``row_base`` is the
+    lse offset of the program's (batch or sequence, head), ``groups`` the Philox counters per
+    row).
 
     ``start_n`` must be a multiple of 4 (it is a multiple of BLOCK_N >= 16 in every caller).
-    Rows or columns past q_len/k_len get well-defined but meaningless bits: callers mask them.
+    Rows or columns past the sequence get well-defined but meaningless bits: callers mask them.
     """
-    groups = (k_len + 3) // 4
     offs_g = start_n // 4 + tl.arange(0, BLOCK_N // 4)
-    # 64-bit counter: batch*heads*q_len*k_len passes 2**31 at realistic sizes.
-    row = bh.to(tl.int64) * q_len + offs_m.to(tl.int64)
+    # 64-bit counter: heads*rows*columns passes 2**31 at realistic sizes.
+    row = row_base.to(tl.int64) + offs_m.to(tl.int64)
     counter = row[:, None] * groups + offs_g[None, :].to(tl.int64)
     r0, r1, r2, r3 = tl.randint4x(seed, counter)
     # tl.join appends a minor axis; joining (r0, r2) and (r1, r3) this way and flattening puts

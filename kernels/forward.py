@@ -14,6 +14,8 @@ import triton.language as tl
 from ._common import (LN2, LOG2E, block_d, dot_operand, dot_precision, interpreter_active,
                       round_for_store, widen, widen_bf16)
 from ._dropout import dropout_keep_tile, dropout_threshold
+from ._layout import dense_problem, packed_view, varlen_problem
+from ._tiles import key_range, seq_bounds, visible
 from .autotune import autotune_enabled, fixed_config, fwd_configs, prune_configs
 
 # Compiled kernels may only read globals that are tl.constexpr (the interpreter reads any).
@@ -40,18 +42,19 @@ def load_rows(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr,
 
 @triton.jit
 def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
-                    offs_m, offs_d, lo, hi, q_len, k_len, qk_scale,
-                    seed, bh, drop_threshold,
+                    offs_m, offs_d, lo, hi, q_len, k_len, window, qk_scale,
+                    seed, row_base, drop_groups, drop_threshold,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    MASKED: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr,
-                    EVEN_D: tl.constexpr, WIDEN: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                    MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                    DROPOUT: tl.constexpr, EVEN_D: tl.constexpr, WIDEN: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr):
     """Stream key tiles [lo, hi) into the running (acc, l_i, m_i) of one query block.
 
-    MASKED=False is the hot loop over tiles every row of the block fully sees: no causal or
-    bounds masks. MASKED=True handles the diagonal band and the ragged last tile.
+    MASKED=False is the hot loop over tiles every row of the block fully sees: no causal,
+    window or bounds masks. MASKED=True handles the diagonal band, the window's edge and the
+    ragged last tile (kernels/_tiles.py says which tiles are which).
     """
     offs_n0 = tl.arange(0, BLOCK_N)
-    # Bottom-right alignment: query i sees key j iff j <= i + (k_len - q_len).
     diag = k_len - q_len
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -63,10 +66,8 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
         k = widen(k, WIDEN)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         if MASKED:
-            visible = offs_n[None, :] < k_len
-            if CAUSAL:
-                visible = visible & (offs_n[None, :] <= offs_m[:, None] + diag)
-            s = tl.where(visible, s, float("-inf"))
+            s = tl.where(visible(offs_m[:, None], offs_n[None, :], k_len, diag, window,
+                                 CAUSAL, WINDOW), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         if MASKED:
             # A row that has seen no visible key yet keeps m = -inf; subtracting 0 instead of
@@ -80,8 +81,8 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if DROPOUT:
-            keep = dropout_keep_tile(seed, bh, offs_m, start_n, q_len, k_len, drop_threshold,
-                                     BLOCK_M, BLOCK_N)
+            keep = dropout_keep_tile(seed, row_base, offs_m, start_n, drop_groups,
+                                     drop_threshold, BLOCK_M, BLOCK_N)
             p = tl.where(keep, p, 0.0)
         v_tile = v_base + start_n.to(tl.int64) * stride_vn
         v = load_rows(v_tile + offs_n0[:, None] * stride_vn + offs_d[None, :], offs_n, k_len,
@@ -93,22 +94,28 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
 
 
 @triton.jit
-def _attn_fwd(Q, K, V, O, LSE,
+def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K,
               stride_qb, stride_qh, stride_qm,
               stride_kb, stride_kh, stride_kn,
               stride_vb, stride_vh, stride_vn,
               stride_ob, stride_oh, stride_om,
-              H, q_len, k_len, qk_scale, seed, drop_threshold, drop_scale,
+              stride_lb, stride_lh,
+              GROUP, q_len, k_len, window, qk_scale,
+              seed, drop_threshold, drop_scale, drop_groups,
               Q_BUCKET, K_BUCKET,  # autotune key only (power-of-two buckets of q_len/k_len)
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-              CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, WIDEN: tl.constexpr,
-              DOT_PRECISION: tl.constexpr,
+              CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
+              DROPOUT: tl.constexpr, WIDEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program = BLOCK_M query rows of one (batch, head). Grid: (cdiv(q_len, BLOCK_M), H, B).
+    """One program = BLOCK_M query rows of one (batch or packed sequence, query head).
+    Grid: (cdiv(q_len or max_seqlen_q, BLOCK_M), heads_q, batch or number of sequences).
 
-    Q: (B, H, q_len, HEAD_DIM), K/V: (B, H, k_len, HEAD_DIM), O like Q, all with unit stride in
-    the last dim; LSE: fp32 (B*H, q_len) contiguous, natural log, -inf for rows with no key.
-    ``qk_scale`` = softmax_scale · log2(e).
+    Q, O: (B, heads_q, q_len, HEAD_DIM); K, V: (B, heads_kv, k_len, HEAD_DIM) with
+    heads_q = GROUP * heads_kv (query head h reads kv head h // GROUP); unit stride in the last
+    dim. VARLEN: B = 1 with zero batch strides, and the program's sequence is rows
+    CU_Q[b]:CU_Q[b+1] of Q (CU_K for K, V). LSE: fp32, entry (b, h, i) at
+    b * stride_lb + h * stride_lh + row start + i; natural log, -inf for rows with no key.
+    ``qk_scale`` = softmax_scale · log2(e); ``window`` is read only when WINDOW.
     """
     pid_m = tl.program_id(0)
     if CAUSAL:
@@ -117,15 +124,25 @@ def _attn_fwd(Q, K, V, O, LSE,
         pid_m = tl.num_programs(0) - 1 - pid_m
     h = tl.program_id(1)
     b = tl.program_id(2)
-    bh = b * H + h
+    q_start, q_len, k_start, k_len = seq_bounds(b, q_len, k_len, CU_Q, CU_K, VARLEN)
     start_m = pid_m * BLOCK_M
+    if VARLEN:
+        # The grid covers the longest sequence; shorter ones leave programs with no rows.
+        if start_m >= q_len:
+            return
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    kv_h = h // GROUP
+    # Offset of this (batch, head)'s lse row 0: also the dropout row id base (_dropout.py).
+    row_base = b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + q_start
 
-    q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-    k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
-    v_base = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
+    q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh \
+        + tl.cast(q_start, tl.int64) * stride_qm
+    k_base = K + b.to(tl.int64) * stride_kb + kv_h.to(tl.int64) * stride_kh \
+        + tl.cast(k_start, tl.int64) * stride_kn
+    v_base = V + b.to(tl.int64) * stride_vb + kv_h.to(tl.int64) * stride_vh \
+        + tl.cast(k_start, tl.int64) * stride_vn
     q_tile = q_base + start_m.to(tl.int64) * stride_qm
     q = load_rows(q_tile + tl.arange(0, BLOCK_M)[:, None] * stride_qm + offs_d[None, :],
                   offs_m, q_len, offs_d, HEAD_DIM, True, not EVEN_D)
@@ -135,35 +152,35 @@ def _attn_fwd(Q, K, V, O, LSE,
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    if CAUSAL:
-        # Keys the block's last row can see end at start_m + BLOCK_M - 1 + (k_len - q_len);
-        # keys its first row sees (hence every row) end at start_m + (k_len - q_len).
-        hi = tl.minimum(tl.maximum(start_m + BLOCK_M + k_len - q_len, 0), k_len)
-        n_full = tl.minimum(tl.maximum(start_m + 1 + k_len - q_len, 0), k_len)
-        n_full = (n_full // BLOCK_N) * BLOCK_N
-    else:
-        hi = k_len
-        n_full = (k_len // BLOCK_N) * BLOCK_N
+    lo, full_lo, full_hi, hi = key_range(start_m, q_len, k_len, window, CAUSAL, WINDOW,
+                                         BLOCK_M, BLOCK_N)
+    if WINDOW:
+        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
+                                        offs_m, offs_d, lo, full_lo, q_len, k_len, window,
+                                        qk_scale, seed, row_base, drop_groups, drop_threshold,
+                                        HEAD_DIM, BLOCK_M, BLOCK_N, True, CAUSAL, WINDOW,
+                                        DROPOUT, EVEN_D, WIDEN, DOT_PRECISION)
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
-                                    offs_m, offs_d, 0, n_full, q_len, k_len, qk_scale,
-                                    seed, bh, drop_threshold,
-                                    HEAD_DIM, BLOCK_M, BLOCK_N, False, CAUSAL, DROPOUT,
-                                    EVEN_D, WIDEN, DOT_PRECISION)
+                                    offs_m, offs_d, full_lo, full_hi, q_len, k_len, window,
+                                    qk_scale, seed, row_base, drop_groups, drop_threshold,
+                                    HEAD_DIM, BLOCK_M, BLOCK_N, False, CAUSAL, WINDOW,
+                                    DROPOUT, EVEN_D, WIDEN, DOT_PRECISION)
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
-                                    offs_m, offs_d, n_full, hi, q_len, k_len, qk_scale,
-                                    seed, bh, drop_threshold,
-                                    HEAD_DIM, BLOCK_M, BLOCK_N, True, CAUSAL, DROPOUT,
-                                    EVEN_D, WIDEN, DOT_PRECISION)
+                                    offs_m, offs_d, full_hi, hi, q_len, k_len, window,
+                                    qk_scale, seed, row_base, drop_groups, drop_threshold,
+                                    HEAD_DIM, BLOCK_M, BLOCK_N, True, CAUSAL, WINDOW,
+                                    DROPOUT, EVEN_D, WIDEN, DOT_PRECISION)
 
-    # Rows that saw no key (causal with q_len > k_len) have l_i = 0: output 0, lse -inf.
+    # Rows that saw no key (causal with q_len > k_len, empty sequences) have l_i = 0:
+    # output 0, lse -inf.
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     acc = acc * (drop_scale / l_safe)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * _LN2)
-    tl.store(LSE + bh.to(tl.int64) * q_len + offs_m, lse, mask=offs_m < q_len)
+    tl.store(LSE + row_base + offs_m, lse, mask=offs_m < q_len)
 
     o_tile = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh \
-        + start_m.to(tl.int64) * stride_om
+        + (q_start + start_m).to(tl.int64) * stride_om
     o_ptrs = o_tile + tl.arange(0, BLOCK_M)[:, None] * stride_om + offs_d[None, :]
     o_mask = (offs_m < q_len)[:, None] & (offs_d < HEAD_DIM)[None, :]
     tl.store(o_ptrs, round_for_store(acc, WIDEN).to(O.dtype.element_ty), mask=o_mask)
@@ -171,50 +188,63 @@ def _attn_fwd(Q, K, V, O, LSE,
 
 _attn_fwd_tuned = triton.autotune(
     configs=fwd_configs(),
-    key=["Q_BUCKET", "K_BUCKET", "HEAD_DIM", "CAUSAL", "DROPOUT", "DOT_PRECISION"],
+    key=["Q_BUCKET", "K_BUCKET", "HEAD_DIM", "CAUSAL", "WINDOW", "VARLEN", "DROPOUT",
+         "DOT_PRECISION"],
     prune_configs_by={"early_config_prune": prune_configs},
 )(_attn_fwd)
 
 
-def attention_forward(q, k, v, *, causal, softmax_scale, dropout_p, seed, out=None,
-                      config=None):
+def attention_forward(q, k, v, *, causal, softmax_scale, dropout_p, seed, window=None,
+                      cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                      max_seqlen_k=None, out=None, config=None):
     """Launch the fused forward on validated inputs.
 
     Args:
-        q: (B, H, q_len, D); k, v: (B, H, k_len, D); same dtype and device, unit stride in the
-            last dim (any other strides), 1 <= D <= 256.
+        q: (B, heads_q, q_len, D); k, v: (B, heads_kv, k_len, D) with heads_q % heads_kv == 0
+            (query head h reads kv head h // (heads_q // heads_kv)). Packed sequences (with
+            ``cu_seqlens_q``): q (total_q, heads_q, D), k, v (total_k, heads_kv, D). Same dtype
+            and device, unit stride in the last dim (any other strides), 1 <= D <= 256.
         causal: bottom-right causal mask. softmax_scale: float > 0.
         dropout_p: 0 <= p < 1; seed: int in [0, 2**63) for the in-kernel Philox mask.
-        out: optional (B, H, q_len, D) tensor to write into (test hook / preallocated output).
+        window: None, or int >= 1 with causal: query i sees only keys
+            i + (k_len - q_len) - window < j <= i + (k_len - q_len).
+        cu_seqlens_q, cu_seqlens_k: int32 (num_seqs + 1,) row offsets of the packed sequences
+            (validated by the caller); max_seqlen_q, max_seqlen_k: ints >= every sequence's
+            length (the grid covers them).
+        out: optional tensor shaped like q to write into (test hook / preallocated output).
         config: a ``triton.Config`` with BLOCK_M, BLOCK_N to force (tests); default: autotuned
             on a GPU (or the first fitting config with KERNELS_AUTOTUNE=0), the small
             interpreter config under TRITON_INTERPRET=1.
     Returns:
-        (o, lse): o (B, H, q_len, D) in q's dtype with q's memory layout when q is dense;
-        lse fp32 (B, H, q_len), natural-log row log-sum-exp, -inf for rows that see no key.
+        (o, lse): o shaped like q, in q's dtype, with q's memory layout when q is dense;
+        lse fp32 (B, heads_q, q_len), or (heads_q, total_q) for packed sequences: natural-log
+        row log-sum-exp, -inf for rows that see no key.
     """
-    B, H, q_len, D = q.shape
-    k_len = k.shape[2]
+    if cu_seqlens_q is None:
+        pb = dense_problem(q, k, v)
+    else:
+        pb = varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
     o = torch.empty_like(q) if out is None else out
-    lse = torch.empty((B, H, q_len), dtype=torch.float32, device=q.device)
-    if o.numel() == 0:
+    lse = torch.empty(pb.lse_shape, dtype=torch.float32, device=q.device)
+    if o.numel() == 0 or pb.batch == 0:
         return o, lse
+    o4 = packed_view(o) if pb.varlen else o
+    D = q.shape[-1]
     dropout = dropout_p > 0.0
-    args = (q, k, v, o, lse,
-            q.stride(0), q.stride(1), q.stride(2),
-            k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2),
-            o.stride(0), o.stride(1), o.stride(2),
-            H, q_len, k_len, softmax_scale * LOG2E,
+    args = (pb.q, pb.k, pb.v, o4, lse, *pb.cu_args(lse),
+            *pb.strides(pb.q), *pb.strides(pb.k), *pb.strides(pb.v), *pb.strides(o4),
+            *pb.lse_strides,
+            pb.group, pb.q_len, pb.k_len, window or 0, softmax_scale * LOG2E,
             seed if dropout else 0, dropout_threshold(dropout_p) if dropout else 0,
-            1.0 / (1.0 - dropout_p),
-            triton.next_power_of_2(q_len), triton.next_power_of_2(k_len))
-    meta = dict(HEAD_DIM=D, BLOCK_D=block_d(D), CAUSAL=causal, DROPOUT=dropout,
-                WIDEN=widen_bf16(q.dtype), DOT_PRECISION=dot_precision(q.dtype))
+            1.0 / (1.0 - dropout_p), pb.drop_groups,
+            triton.next_power_of_2(pb.q_len), triton.next_power_of_2(pb.k_len))
+    meta = dict(HEAD_DIM=D, BLOCK_D=block_d(D), CAUSAL=causal, WINDOW=window is not None,
+                VARLEN=pb.varlen, DROPOUT=dropout, WIDEN=widen_bf16(q.dtype),
+                DOT_PRECISION=dot_precision(q.dtype))
     if config is None and not interpreter_active() and autotune_enabled():
         def grid(cfg):
-            return (triton.cdiv(q_len, cfg["BLOCK_M"]), H, B)
+            return (triton.cdiv(pb.q_len, cfg["BLOCK_M"]), pb.heads, pb.batch)
         _attn_fwd_tuned[grid](*args, **meta)
         return o, lse
     if config is None and interpreter_active():
@@ -222,7 +252,7 @@ def attention_forward(q, k, v, *, causal, softmax_scale, dropout_p, seed, out=No
         config = fwd_configs(interpret=True)[0]
     elif config is None:
         config = fixed_config(fwd_configs(), prune_configs, {"Q": q}, **meta)
-    grid = (triton.cdiv(q_len, config.kwargs["BLOCK_M"]), H, B)
+    grid = (triton.cdiv(pb.q_len, config.kwargs["BLOCK_M"]), pb.heads, pb.batch)
     _attn_fwd[grid](*args, **meta, **config.kwargs, num_warps=config.num_warps,
                     num_stages=config.num_stages)
     return o, lse

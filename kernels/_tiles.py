@@ -1,0 +1,121 @@
+"""Which tiles a program visits and which of their elements it sees, for every kernel.
+
+One definition of the visibility rule, shared by the forward, dK/dV and dQ kernels. With
+``diag = k_len - q_len`` (bottom-right alignment) query ``i`` sees key ``j`` iff
+
+* causal: ``j <= i + diag``;
+* sliding window (causal only): also ``j > i + diag - window`` (the ``window`` most recent
+  keys, itself included);
+* always ``j < k_len``.
+
+Loops are split so that only tiles crossing one of these edges pay for the mask; tiles that no
+row of the program sees are never visited, so a windowed call costs O(q_len · window).
+
+Packed variable-length batches (VARLEN) reuse everything: ``seq_bounds`` turns the batch index
+into a sequence's row offsets and lengths, read from ``cu_seqlens``.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def seq_bounds(pid_b, q_len, k_len, CU_Q, CU_K, VARLEN: tl.constexpr):
+    """(q_start, q_len, k_start, k_len) of batch entry ``pid_b``.
+
+    Dense batches: rows start at 0 and the lengths are the arguments. Packed batches: sequence
+    ``pid_b`` is rows ``cu[pid_b]:cu[pid_b + 1]`` of the packed q and k/v (int32 CU_Q, CU_K).
+    """
+    if VARLEN:
+        q_start = tl.load(CU_Q + pid_b)
+        k_start = tl.load(CU_K + pid_b)
+        q_len = tl.load(CU_Q + pid_b + 1) - q_start
+        k_len = tl.load(CU_K + pid_b + 1) - k_start
+    else:
+        q_start = 0
+        k_start = 0
+    return q_start, q_len, k_start, k_len
+
+
+@triton.jit
+def visible(rows, cols, k_len, diag, window, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """Boolean visibility of (query ``rows``, key ``cols``), both broadcastable int tensors:
+    inside k_len, and inside the causal band / sliding window when those are on."""
+    vis = cols < k_len
+    if CAUSAL:
+        vis = vis & (cols <= rows + diag)
+        if WINDOW:
+            vis = vis & (cols > rows + diag - window)
+    return vis
+
+
+@triton.jit
+def key_range(start_m, q_len, k_len, window, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key tiles of the query block [start_m, start_m + BLOCK_M): (lo, full_lo, full_hi, hi).
+
+    [lo, full_lo): the window's left edge (masked; empty without WINDOW);
+    [full_lo, full_hi): every row of the block sees every key (unmasked fast path);
+    [full_hi, hi): the causal diagonal and the ragged k_len edge (masked).
+    Keys outside [lo, hi) are invisible to every row. All bounds but ``hi`` are multiples of
+    BLOCK_N; lo <= full_lo <= full_hi <= hi.
+    """
+    if CAUSAL:
+        diag = k_len - q_len
+        # The block's last row sees keys up to start_m + BLOCK_M - 1 + diag; its first row
+        # (hence every row) up to start_m + diag.
+        hi = tl.minimum(tl.maximum(start_m + BLOCK_M + diag, 0), k_len)
+        full_hi = (tl.minimum(tl.maximum(start_m + 1 + diag, 0), k_len) // BLOCK_N) * BLOCK_N
+        if WINDOW:
+            # The first row sees keys from start_m + diag - window + 1 on; the last row (hence
+            # every row) from start_m + BLOCK_M + diag - window on.
+            lo = (tl.maximum(start_m + diag - window + 1, 0) // BLOCK_N) * BLOCK_N
+            full_lo = tl.cdiv(tl.maximum(start_m + BLOCK_M + diag - window, 0),
+                              BLOCK_N) * BLOCK_N
+            # A window narrower than the block leaves no tile every row sees.
+            full_lo = tl.minimum(full_lo, full_hi)
+        else:
+            lo = 0
+            full_lo = 0
+    else:
+        lo = 0
+        full_lo = 0
+        hi = k_len
+        full_hi = (k_len // BLOCK_N) * BLOCK_N
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def query_range(start_n, q_len, k_len, window, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Query blocks that see the key block [start_n, start_n + BLOCK_N): (lo, full_lo, full_hi,
+    hi), the transpose of ``key_range``.
+
+    [lo, full_lo): the causal diagonal (masked); [full_lo, full_hi): every row sees every key of
+    the block (unmasked); [full_hi, hi): the window's far edge (masked; empty without WINDOW).
+    Rows outside [lo, hi) see none of these keys. Bounds are multiples of BLOCK_M or q_len.
+    Rows past q_len need no mask: their loads give lse = +inf, hence P = 0.
+    """
+    if CAUSAL:
+        diag = k_len - q_len
+        # Key j is seen from row j - diag on: the first row that sees any key of the block is
+        # start_n - diag, the first that sees all of them start_n + BLOCK_N - 1 - diag.
+        lo = (tl.maximum(start_n - diag, 0) // BLOCK_M) * BLOCK_M
+        full_lo = tl.minimum(tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - diag, 0), BLOCK_M)
+                             * BLOCK_M, q_len)
+        if WINDOW:
+            # Key j is seen up to row j - diag + window - 1: the last row that sees any key of
+            # the block is start_n + BLOCK_N - 2 - diag + window, the last that sees all of them
+            # start_n - diag + window - 1.
+            hi = tl.minimum(tl.maximum(start_n + BLOCK_N - 1 - diag + window, 0), q_len)
+            full_hi = tl.minimum((tl.maximum(start_n - diag + window, 0) // BLOCK_M) * BLOCK_M,
+                                 q_len)
+            full_hi = tl.maximum(full_hi, full_lo)
+        else:
+            full_hi = q_len
+            hi = q_len
+    else:
+        lo = 0
+        full_lo = 0
+        full_hi = q_len
+        hi = q_len
+    return lo, full_lo, full_hi, hi
