@@ -3,9 +3,9 @@
 Note: the import name ``kernels`` clashes with the unrelated ``kernels`` package on PyPI; do
 not install both in one environment.
 """
-from .ops import attention
+from .ops import attention, attention_varlen
 
-__all__ = ["attention"]
+__all__ = ["attention", "attention_varlen"]
 from .fuse import fuse_attention  # noqa: E402
 from .modules import (  # noqa: E402
     FusedCausalAttention,

@@ -2,8 +2,8 @@
 
 Layers, each with one job:
 
-* ``attention`` (public): checks arguments and says what was expected when they are wrong,
-  resolves defaults (scale, seed), then calls the custom op.
+* ``attention`` / ``attention_varlen`` (public): check arguments and say what was expected
+  when they are wrong, resolve defaults (scale, seed), then call the custom op.
 * ``fused_attention::fwd`` / ``fused_attention::bwd``: PyTorch custom ops with fake (meta)
   implementations and a registered autograd formula, so ``torch.compile(fullgraph=True)`` sees
   one opaque node instead of breaking the graph at a Triton launch.
@@ -14,9 +14,11 @@ Layers, each with one job:
 import math
 import numbers
 import warnings
+from typing import Optional
 
 import torch
 
+from . import fallback
 from ._common import MAX_HEAD_DIM, interpreter_active
 from .backward import attention_backward
 from .forward import attention_forward
@@ -26,6 +28,7 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SEED_LIMIT = 2 ** 63
 # Triton's grid dimensions 1 and 2 (heads, batch) are limited to 65535 programs.
 MAX_GRID_YZ = 65535
+_MAX_INT32 = 2 ** 31 - 1
 # The seed of every call without dropout: one shared CPU tensor (the ops never write it). Under
 # torch.compile it enters the graph as an input, so Inductor emits no CPU C++ kernel to build it.
 with torch.inference_mode(False):  # a normal tensor even if first imported in inference mode
@@ -35,12 +38,12 @@ with torch.inference_mode(False):  # a normal tensor even if first imported in i
 # --------------------------------------------------------------------------------------------
 # Validation (public boundary only)
 # --------------------------------------------------------------------------------------------
-def _check_tensor(name, t):
+def _check_tensor(name, t, dims, layout):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != 4:
-        raise ValueError(f"{name} must be 4-D (batch, heads, seq_len, head_dim), "
-                         f"got {t.dim()}-D tensor of shape {tuple(t.shape)}")
+    if t.dim() != dims:
+        raise ValueError(f"{name} must be {dims}-D {layout}, got {t.dim()}-D tensor of shape "
+                         f"{tuple(t.shape)}")
     if t.dtype not in _DTYPES:
         raise TypeError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
     if t.device.type not in ("cuda", "cpu"):
@@ -48,9 +51,23 @@ def _check_tensor(name, t):
                          f"PyTorch fallback), got device {t.device}")
 
 
-def _validate(q, k, v, causal, dropout_p, softmax_scale, seed):
+def _as_bool(name, value):
+    """``value`` as a Python bool: bool and numpy.bool_ are accepted, nothing else."""
+    if isinstance(value, bool):
+        return value
+    kind = type(value)
+    if kind.__module__ == "numpy" and kind.__name__ in ("bool_", "bool"):
+        return bool(value)
+    raise TypeError(f"{name} must be a bool, got {kind.__module__}.{kind.__qualname__}"
+                    if kind.__module__ != "builtins" else
+                    f"{name} must be a bool, got {kind.__name__}")
+
+
+def _validate(q, k, v, causal, dropout_p, softmax_scale, seed, window, *, dims=4,
+              layout="(batch, heads, seq_len, head_dim)", head_axis=1):
+    """Checks shared by ``attention`` and ``attention_varlen``; returns causal as a bool."""
     for name, t in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(name, t)
+        _check_tensor(name, t, dims, layout)
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, "
                         f"v {v.dtype}")
@@ -58,22 +75,28 @@ def _validate(q, k, v, causal, dropout_p, softmax_scale, seed):
         raise ValueError(f"q, k and v must be on one device, got q {q.device}, k {k.device}, "
                          f"v {v.device}")
     if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape (batch, heads, k_len, head_dim), "
-                         f"got k {tuple(k.shape)} and v {tuple(v.shape)}")
-    for i, what in ((0, "batch"), (1, "heads"), (3, "head_dim")):
-        if q.shape[i] != k.shape[i]:
-            raise ValueError(f"q and k must have the same {what} (dim {i}), got q "
-                             f"{tuple(q.shape)} and k {tuple(k.shape)}")
-    head_dim = q.shape[3]
+        raise ValueError(f"k and v must have the same shape {layout}, got k {tuple(k.shape)} "
+                         f"and v {tuple(v.shape)}")
+    if dims == 4 and q.shape[0] != k.shape[0]:
+        raise ValueError(f"q and k must have the same batch (dim 0), got q {tuple(q.shape)} "
+                         f"and k {tuple(k.shape)}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must have the same head_dim (last dim), got q "
+                         f"{tuple(q.shape)} and k {tuple(k.shape)}")
+    heads_q, heads_kv = q.shape[head_axis], k.shape[head_axis]
+    if heads_kv == 0 and heads_q != 0 or heads_kv != 0 and heads_q % heads_kv != 0:
+        raise ValueError(f"the query heads must be a multiple of the key/value heads "
+                         f"(grouped-query attention), got heads_q={heads_q} (q "
+                         f"{tuple(q.shape)}) and heads_kv={heads_kv} (k {tuple(k.shape)})")
+    head_dim = q.shape[-1]
     if head_dim < 1:
         raise ValueError(f"head_dim must be >= 1, got {head_dim}")
     if head_dim > MAX_HEAD_DIM:
         raise NotImplementedError(f"head_dim up to {MAX_HEAD_DIM} is supported, got {head_dim}")
-    if q.shape[0] > MAX_GRID_YZ or q.shape[1] > MAX_GRID_YZ:
+    if heads_q > MAX_GRID_YZ or dims == 4 and q.shape[0] > MAX_GRID_YZ:
         raise NotImplementedError(f"batch and heads must each be <= {MAX_GRID_YZ} (Triton grid "
-                                  f"limit), got batch {q.shape[0]}, heads {q.shape[1]}")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+                                  f"limit), got q {tuple(q.shape)}")
+    causal = _as_bool("causal", causal)
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
         raise TypeError(f"dropout_p must be a float in [0, 1), got {type(dropout_p).__name__}")
     if not (0.0 <= dropout_p < 1.0):  # also rejects NaN
@@ -90,6 +113,70 @@ def _validate(q, k, v, causal, dropout_p, softmax_scale, seed):
                             f"{type(seed).__name__}")
         if not (0 <= seed < SEED_LIMIT):
             raise ValueError(f"seed must be in [0, 2**63), got {seed}")
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, numbers.Integral):
+            raise TypeError(f"window must be an int >= 1 or None, got {type(window).__name__}")
+        if window < 1:
+            raise ValueError(f"window must be >= 1 (the number of most recent keys a query "
+                             f"sees, itself included), got {window}")
+        if not causal:
+            raise ValueError("window requires causal=True (a sliding window looks back from "
+                             "each query's diagonal), got causal=False")
+        if window > _MAX_INT32:
+            raise ValueError(f"window must be < 2**31, got {window}")
+    return causal
+
+
+def _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k):
+    """Checks of the packed layout; returns the (max_seqlen_q, max_seqlen_k) to launch with,
+    -1 where the op must compute it (under torch.compile, where values are not read here)."""
+    for name, cu, x in (("cu_seqlens_q", cu_seqlens_q, q), ("cu_seqlens_k", cu_seqlens_k, k)):
+        if not isinstance(cu, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+        if cu.dtype != torch.int32:
+            raise TypeError(f"{name} must be int32 (FlashAttention's convention), got "
+                            f"{cu.dtype}")
+        if cu.dim() != 1 or cu.numel() < 1:
+            raise ValueError(f"{name} must be 1-D (num_seqs + 1,), got shape "
+                             f"{tuple(cu.shape)}")
+        if cu.device != x.device:
+            raise ValueError(f"{name} must be on the tensors' device {x.device}, got "
+                             f"{cu.device}")
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of "
+                         f"sequences, got {cu_seqlens_q.numel() - 1} and "
+                         f"{cu_seqlens_k.numel() - 1}")
+    if cu_seqlens_q.numel() - 1 > MAX_GRID_YZ:
+        raise NotImplementedError(f"at most {MAX_GRID_YZ} packed sequences (Triton grid "
+                                  f"limit), got {cu_seqlens_q.numel() - 1}")
+    hints = []
+    for name, hint in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if hint is not None and (isinstance(hint, bool) or not isinstance(hint, numbers.Integral)
+                                 or hint < 0):
+            raise TypeError(f"{name} must be a non-negative int or None, got {hint!r}")
+        hints.append(-1 if hint is None else int(hint))
+    if torch.compiler.is_compiling():
+        # No host sync while tracing: the values are the caller's contract (see the docstring).
+        return tuple(hints)
+    maxima = []
+    for name, cu, x, hint, hint_name in (
+            ("cu_seqlens_q", cu_seqlens_q, q, hints[0], "max_seqlen_q"),
+            ("cu_seqlens_k", cu_seqlens_k, k, hints[1], "max_seqlen_k")):
+        values = cu.tolist()  # one small device-to-host copy per tensor
+        if values[0] != 0:
+            raise ValueError(f"{name} must start at 0, got {values[0]}")
+        lengths = [b - a for a, b in zip(values, values[1:])]
+        if any(n < 0 for n in lengths):
+            raise ValueError(f"{name} must be non-decreasing, got {values}")
+        if values[-1] != x.shape[0]:
+            raise ValueError(f"{name}[-1] must equal the number of packed rows "
+                             f"{x.shape[0]}, got {values[-1]}")
+        longest = max(lengths, default=0)
+        if hint >= 0 and hint < longest:
+            raise ValueError(f"{hint_name}={hint} is smaller than the longest sequence of "
+                             f"{name} ({longest})")
+        maxima.append(max(hint, longest))
+    return tuple(maxima)
 
 
 # --------------------------------------------------------------------------------------------
@@ -122,101 +209,105 @@ def _like(t):
                                                                       device=t.device)
 
 
-def _fallback_weights(q, k, lse, causal, dropout_p, softmax_scale, seed):
-    """(P, drop, lse): softmax weights P (fp32, zero where masked), the dropout factor
-    keep / (1 - p) (1.0 without dropout) and the row log-sum-exp (computed when None)."""
-    from reference.dropout import dropout_keep_mask
-    from reference.functional import causal_mask
-    B, H, q_len, _ = q.shape
-    k_len = k.shape[2]
-    s = torch.matmul(q.float(), k.float().transpose(-2, -1)) * softmax_scale
-    if causal:
-        s = s.masked_fill(~causal_mask(q_len, k_len, device=q.device), float("-inf"))
-    if lse is None:
-        lse = torch.logsumexp(s, dim=-1)
-    # Rows with no visible key have lse = -inf and all-masked scores: P = exp(-inf) = 0.
-    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
-    drop = 1.0
-    if dropout_p > 0:
-        keep = dropout_keep_mask(seed, B, H, q_len, k_len, dropout_p, device=q.device)
-        drop = keep / (1.0 - dropout_p)
-    return p, drop, lse
+def _longest(cu, hint):
+    """max_seqlen to launch with: the hint, or (-1) the longest sequence of ``cu`` (a sync)."""
+    if cu is None or hint >= 0:
+        return hint
+    return int((cu[1:] - cu[:-1]).max().item()) if cu.numel() > 1 else 0
 
 
-def _fallback_forward(q, k, v, causal, dropout_p, softmax_scale, seed):
-    """PyTorch math with the kernel's semantics and dropout mask: (o, lse), fp32 inside."""
-    p, drop, lse = _fallback_weights(q, k, None, causal, dropout_p, softmax_scale, seed)
-    o = _like(q)
-    o.copy_(torch.matmul(p * drop, v.float()))
-    return o, lse
-
-
-def _fallback_backward(do, q, k, v, o, lse, causal, dropout_p, softmax_scale, seed):
-    """The backward kernels' formulas in PyTorch (custom-op bodies run without autograd)."""
-    p, drop, _ = _fallback_weights(q, k, lse, causal, dropout_p, softmax_scale, seed)
-    p_drop = p * drop
-    do, v = do.float(), v.float()
-    delta = (do * o.float()).sum(-1, keepdim=True)  # rowsum(dO * O), right with dropout too
-    dp = torch.matmul(do, v.transpose(-2, -1)) * drop
-    ds = p * (dp - delta)
-    grads = (torch.matmul(ds, k.float()) * softmax_scale,
-             torch.matmul(ds.transpose(-2, -1), q.float()) * softmax_scale,
-             torch.matmul(p_drop.transpose(-2, -1), do))
-    outs = tuple(_like(t) for t in (q, k, v))
-    for out, g in zip(outs, grads):
-        out.copy_(g)
-    return outs
+def _lse_shape(q, cu_seqlens_q):
+    return (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else tuple(q.shape[:3])
 
 
 @torch.library.custom_op("fused_attention::fwd", mutates_args=())
-def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, dropout_p: float,
-            softmax_scale: float, seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
+            max_seqlen_q: int, max_seqlen_k: int, causal: bool, dropout_p: float,
+            softmax_scale: float, seed: torch.Tensor, window: int
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     seed_int = int(seed.item())
-    if _use_fallback(q):
-        return _fallback_forward(q, k, v, causal, dropout_p, softmax_scale, seed_int)
+    win = window if window > 0 else None
     o = _like(q)
+    if _use_fallback(q):
+        return fallback.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, win,
+                                softmax_scale, dropout_p, seed_int, o)
     return attention_forward(_unit_last(q), _unit_last(k), _unit_last(v), causal=causal,
                              softmax_scale=softmax_scale, dropout_p=dropout_p, seed=seed_int,
-                             out=o)
+                             window=win, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                             max_seqlen_q=_longest(cu_seqlens_q, max_seqlen_q),
+                             max_seqlen_k=_longest(cu_seqlens_k, max_seqlen_k), out=o)
 
 
 @_fwd_op.register_fake
-def _(q, k, v, causal, dropout_p, softmax_scale, seed):
-    B, H, q_len, _ = q.shape
-    return _like(q), q.new_empty((B, H, q_len), dtype=torch.float32)
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, dropout_p,
+      softmax_scale, seed, window):
+    return _like(q), q.new_empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32)
 
 
 @torch.library.custom_op("fused_attention::bwd", mutates_args=())
 def _bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            o: torch.Tensor, lse: torch.Tensor, causal: bool, dropout_p: float,
-            softmax_scale: float, seed: torch.Tensor
+            o: torch.Tensor, lse: torch.Tensor,
+            cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
+            max_seqlen_q: int, max_seqlen_k: int, causal: bool, dropout_p: float,
+            softmax_scale: float, seed: torch.Tensor, window: int
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     seed_int = int(seed.item())
+    win = window if window > 0 else None
     if _use_fallback(q):
-        return _fallback_backward(do, q, k, v, o, lse, causal, dropout_p, softmax_scale,
-                                  seed_int)
+        return fallback.backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, causal, win,
+                                 softmax_scale, dropout_p, seed_int, _like(q), _like(k),
+                                 _like(v))
     return attention_backward(_unit_last(do), _unit_last(q), _unit_last(k), _unit_last(v),
                               _unit_last(o), lse, causal=causal, softmax_scale=softmax_scale,
-                              dropout_p=dropout_p, seed=seed_int)
+                              dropout_p=dropout_p, seed=seed_int, window=win,
+                              cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                              max_seqlen_q=_longest(cu_seqlens_q, max_seqlen_q),
+                              max_seqlen_k=_longest(cu_seqlens_k, max_seqlen_k))
 
 
 @_bwd_op.register_fake
-def _(do, q, k, v, o, lse, causal, dropout_p, softmax_scale, seed):
+def _(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+      dropout_p, softmax_scale, seed, window):
     return _like(q), _like(k), _like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, dropout_p, softmax_scale, seed = inputs
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, dropout_p,
+     softmax_scale, seed, window) = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, seed)
+    ctx.save_for_backward(q, k, v, o, lse, seed, cu_seqlens_q, cu_seqlens_k)
     ctx.mark_non_differentiable(lse)
-    ctx.causal, ctx.dropout_p, ctx.softmax_scale = causal, dropout_p, softmax_scale
+    ctx.args = (max_seqlen_q, max_seqlen_k, causal, dropout_p, softmax_scale)
+    ctx.window = window
+
+
+class _NoDoubleBackward(torch.autograd.Function):
+    """Identity on the first-order gradients whose own backward raises a clear error: the
+    attention backward is a custom kernel without a derivative of its own."""
+
+    @staticmethod
+    def forward(ctx, *grads):
+        return grads
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError(
+            "double backward (a gradient of a gradient) of kernels.attention is not supported: "
+            "its backward is a fused kernel with no derivative of its own. Use "
+            "reference.attention (plain PyTorch) or torch.nn.functional."
+            "scaled_dot_product_attention where second derivatives are needed.")
 
 
 def _backward(ctx, do, dlse):
-    q, k, v, o, lse, seed = ctx.saved_tensors
-    dq, dk, dv = _bwd_op(do, q, k, v, o, lse, ctx.causal, ctx.dropout_p, ctx.softmax_scale, seed)
-    return dq, dk, dv, None, None, None, None
+    q, k, v, o, lse, seed, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    create_graph = torch.is_grad_enabled()
+    with torch.no_grad():
+        grads = _bwd_op(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *ctx.args, seed,
+                        ctx.window)
+    if create_graph:  # a later grad of these gradients must fail with a clear message
+        grads = _NoDoubleBackward.apply(*grads)
+    return (*grads,) + (None,) * 9
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -225,18 +316,30 @@ _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 # --------------------------------------------------------------------------------------------
 # Public API
 # --------------------------------------------------------------------------------------------
+def _seed_tensor(dropout_p, seed):
+    if dropout_p == 0.0:
+        return _NO_SEED
+    if seed is None:
+        return torch.randint(0, SEED_LIMIT - 1, (), dtype=torch.int64)
+    return torch.tensor(int(seed), dtype=torch.int64)
+
+
 def attention(q, k, v, *, causal=True, dropout_p=0.0, softmax_scale=None, seed=None,
-              return_lse=False):
+              window=None, return_lse=False):
     """Fused scaled-dot-product attention: softmax(mask(q kᵀ · scale)) → dropout → @ v.
 
     Never materialises the (q_len × k_len) matrix; differentiable (FlashAttention-2-style
     backward that recomputes the weights); usable inside ``torch.compile(fullgraph=True)``.
 
     Args:
-        q: (batch, heads, q_len, head_dim) float16 / bfloat16 / float32.
-        k, v: (batch, heads, k_len, head_dim), q's dtype and device. Any strides: views such as
-            ``x.view(b, s, h, d).transpose(1, 2)`` are read in place (a copy is made only when
-            the last dim is not unit-stride). 1 <= head_dim <= 256.
+        q: (batch, heads_q, q_len, head_dim) float16 / bfloat16 / float32.
+        k, v: (batch, heads_kv, k_len, head_dim), q's dtype and device. heads_q must be a
+            multiple of heads_kv: query head h reads kv head h // (heads_q // heads_kv)
+            (grouped-query attention; heads_kv = 1 is multi-query), the rule of
+            ``repeat_interleave`` and of SDPA's ``enable_gqa=True``. k and v are never copied
+            or expanded. Any strides: views such as ``x.view(b, s, h, d).transpose(1, 2)`` are
+            read in place (a copy is made only when the last dim is not unit-stride).
+            1 <= head_dim <= 256.
         causal: mask keys in the future, aligned bottom-right when q_len != k_len::
 
                 q_len=2, k_len=5 (KV-cache decoding)     q_len=5, k_len=2
@@ -253,25 +356,89 @@ def attention(q, k, v, *, causal=True, dropout_p=0.0, softmax_scale=None, seed=N
         seed: int in [0, 2**63) for the in-kernel Philox dropout mask; None draws one from
             PyTorch's default generator (so ``torch.manual_seed`` makes runs reproducible). The
             same (seed, shapes) give the same mask on every device; ``reference.dropout_keep_mask``
-            recomputes it.
+            recomputes it (query head h of batch b is row block b * heads_q + h).
+        window: None, or a sliding window (requires causal): query i sees only the ``window``
+            most recent keys, itself included, ``i + d - window < j <= i + d`` with
+            d = k_len - q_len (Hugging Face's ``sliding_window``)::
+
+                q_len = k_len = 5, window = 3
+                      k0 k1 k2 k3 k4
+                  q0   1  0  0  0  0
+                  q1   1  1  0  0  0
+                  q2   1  1  1  0  0
+                  q3   0  1  1  1  0
+                  q4   0  0  1  1  1
+
+            ``window >= k_len`` is plain causal attention. Work is O(q_len · window): key tiles
+            outside the band are never visited.
         return_lse: also return the row log-sum-exp of the scaled scores.
 
     Returns:
-        out: (batch, heads, q_len, head_dim) in q's dtype. It has q's memory layout when q is
+        out: (batch, heads_q, q_len, head_dim) in q's dtype. It has q's memory layout when q is
             dense, so a head split by ``view().transpose(1, 2)`` merges back with a free
             ``out.transpose(1, 2).reshape(batch, q_len, heads * head_dim)``.
-        lse (only with ``return_lse``): float32 (batch, heads, q_len), natural log, -inf for a
+        lse (only with ``return_lse``): float32 (batch, heads_q, q_len), natural log, -inf for a
             row that sees no key. Not differentiable.
     """
-    _validate(q, k, v, causal, dropout_p, softmax_scale, seed)
+    causal = _validate(q, k, v, causal, dropout_p, softmax_scale, seed, window)
     dropout_p = float(dropout_p)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    if dropout_p == 0.0:
-        seed_t = _NO_SEED
-    elif seed is None:
-        seed_t = torch.randint(0, SEED_LIMIT - 1, (), dtype=torch.int64)
-    else:
-        seed_t = torch.tensor(int(seed), dtype=torch.int64)
-    out, lse = _fwd_op(q, k, v, causal, dropout_p, float(softmax_scale), seed_t)
+    out, lse = _fwd_op(q, k, v, None, None, -1, -1, causal, dropout_p, float(softmax_scale),
+                       _seed_tensor(dropout_p, seed), int(window or 0))
+    return (out, lse) if return_lse else out
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
+                     *, causal=True, dropout_p=0.0, softmax_scale=None, seed=None, window=None,
+                     return_lse=False):
+    """Attention over packed sequences of different lengths (FlashAttention's varlen layout).
+
+    Sequence s is rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]`` of q and
+    ``cu_seqlens_k[s]:cu_seqlens_k[s+1]`` of k and v; it attends only within itself, with the
+    causal mask aligned bottom-right per sequence and everything else as in ``attention``::
+
+            cu_seqlens_q = cu_seqlens_k = [0, 2, 5]       (x = visible, causal)
+                   k0 k1 | k2 k3 k4
+              q0    x  . |  .  .  .      sequence 0: rows 0-1
+              q1    x  x |  .  .  .
+              -----------+---------
+              q2    .  . |  x  .  .      sequence 1: rows 2-4
+              q3    .  . |  x  x  .
+              q4    .  . |  x  x  x
+
+    Args:
+        q: (total_q, heads_q, head_dim); k, v: (total_k, heads_kv, head_dim) with
+            heads_q % heads_kv == 0 (grouped-query heads as in ``attention``). fp16 / bf16 /
+            fp32, one dtype and device, any strides.
+        cu_seqlens_q, cu_seqlens_k: int32 (num_seqs + 1,) on q's device, starting at 0,
+            non-decreasing, ending at total_q / total_k. Zero-length sequences are allowed (a
+            query row whose sequence has no keys gives zeros and lse -inf).
+        max_seqlen_q, max_seqlen_k: optional ints, the longest sequence of each (sizes the
+            grid). Outside ``torch.compile`` tracing, cu_seqlens are read once on the host
+            (one small sync) and every check above runs, including that a hint is not smaller
+            than a real length (ValueError). Inside a compiled graph nothing is read while
+            tracing: the caller guarantees valid cu_seqlens and hints >= the real lengths (a
+            missing hint is computed in the op, at run time).
+        causal, dropout_p, softmax_scale, seed, window: as in ``attention``. The dropout mask
+            gives every (sequence, query head, row, key column) its own Philox word;
+            ``reference.dropout_keep_mask_varlen`` recomputes it.
+        return_lse: also return the row log-sum-exp.
+
+    Returns:
+        out: (total_q, heads_q, head_dim) in q's dtype.
+        lse (only with ``return_lse``): float32 (heads_q, total_q), natural log, -inf for rows
+            that see no key. Not differentiable.
+    """
+    layout = "(total_rows, heads, head_dim) (packed sequences)"
+    causal = _validate(q, k, v, causal, dropout_p, softmax_scale, seed, window, dims=3,
+                       layout=layout, head_axis=1)
+    max_seqlen_q, max_seqlen_k = _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k,
+                                                   max_seqlen_q, max_seqlen_k)
+    dropout_p = float(dropout_p)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    out, lse = _fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                       dropout_p, float(softmax_scale), _seed_tensor(dropout_p, seed),
+                       int(window or 0))
     return (out, lse) if return_lse else out

@@ -2,13 +2,16 @@
 
 * ``modules``: the attention classes of "Build a Large Language Model (From Scratch)", ch. 3.
 * ``gpt``: the book's GPT-2 (124M) model, ch. 4.
-* ``functional``: ``attention`` (float64 oracle / low-precision baseline) and ``causal_mask``.
-* ``dropout``: the kernel's Philox dropout mask, bit for bit (``dropout_keep_mask``).
+* ``functional``: ``attention`` (float64 oracle / low-precision baseline; grouped-query heads,
+  sliding window), ``attention_varlen`` (FlashAttention's packed variable-length layout) and
+  ``causal_mask`` (bottom-right, optional window).
+* ``dropout``: the kernel's Philox dropout mask, bit for bit (``dropout_keep_mask`` dense,
+  ``dropout_keep_mask_varlen`` packed, ``dropout_keep_rows`` selected rows).
 
 Nothing here imports ``kernels``: the reference must not share the code it checks.
 """
-from .dropout import dropout_keep_mask, dropout_keep_rows, philox4x32
-from .functional import attention, causal_mask
+from .dropout import dropout_keep_mask, dropout_keep_mask_varlen, dropout_keep_rows, philox4x32
+from .functional import attention, attention_varlen, causal_mask
 from .gpt import (
     GELU,
     GPT_CONFIG_124M,
@@ -40,8 +43,10 @@ __all__ = [
     "GPTModel",
     "generate_text_simple",
     "attention",
+    "attention_varlen",
     "causal_mask",
     "dropout_keep_mask",
+    "dropout_keep_mask_varlen",
     "dropout_keep_rows",
     "philox4x32",
 ]

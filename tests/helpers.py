@@ -30,7 +30,8 @@ def randn(*shape, dtype=torch.float32, device=DEVICE, requires_grad=False):
     return x.requires_grad_(requires_grad)
 
 
-def fa2_oracle(q, k, v, do, o, lse, *, causal, softmax_scale, dropout_p, keep_mask):
+def fa2_oracle(q, k, v, do, o, lse, *, causal, softmax_scale, dropout_p, keep_mask,
+               window=None):
     """Two allowances on top of FlashAttention's budget rule, both computed in float64 and
     both owed to the FlashAttention-2 formulation, not to a kernel bug:
 
@@ -43,13 +44,18 @@ def fa2_oracle(q, k, v, do, o, lse, *, causal, softmax_scale, dropout_p, keep_ma
       delta) subtracts two sums (a dot, a rowsum of dO * O) of size |dO| |V| and |dO| |O|.
       It is fp32-sized: visible only for fp32 inputs, where PyTorch's softmax is more exact.
 
+    Grouped-query k, v (fewer heads than q) are expanded here and their gradients summed over
+    each group; ``window`` is the sliding window of ``reference.causal_mask``.
+
     Returns ((dq, dk, dv) given o, (dq, dk, dv) max fp32 rounding allowance).
     """
+    group = q.shape[1] // k.shape[1]
     q, k, v, do, o = (t.double() for t in (q, k, v, do, o))
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     s = softmax_scale * (q @ k.transpose(-1, -2))
     if causal:
-        s = s.masked_fill(~reference.causal_mask(q.shape[2], k.shape[2], device=q.device),
-                          float("-inf"))
+        s = s.masked_fill(~reference.causal_mask(q.shape[2], k.shape[2], device=q.device,
+                                                 window=window), float("-inf"))
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)          # rows that see no key: P = 0
     drop = keep_mask / (1.0 - dropout_p) if keep_mask is not None else torch.ones_like(p)
     dv = (p * drop).transpose(-1, -2) @ do
@@ -66,5 +72,15 @@ def fa2_oracle(q, k, v, do, o, lse, *, causal, softmax_scale, dropout_p, keep_ma
     noise = (softmax_scale * (ds_err @ k.abs()),
              softmax_scale * (ds_err.transpose(-1, -2) @ q.abs()),
              (p * p_rel * drop).transpose(-1, -2) @ do.abs())
+    given_o, noise = (tuple(_group_sum(t, group, i) for i, t in enumerate(ts))
+                      for ts in (given_o, noise))
     eps = torch.finfo(torch.float32).eps
     return given_o, [2 * eps * n.max().item() if n.numel() else 0.0 for n in noise]
+
+
+def _group_sum(t, group, index):
+    """dk, dv (index 1, 2) of expanded kv heads summed back over each group of query heads."""
+    if index == 0 or group == 1:
+        return t
+    b, h, n, d = t.shape
+    return t.view(b, h // group, group, n, d).sum(2)

@@ -37,7 +37,9 @@ def _keep_tile_kernel(seed, out_ptr, bh_base, q_len, k_len, threshold,
     start_n = tl.program_id(2) * BLOCK_N
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    keep = dropout_keep_tile(seed, bh + bh_base, offs_m, start_n, q_len, k_len, threshold,
+    # The dense layout's row id base (bh * q_len) and Philox counters per row (kernels/_dropout).
+    row_base = (bh + bh_base).to(tl.int64) * q_len
+    keep = dropout_keep_tile(seed, row_base, offs_m, start_n, (k_len + 3) // 4, threshold,
                              BLOCK_M, BLOCK_N)
     ptrs = out_ptr + (bh * q_len + offs_m[:, None]).to(tl.int64) * k_len + offs_n[None, :]
     tl.store(ptrs, keep.to(tl.int8), mask=(offs_m[:, None] < q_len) & (offs_n[None, :] < k_len))

@@ -233,7 +233,8 @@ def _ok():
 
 BAD = [
     (lambda q, k, v: (q[0], k, v), {}, ValueError, "q must be 4-D"),
-    (lambda q, k, v: (q, k[:, :1], v[:, :1]), {}, ValueError, "same heads"),
+    (lambda q, k, v: (q[:, :1], k, v), {}, ValueError, "multiple of the key/value heads"),
+    (lambda q, k, v: (q[:, :, :, :1].expand(2, 2, 8, 16), k, v), {}, ValueError, "same batch"),
     (lambda q, k, v: (q, k[..., :8], v[..., :8]), {}, ValueError, "same head_dim"),
     (lambda q, k, v: (q, k, v[:, :, :4]), {}, ValueError, "k and v must have the same shape"),
     (lambda q, k, v: (q, k.half(), v.half()), {}, TypeError, "share one dtype"),
@@ -246,8 +247,18 @@ BAD = [
     (lambda q, k, v: (q, k, v), {"softmax_scale": float("inf")}, ValueError, "softmax_scale"),
     (lambda q, k, v: (q, k, v), {"seed": -1, "dropout_p": 0.1}, ValueError, "seed"),
     (lambda q, k, v: (q, k, v), {"seed": 1.5}, TypeError, "seed"),
-    (lambda q, k, v: (q, k, v), {"causal": 1}, TypeError, "causal"),
+    (lambda q, k, v: (q, k, v), {"causal": 1}, TypeError, "causal must be a bool, got int"),
 ]
+
+
+def test_numpy_bool_causal():
+    """numpy bools are bools (as numpy floats are floats for dropout_p)."""
+    np = pytest.importorskip("numpy")
+    q, k, v = make_qkv(1, 2, 9, 12, 16, torch.float32)
+    assert torch.equal(kernels.attention(q, k, v, causal=np.bool_(False)),
+                       kernels.attention(q, k, v, causal=False))
+    with pytest.raises(TypeError, match="causal must be a bool, got numpy.int64"):
+        kernels.attention(q, k, v, causal=np.int64(1))
 
 
 @pytest.mark.parametrize("mutate,kwargs,exc,match", BAD)
