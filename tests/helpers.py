@@ -4,7 +4,7 @@ import torch
 
 import reference
 
-from reference.parity import GRAD_FACTOR, OUT_FACTOR, parity_budget  # noqa: F401
+from reference.parity import FLOOR_ULPS, GRAD_FACTOR, OUT_FACTOR, parity_budget  # noqa: F401
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)

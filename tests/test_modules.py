@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 import kernels.ops
-from helpers import DEVICE, DTYPES, GRAD_FACTOR, assert_parity, randn
+from helpers import DEVICE, DTYPES, FLOOR_ULPS, GRAD_FACTOR, assert_parity, randn
 from kernels import (
     FusedCausalAttention,
     FusedMultiHeadAttention,
@@ -156,6 +156,12 @@ def test_forward_backward_parity(kind, dtype):
     x = randn(B, N, D_IN, dtype=dtype)
 
     f_in, r_in, o_in = (t.detach().requires_grad_() for t in (x, x.clone(), x.double()))
+    # dL/d(keys) of the oracle, per key projection: the key bias's gradient sums these rows.
+    key_grads = {}
+    for mod_name, mod in oracle.named_modules():
+        if mod_name.endswith("W_key"):
+            mod.register_full_backward_hook(
+                lambda m, g_in, g_out, name=mod_name: key_grads.__setitem__(name, g_out[0]))
     f_out, r_out, o_out = fused(f_in), ref(r_in), oracle(o_in)
     # One random cotangent for all three, so no gradient is trivially symmetric.
     cot = randn(*f_out.shape, dtype=torch.float64)
@@ -169,8 +175,16 @@ def test_forward_backward_parity(kind, dtype):
     o_params = dict(oracle.named_parameters())
     assert f_params.keys() == r_params.keys()
     for name in f_params:
+        extra = 0.0
+        if name.endswith("W_key.bias"):
+            # Softmax is shift-invariant per row, so the key bias's true gradient is exactly 0:
+            # it is a sum of dK rows that cancels. Fused and PyTorch values are both rounding
+            # noise of that sum, of size eps(dtype) * sum|dK| (from the float64 oracle's dK).
+            dkeys = key_grads[name[:-len(".bias")]]
+            extra = (FLOOR_ULPS * torch.finfo(dtype).eps
+                     * dkeys.abs().sum(dim=tuple(range(dkeys.dim() - 1))).max().item())
         assert_parity(f_params[name].grad, o_params[name].grad, r_params[name].grad,
-                      factor=GRAD_FACTOR, name=f"{name}.grad")
+                      factor=GRAD_FACTOR, extra=extra, name=f"{name}.grad")
 
 
 def test_autocast_matches_reference_under_autocast():
