@@ -19,6 +19,25 @@ def interpreter_active() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+# Triton reads TRITON_INTERPRET when ``@triton.jit`` decorates a function, i.e. when this
+# package is first imported: the kernels below are interpreted or compiled for good.
+KERNELS_INTERPRETED = interpreter_active()
+
+
+def check_interpreter_setting():
+    """Raise a clear error when TRITON_INTERPRET was set after the kernels were defined as
+    compiled kernels: launching them on CPU tensors would otherwise fail deep inside Triton
+    with "0 active drivers ([]). There should only be one."."""
+    if interpreter_active() and not KERNELS_INTERPRETED:
+        raise RuntimeError(
+            f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r} was set after the "
+            f"`kernels` package was first imported, but Triton reads it only then (when "
+            f"@triton.jit defines the kernels), so the kernels are compiled ones and cannot run "
+            f"on CPU tensors. Set TRITON_INTERPRET=1 before the first `import kernels` (in the "
+            f"shell, at the top of the script, or in a conftest.py), or unset it to use the "
+            f"PyTorch CPU fallback.")
+
+
 def block_d(head_dim: int) -> int:
     """Padded tile width for ``head_dim``: the next power of two, at least MIN_BLOCK_D."""
     return max(MIN_BLOCK_D, triton.next_power_of_2(head_dim))

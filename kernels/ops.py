@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from . import fallback
-from ._common import MAX_HEAD_DIM, interpreter_active
+from ._common import MAX_HEAD_DIM, check_interpreter_setting, interpreter_active
 from .backward import attention_backward
 from .forward import attention_forward
 
@@ -188,6 +188,8 @@ _warned_fallback = False
 def _use_fallback(t):
     """CPU tensors without Triton's interpreter take the PyTorch fallback (warned once)."""
     global _warned_fallback
+    if t.device.type == "cpu":
+        check_interpreter_setting()
     if t.device.type == "cpu" and not interpreter_active():
         if not _warned_fallback:
             warnings.warn("kernels.attention: CPU tensors run a PyTorch fallback with the same "
@@ -283,12 +285,13 @@ def _setup_context(ctx, inputs, output):
 
 
 class _NoDoubleBackward(torch.autograd.Function):
-    """Identity on the first-order gradients whose own backward raises a clear error: the
-    attention backward is a custom kernel without a derivative of its own."""
+    """Passes the first-order gradients through, attached to the graph of the inputs (q, k, v),
+    with a backward that raises a clear error: the attention backward is a fused kernel with no
+    derivative of its own."""
 
     @staticmethod
-    def forward(ctx, *grads):
-        return grads
+    def forward(ctx, grads, *inputs):
+        return tuple(g.view_as(g) for g in grads)
 
     @staticmethod
     def backward(ctx, *_):
@@ -306,7 +309,7 @@ def _backward(ctx, do, dlse):
         grads = _bwd_op(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *ctx.args, seed,
                         ctx.window)
     if create_graph:  # a later grad of these gradients must fail with a clear message
-        grads = _NoDoubleBackward.apply(*grads)
+        grads = _NoDoubleBackward.apply(grads, q, k, v, do)
     return (*grads,) + (None,) * 9
 
 

@@ -3,6 +3,9 @@
 On CPU every case runs the real Triton kernel in Triton's interpreter (see conftest.py).
 """
 import math
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -324,3 +327,32 @@ def test_cpu_fallback_gradients(monkeypatch, q_len, k_len, causal, p):
 def test_fuzz(b, h, q_len, k_len, d, causal, dtype, layout, dropout):
     check_parity(*make_qkv(b, h, q_len, k_len, d, dtype, layout=layout), causal=causal,
                  dropout_p=dropout, seed=77 if dropout else None)
+
+
+def test_interpreter_set_after_import_says_what_to_do():
+    """TRITON_INTERPRET set after `import kernels`: a clear error, not Triton's "0 active
+    drivers". A fresh interpreter, since this process imported kernels interpreted."""
+    script = ("import os, torch, kernels\n"
+              "os.environ['TRITON_INTERPRET'] = '1'\n"
+              "q = torch.randn(1, 1, 4, 16)\n"
+              "kernels.attention(q, q, q)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode != 0
+    assert "before the first `import kernels`" in run.stderr, run.stderr[-2000:]
+
+
+def test_double_backward_says_unsupported():
+    """A gradient of a gradient raises an error naming kernels.attention and the way out,
+    instead of PyTorch's message for library authors; first-order gradients with
+    create_graph=True are still right."""
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 2, 9, 9, 16, torch.float32))
+    out = kernels.attention(q, k, v)
+    dq, = torch.autograd.grad(out.sum(), q, create_graph=True)
+    plain, = torch.autograd.grad(kernels.attention(q, k, v).sum(), q)
+    assert torch.equal(dq, plain)
+    with pytest.raises(RuntimeError, match="double backward .* of kernels.attention is not "
+                                           "supported"):
+        torch.autograd.grad(dq.sum(), (q, k))
