@@ -14,40 +14,44 @@ from kernels.autotune import bwd_configs, fixed_config, fwd_configs, prune_confi
 from kernels.backward import attention_backward
 from kernels.forward import attention_forward
 
-SHAPES = [(150, 200, True), (200, 150, True), (77, 77, False)]
+# (q_len, k_len, causal, window, kv heads for 2 query heads): the last one moves the window's
+# left edge across the unequal tiles, with grouped-query heads.
+SHAPES = [(150, 200, True, None, 2), (200, 150, True, None, 2), (77, 77, False, None, 2),
+          (150, 200, True, 37, 1)]
 
 
 def _id(cfg):
     return "M{BLOCK_M}-N{BLOCK_N}".format(**cfg.kwargs) + f"-w{cfg.num_warps}-s{cfg.num_stages}"
 
 
-def _inputs(q_len, k_len, dtype=torch.float16):
-    return (randn(1, 2, q_len, 40, dtype=dtype), randn(1, 2, k_len, 40, dtype=dtype),
-            randn(1, 2, k_len, 40, dtype=dtype))
+def _inputs(q_len, k_len, heads_kv=2, dtype=torch.float16):
+    return (randn(1, 2, q_len, 40, dtype=dtype), randn(1, heads_kv, k_len, 40, dtype=dtype),
+            randn(1, heads_kv, k_len, 40, dtype=dtype))
 
 
-@pytest.mark.parametrize("q_len,k_len,causal", SHAPES)
+@pytest.mark.parametrize("q_len,k_len,causal,window,heads_kv", SHAPES)
 @pytest.mark.parametrize("config", fwd_configs(), ids=_id)
-def test_forward_config(config, q_len, k_len, causal):
-    q, k, v = _inputs(q_len, k_len)
+def test_forward_config(config, q_len, k_len, causal, window, heads_kv):
+    q, k, v = _inputs(q_len, k_len, heads_kv)
     keep = reference.dropout_keep_mask(5, 1, 2, q_len, k_len, 0.2, device=q.device)
     out, _ = attention_forward(q, k, v, causal=causal, softmax_scale=0.15, dropout_p=0.2,
-                               seed=5, config=config)
-    kw = dict(causal=causal, softmax_scale=0.15, dropout_p=0.2, keep_mask=keep)
+                               seed=5, window=window, config=config)
+    kw = dict(causal=causal, softmax_scale=0.15, dropout_p=0.2, keep_mask=keep, window=window)
     assert_parity(out, reference.attention(q, k, v, **kw),
                   reference.attention(q, k, v, upcast=False, **kw))
 
 
-@pytest.mark.parametrize("q_len,k_len,causal", SHAPES)
+@pytest.mark.parametrize("q_len,k_len,causal,window,heads_kv", SHAPES)
 @pytest.mark.parametrize("config", bwd_configs(), ids=_id)
-def test_backward_config(config, q_len, k_len, causal):
-    q, k, v = _inputs(q_len, k_len)
+def test_backward_config(config, q_len, k_len, causal, window, heads_kv):
+    q, k, v = _inputs(q_len, k_len, heads_kv)
     do = randn(*q.shape, dtype=q.dtype)
     keep = reference.dropout_keep_mask(9, 1, 2, q_len, k_len, 0.2, device=q.device)
-    kw = dict(causal=causal, softmax_scale=0.15, dropout_p=0.2, keep_mask=keep)
-    o, lse = attention_forward(q, k, v, causal=causal, softmax_scale=0.15, dropout_p=0.2, seed=9)
+    kw = dict(causal=causal, softmax_scale=0.15, dropout_p=0.2, keep_mask=keep, window=window)
+    o, lse = attention_forward(q, k, v, causal=causal, softmax_scale=0.15, dropout_p=0.2, seed=9,
+                               window=window)
     grads = attention_backward(do, q, k, v, o, lse, causal=causal, softmax_scale=0.15,
-                               dropout_p=0.2, seed=9, config=config)
+                               dropout_p=0.2, seed=9, window=window, config=config)
 
     def ref_grads(upcast):
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
