@@ -1,7 +1,14 @@
 """PyTorch fallback for CPU tensors when Triton's interpreter is off: the kernels' semantics
 (bottom-right causal, sliding window, grouped-query heads, packed sequences, rows without keys
--> zeros / lse -inf, and the same Philox dropout mask), computed block by block over query rows
-so that memory stays O(block · k_len) instead of O(q_len · k_len).
+-> zeros / lse -inf, and the same Philox dropout mask) in O(seq) memory.
+
+* Where PyTorch's own CPU flash attention computes exactly the same thing (no dropout, no
+  window, dense, non-causal or causal with q_len == k_len, where top-left and bottom-right
+  alignment agree), its aten ops do the work: they return the lse too, and are PyTorch's
+  speed.
+* Everything else (our dropout mask, windows, q_len != k_len causal, packed sequences) is
+  computed block by block over query rows, each block against only the keys it can see, so
+  memory stays O(block · k_len) instead of O(q_len · k_len).
 
 The visibility rule and the dropout row ids mirror kernels/_tiles.py and kernels/_dropout.py;
 the dropout bits come from ``reference.dropout`` (the PyTorch twin of the kernels' counter).
@@ -19,12 +26,22 @@ def _row_blocks(batch, heads, q_len, k_len):
     return [(i, min(i + rows, q_len)) for i in range(0, q_len, rows)]
 
 
-def _block_visible(i0, i1, q_len, k_len, causal, window, device):
-    """Bool (i1 - i0, k_len): query i sees key j (kernels/_tiles.visible, in PyTorch)."""
-    rows = torch.arange(i0, i1, device=device)[:, None]
-    cols = torch.arange(k_len, device=device)[None, :]
+def _key_span(i0, i1, q_len, k_len, causal, window):
+    """[k0, k1): the keys any of the query rows [i0, i1) can see (kernels/_tiles.key_range)."""
+    if not causal:
+        return 0, k_len
     diag = k_len - q_len
-    vis = torch.ones((i1 - i0, k_len), dtype=torch.bool, device=device)
+    k1 = min(max(i1 + diag, 0), k_len)
+    k0 = 0 if window is None else min(max(i0 + diag - window + 1, 0), k1)
+    return k0, k1
+
+
+def _block_visible(i0, i1, k0, k1, q_len, k_len, causal, window, device):
+    """Bool (i1 - i0, k1 - k0): query i sees key j (kernels/_tiles.visible, in PyTorch)."""
+    rows = torch.arange(i0, i1, device=device)[:, None]
+    cols = torch.arange(k0, k1, device=device)[None, :]
+    diag = k_len - q_len
+    vis = torch.ones((i1 - i0, k1 - k0), dtype=torch.bool, device=device)
     if causal:
         vis = cols <= rows + diag
         if window is not None:
@@ -57,24 +74,64 @@ class _Dense:
         B, H, q_len, _ = self.q.shape
         return _row_blocks(B, H, q_len, self.k.shape[2])
 
-    def scores(self, i0, i1):
-        """Scaled scores of rows [i0, i1), -inf where invisible: (B, H, rows, k_len)."""
+    def keys(self, i0, i1):
+        """[k0, k1): the only keys rows [i0, i1) see (causal and window bound the work)."""
+        return _key_span(i0, i1, self.q.shape[2], self.k.shape[2], self.causal, self.window)
+
+    def scores(self, i0, i1, k0, k1):
+        """Scaled scores of rows [i0, i1) x keys [k0, k1), -inf where invisible:
+        (B, H, i1 - i0, k1 - k0)."""
         q_len, k_len = self.q.shape[2], self.k.shape[2]
-        s = torch.matmul(self.q[:, :, i0:i1], self.k.transpose(-2, -1)) * self.scale
-        vis = _block_visible(i0, i1, q_len, k_len, self.causal, self.window, s.device)
+        s = torch.matmul(self.q[:, :, i0:i1], self.k[:, :, k0:k1].transpose(-2, -1)) * self.scale
+        vis = _block_visible(i0, i1, k0, k1, q_len, k_len, self.causal, self.window, s.device)
         return s.masked_fill(~vis, float("-inf"))
 
-    def drop(self, i0, i1):
-        """Dropout factor keep / (1 - p) of rows [i0, i1) (1.0 without dropout)."""
+    def drop(self, i0, i1, k0, k1):
+        """Dropout factor keep / (1 - p) of rows [i0, i1) x keys [k0, k1) (1.0 without
+        dropout)."""
         if self.dropout_p == 0:
             return 1.0
         from reference.dropout import dropout_keep_rows
         B, H, _, _ = self.q.shape
-        k_len = self.k.shape[2]
         rows = (self.row_base[:, :, None]
                 + torch.arange(i0, i1, device=self.q.device)[None, None, :]).reshape(-1)
-        keep = dropout_keep_rows(self.seed, rows, k_len, self.dropout_p, groups=self.groups)
-        return keep.view(B, H, i1 - i0, k_len) / (1.0 - self.dropout_p)
+        # The counters of columns [0, k1), of which [k0, k1) are kept: Philox words come in
+        # groups of 4 columns, so the mask is cut from the row's first column on.
+        keep = dropout_keep_rows(self.seed, rows, k1, self.dropout_p, groups=self.groups)
+        return keep[:, k0:].view(B, H, i1 - i0, k1 - k0) / (1.0 - self.dropout_p)
+
+
+def _sdpa_applies(q, k, cu_q, causal, window, dropout_p):
+    """Whether PyTorch's CPU flash attention computes exactly our result (see the docstring)."""
+    return (cu_q is None and window is None and dropout_p == 0.0
+            and (not causal or q.shape[2] == k.shape[2]) and min(q.shape[2], k.shape[2]) > 0
+            and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward"))
+
+
+def _expand_kv(q, *kv):
+    group = q.shape[1] // kv[0].shape[1]
+    return [x.repeat_interleave(group, dim=1) if group > 1 else x for x in kv]
+
+
+def _sdpa_forward(q, k, v, causal, softmax_scale, o):
+    k, v = _expand_kv(q, k, v)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, causal, scale=softmax_scale)
+    o.copy_(out)
+    return o, lse.float().contiguous()
+
+
+def _sdpa_backward(do, q, k, v, o, lse, causal, softmax_scale, dq, dk, dv):
+    k_e, v_e = _expand_kv(q, k, v)
+    grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        do.contiguous(), q, k_e, v_e, o, lse, 0.0, causal, scale=softmax_scale)
+    group = q.shape[1] // k.shape[1]
+    for out, g in zip((dq, dk, dv), grads):
+        if out is not dq and group > 1:  # kv heads: sum over each group of query heads
+            B, H, n, D = g.shape
+            g = g.view(B, H // group, group, n, D).sum(2)
+        out.copy_(g)
+    return dq, dk, dv
 
 
 def _probs(s, lse):
@@ -84,10 +141,12 @@ def _probs(s, lse):
 
 def _forward_dense(pb, o, lse):
     for i0, i1 in pb.blocks():
-        s = pb.scores(i0, i1)
+        k0, k1 = pb.keys(i0, i1)
+        s = pb.scores(i0, i1, k0, k1)
         blk_lse = torch.logsumexp(s, dim=-1)
         lse[:, :, i0:i1] = blk_lse
-        o[:, :, i0:i1] = torch.matmul(_probs(s, blk_lse) * pb.drop(i0, i1), pb.v).to(o.dtype)
+        p = _probs(s, blk_lse) * pb.drop(i0, i1, k0, k1)
+        o[:, :, i0:i1] = torch.matmul(p, pb.v[:, :, k0:k1]).to(o.dtype)
 
 
 def _backward_dense(pb, do, o, lse, dq, dk, dv):
@@ -95,14 +154,15 @@ def _backward_dense(pb, do, o, lse, dq, dk, dv):
     dk_h = torch.zeros_like(pb.k)
     dv_h = torch.zeros_like(pb.v)
     for i0, i1 in pb.blocks():
-        p = _probs(pb.scores(i0, i1), lse[:, :, i0:i1])
-        drop = pb.drop(i0, i1)
+        k0, k1 = pb.keys(i0, i1)
+        p = _probs(pb.scores(i0, i1, k0, k1), lse[:, :, i0:i1])
+        drop = pb.drop(i0, i1, k0, k1)
         do_b = do[:, :, i0:i1]
         delta = (do_b * o[:, :, i0:i1].float()).sum(-1, keepdim=True)  # right with dropout too
-        ds = p * (torch.matmul(do_b, pb.v.transpose(-2, -1)) * drop - delta)
-        dq[:, :, i0:i1] = (torch.matmul(ds, pb.k) * pb.scale).to(dq.dtype)
-        dk_h += torch.matmul(ds.transpose(-2, -1), pb.q[:, :, i0:i1]) * pb.scale
-        dv_h += torch.matmul((p * drop).transpose(-2, -1), do_b)
+        ds = p * (torch.matmul(do_b, pb.v[:, :, k0:k1].transpose(-2, -1)) * drop - delta)
+        dq[:, :, i0:i1] = (torch.matmul(ds, pb.k[:, :, k0:k1]) * pb.scale).to(dq.dtype)
+        dk_h[:, :, k0:k1] += torch.matmul(ds.transpose(-2, -1), pb.q[:, :, i0:i1]) * pb.scale
+        dv_h[:, :, k0:k1] += torch.matmul((p * drop).transpose(-2, -1), do_b)
     dk.copy_(pb.reduce_group(dk_h))
     dv.copy_(pb.reduce_group(dv_h))
 
@@ -136,6 +196,8 @@ def _view(x, r, packed):
 
 def forward(q, k, v, cu_q, cu_k, causal, window, softmax_scale, dropout_p, seed, o):
     """(o, lse) as the forward kernel returns them; ``o`` is written in place."""
+    if _sdpa_applies(q, k, cu_q, causal, window, dropout_p):
+        return _sdpa_forward(q, k, v, causal, softmax_scale, o)
     packed = cu_q is not None
     lse_shape = (q.shape[1], q.shape[0]) if packed else q.shape[:3]
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
@@ -149,6 +211,8 @@ def forward(q, k, v, cu_q, cu_k, causal, window, softmax_scale, dropout_p, seed,
 def backward(do, q, k, v, o, lse, cu_q, cu_k, causal, window, softmax_scale, dropout_p, seed,
              dq, dk, dv):
     """(dq, dk, dv) as the backward kernels return them, written into the given tensors."""
+    if _sdpa_applies(q, k, cu_q, causal, window, dropout_p):
+        return _sdpa_backward(do, q, k, v, o, lse, causal, softmax_scale, dq, dk, dv)
     packed = cu_q is not None
     dq.zero_()  # rows of no sequence (none when cu_seqlens are valid) stay 0
     dk.zero_()
