@@ -19,5 +19,7 @@ setup(
     extras_require={
         "test": ["pytest>=7", "pytest-benchmark>=4", "hypothesis>=6", "numpy"],
         "bench": ["matplotlib>=3.5", "pytest-benchmark>=4", "numpy"],
+        # Optional integrations, imported lazily (kernels.hf).
+        "hf": ["transformers>=4.56"],
     },
 )
