@@ -445,3 +445,53 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
                        dropout_p, float(softmax_scale), _seed_tensor(dropout_p, seed),
                        int(window or 0))
     return (out, lse) if return_lse else out
+
+
+# --------------------------------------------------------------------------------------------
+# Entry points for integrations that own their autograd formula (kernels.sdpa)
+# --------------------------------------------------------------------------------------------
+def _integration_args(q, k, v, causal, dropout_p, softmax_scale, seed, window, cu_seqlens_q,
+                      cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    if cu_seqlens_q is None:
+        causal = _validate(q, k, v, causal, dropout_p, softmax_scale, seed, window)
+        max_seqlen_q = max_seqlen_k = -1
+    else:
+        causal = _validate(q, k, v, causal, dropout_p, softmax_scale, seed, window, dims=3,
+                           layout="(total_rows, heads, head_dim) (packed sequences)")
+        max_seqlen_q, max_seqlen_k = _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k,
+                                                       max_seqlen_q, max_seqlen_k)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    seed_t = _NO_SEED if float(dropout_p) == 0.0 else torch.tensor(int(seed), dtype=torch.int64)
+    return (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, float(dropout_p),
+            float(softmax_scale), seed_t, int(window or 0))
+
+
+def forward_with_lse(q, k, v, *, causal=True, dropout_p=0.0, softmax_scale=None, seed=0,
+                     window=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                     max_seqlen_k=None):
+    """(out, lse) of ``attention`` (dense) or ``attention_varlen`` (with cu_seqlens), same
+    arguments and validation, but as a plain forward: for integrations that register their own
+    backward (kernels.sdpa), which pass the same arguments to ``backward``. ``seed``: an int
+    (the dropout mask's Philox key; ignored without dropout)."""
+    args = _integration_args(q, k, v, causal, dropout_p, softmax_scale, seed, window,
+                             cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    with torch.no_grad():
+        return _fwd_op(q, k, v, *args)
+
+
+def backward(do, q, k, v, out, lse, *, causal=True, dropout_p=0.0, softmax_scale=None, seed=0,
+             window=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+             max_seqlen_k=None):
+    """(dq, dk, dv) for ``do`` = dL/d(out), given the (out, lse) of ``forward_with_lse`` with
+    the same arguments; shapes and layouts of q, k, v. Deterministic."""
+    (cu_q, cu_k, max_q, max_k, causal, dropout_p, scale, seed_t,
+     window) = _integration_args(q, k, v, causal, dropout_p, softmax_scale, seed, window,
+                                 cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if do.shape != q.shape or out.shape != q.shape or lse.shape != _lse_shape(q, cu_q):
+        raise ValueError(f"do and out must have q's shape {tuple(q.shape)} and lse "
+                         f"{_lse_shape(q, cu_q)}, got do {tuple(do.shape)}, out "
+                         f"{tuple(out.shape)}, lse {tuple(lse.shape)}")
+    with torch.no_grad():
+        return _bwd_op(do, q, k, v, out, lse.float().contiguous(), cu_q, cu_k, max_q, max_k,
+                       causal, dropout_p, scale, seed_t, window)
