@@ -36,8 +36,11 @@ DEFAULTS = {
     "cuda_quick": dict(seq_lens=[1024, 4096], modes=["fwd", "bwd", "fwd_bwd"],
                        dtypes=["bfloat16"], head_dims=[128], dropout=[0.0, 0.1], tokens=16384,
                        hidden=2048, quadratic_max_seq=8192, time_budget=150.0),
-    "cpu": dict(seq_lens=[64, 128, 256], modes=["fwd", "bwd", "fwd_bwd"],
-                dtypes=["bfloat16"], head_dims=[64], dropout=[0.0, 0.1], tokens=256,
+    # CPU: every kernel call runs in Triton's interpreter (0.1-5 s each; a row is 2-4 calls),
+    # so the sweep is sized to finish in about half of its budget on an idle 2-core machine
+    # (measured: benchmarks/README.md), leaving room for a busy one.
+    "cpu": dict(seq_lens=[32, 64, 128], modes=["fwd", "bwd", "fwd_bwd"],
+                dtypes=["bfloat16"], head_dims=[64], dropout=[0.0, 0.1], tokens=128,
                 hidden=64, quadratic_max_seq=1 << 30, time_budget=100.0),
     "cpu_quick": dict(seq_lens=[32, 64], modes=["fwd", "bwd", "fwd_bwd"], dtypes=["bfloat16"],
                       head_dims=[32], dropout=[0.0, 0.1], tokens=64, hidden=64,
@@ -93,7 +96,12 @@ def build_parser():
     p.add_argument("--rep-ms", type=float, default=50.0, help="do_bench repetition time (GPU)")
     p.add_argument("--cpu-reps", type=int, default=3, help="most timed runs per row on CPU")
     p.add_argument("--cpu-max-s", type=float, default=1.0,
-                   help="on CPU, no further timed run of a row starts after this many seconds")
+                   help="on CPU, no further timed run of a row starts this many seconds after "
+                        "its warm-up call began (at least one timed run)")
+    p.add_argument("--cpu-threads", type=int, default=1,
+                   help="on CPU, PyTorch's intra-op threads (torch.set_num_threads); 1 keeps "
+                        "the timings of these tiny shapes steady on a busy machine (0 = "
+                        "PyTorch's default)")
     p.add_argument("--out-dir", default=DEFAULT_OUT, help="where JSON/CSV/PNG go")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--no-modules", action="store_true",
@@ -185,6 +193,11 @@ def run(args, device_type, start):
 
     device = "cuda" if device_type == "cuda" else "cpu"
     eprint = report.eprint
+    if device_type == "cpu" and args.cpu_threads and args.cpu_threads > 0:
+        # With more threads than idle cores, every tiny PyTorch op waits at a thread barrier for
+        # a descheduled worker (measured: SDPA at seq 64 took 8 ms with 2 threads on a busy
+        # 2-core machine, 0.05 ms with 1).
+        torch.set_num_threads(args.cpu_threads)
     deadline = start + args.time_budget if args.time_budget and args.time_budget > 0 else (
         float("inf"))
     args_dict = {k: v for k, v in vars(args).items()}

@@ -2,12 +2,15 @@
 
 The CLI test runs the CPU path (kernel in Triton's interpreter) at --quick sizes in a
 subprocess with CUDA hidden, so it checks the same thing on every machine; a GPU-marked test
-runs a one-point CUDA sweep.
+runs a one-point CUDA sweep. No test depends on how fast the machine is: the CLI runs get no
+time budget (``--time-budget 0``), and the budget's cut-off is tested with a deadline already
+past.
 """
 import csv
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,9 +20,10 @@ import torch
 
 from benchmarks.flops import attention_flops, gpt_step_flops, mha_flops, tflops
 from benchmarks.parity import parity_ok
+from benchmarks.plots import plot_filenames, x_range, y_scale
 from benchmarks.providers import PROVIDERS
-from benchmarks.report import format_tables
-from benchmarks.sweep import ROW_KEYS, SweepConfig, add_speedups, plan_tasks
+from benchmarks.report import format_tables, results_stem
+from benchmarks.sweep import ROW_KEYS, SweepConfig, add_speedups, plan_tasks, run_sweep
 
 REPO = Path(__file__).resolve().parents[1]
 META_KEYS = {"device", "torch", "triton", "cuda", "commit", "date", "timing", "peak_mem", "flops",
@@ -32,13 +36,19 @@ def _status_ok(status):
             or status.startswith("skipped: ") or status.startswith("error: "))
 
 
-def _run_cli(out_dir, *extra, cuda=False, timeout=240):
+# Only a guard against a hung subprocess, far above what the runs need (the --quick CPU run takes
+# ~35 s on an idle 2-core machine): no assertion depends on the machine's speed.
+HANG_GUARD_S = 1800
+
+
+def _run_cli(out_dir, *extra, cuda=False, timeout=HANG_GUARD_S):
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                PYTHONUNBUFFERED="1")
     if not cuda:
         env.update(CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1")
+    # --time-budget 0: no limit, so every row runs however busy the machine is.
     cmd = [sys.executable, "-m", "benchmarks", "--out-dir", str(out_dir), "--no-plots",
-           "--strict", *extra]
+           "--strict", "--time-budget", "0", *extra]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == 0, (f"exit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\n"
@@ -95,13 +105,17 @@ def _interpreter_unusable():
 
 
 def test_cli_quick_cpu(tmp_path):
-    """`python -m benchmarks --quick` on CPU: parity, module rows, sweep, JSON + CSV schema."""
+    """`python -m benchmarks --quick` on CPU: parity, module rows, sweep, JSON + CSV schema.
+    Run without a time budget: every row is run, whatever the machine's load."""
     reason = _interpreter_unusable()
     if reason:
         pytest.skip(reason)
     proc, data, csv_path = _run_cli(tmp_path, "--quick")
     meta, rows = _check_schema(data, csv_path)
     assert meta["device"] == "cpu" and meta["interpreter"] is True
+    assert meta["args"]["time_budget"] == 0
+    assert not [r for r in rows if r["status"] == "skipped: time budget"]
+    assert "TIME BUDGET" not in proc.stdout
     assert "nothing about GPU speed" in proc.stdout
     assert all(p["ok"] for p in meta["parity"])
     attn = [r for r in rows if r["bench"] == "attention"]
@@ -196,3 +210,87 @@ def test_speedup_and_table():
     assert rows[0]["speedup_vs_best_sdpa"] == 1.5 and rows[0]["best_sdpa"] == "sdpa_flash"
     text = format_tables(rows)
     assert "1.5x (flash)" in text and "oom" in text and "n/a" in text
+
+
+def test_time_budget_cuts_rows_not_started():
+    """A deadline already past: no row is measured, each one that could run says
+    'skipped: time budget' (the others keep their static reason), and every row is written."""
+    cfg = SweepConfig(device="cpu", seq_lens=[32, 64], modes=["fwd", "fwd_bwd"],
+                      dtypes=["bfloat16"], head_dims=[32], dropouts=[0.0, 0.1],
+                      providers=list(PROVIDERS), tokens=64, hidden=64, quadratic_max_seq=1 << 30,
+                      deadline=float("-inf"))
+    rows = run_sweep(cfg, lambda name: getattr(torch, name))
+    assert len(rows) == 2 * 2 * 2 * len(PROVIDERS)
+    assert all(r["ms"] is None for r in rows)
+    budget = [r for r in rows if r["status"] == "skipped: time budget"]
+    assert {r["provider"] for r in budget} >= {"kernels", "reference", "sdpa_math"}
+    assert all(r["status"] == "skipped: time budget" or r["status"].startswith(
+        ("unsupported: ", "skipped: torch.compile")) for r in rows), {r["status"] for r in rows}
+
+
+def _row(provider, seq_len, tflops_value, dropout_p=0.0, status="ok"):
+    return dict(bench="attention", provider=provider, mode="fwd", dtype="bfloat16",
+                head_dim=64, dropout_p=dropout_p, seq_len=seq_len, status=status,
+                tflops=tflops_value if status == "ok" else None, peak_mem_bytes=None)
+
+
+def _plot_rows():
+    """Two configs; the dropout one has a single ok point and a row skipped at seq 128."""
+    rows = [_row(p, s, t) for p, t in (("kernels", 1e-5), ("sdpa_math", 1e-2))
+            for s in (32, 64, 128)]
+    return rows + [_row("kernels", 32, 1e-5, dropout_p=0.1),
+                   _row("kernels", 128, None, dropout_p=0.1, status="skipped: time budget")]
+
+
+def test_plot_scale_and_x_range_rules():
+    """Log y-axis when a panel's values span decades; one x-range taken from all rows (also
+    skipped ones)."""
+    assert y_scale([1e-5, 1e-5, 2e-2]) == "log"  # CPU: interpreted kernel vs PyTorch
+    assert y_scale([100.0, 250.0, 300.0]) == "linear"
+    assert y_scale([0.5]) == "linear" and y_scale([]) == "linear"
+    assert y_scale([None, 0.0, 1.0, 29.0]) == "linear"
+    seqs, (lo, hi) = x_range(_plot_rows())
+    assert seqs == [32, 64, 128] and lo < 32 and hi > 128
+
+
+def test_plot_panels_share_x_range():
+    """In the figure: the spread panel is log-scaled, and the dropout panel (one point) spans
+    the same x-range, ticked at the swept seq_lens, as the full one."""
+    rows = _plot_rows()
+    seqs, (lo, hi) = x_range(rows)
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from benchmarks.plots import tflops_figure
+
+    fig = tflops_figure(rows, "fwd")
+    try:
+        axes = [ax for ax in fig.axes if ax.get_title()]
+        assert len(axes) == 2
+        assert axes[0].get_yscale() == "log"  # 1e-5 next to 1e-2
+        assert axes[0].get_xlim() == axes[1].get_xlim() == pytest.approx((lo, hi))
+        assert list(axes[1].get_xticks()) == [32, 64, 128]
+    finally:
+        plt.close(fig)
+
+
+def test_cpu_outputs_are_gitignored():
+    """Every file a default CPU run writes into benchmarks/results/ is ignored by git (else the
+    next run records `commit: ...-dirty` without any source change); GPU results are not."""
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        pytest.skip("not a git checkout")
+    modes = ["fwd", "bwd", "fwd_bwd"]
+
+    def ignored(name):
+        rc = subprocess.run(["git", "-C", str(REPO), "check-ignore", "-q",
+                             f"benchmarks/results/{name}"]).returncode
+        assert rc in (0, 1), f"git check-ignore failed ({rc})"
+        return rc == 0
+
+    for stem in (results_stem("cpu"), "2026-11-22-cpu"):
+        names = [stem + ".json", stem + ".csv"] + plot_filenames(stem, modes, memory=True)
+        assert all(ignored(n) for n in names), [n for n in names if not ignored(n)]
+    gpu = "2026-11-22-nvidia-h100-80gb-hbm3"
+    names = [gpu + ".json", gpu + ".csv"] + plot_filenames(gpu, modes, memory=True)
+    assert not any(ignored(n) for n in names), [n for n in names if ignored(n)]
