@@ -19,11 +19,13 @@ import triton.language as tl
 
 
 @triton.jit
-def seq_bounds(pid_b, q_len, k_len, CU_Q, CU_K, VARLEN: tl.constexpr):
+def seq_bounds(pid_b, q_len, k_len, CU_Q, CU_K, K_LENS, VARLEN: tl.constexpr,
+               SEQUSED_K: tl.constexpr):
     """(q_start, q_len, k_start, k_len) of batch entry ``pid_b``.
 
-    Dense batches: rows start at 0 and the lengths are the arguments. Packed batches: sequence
-    ``pid_b`` is rows ``cu[pid_b]:cu[pid_b + 1]`` of the packed q and k/v (int32 CU_Q, CU_K).
+    Dense batches: rows start at 0 and the lengths are the arguments. Packed batches (VARLEN):
+    sequence ``pid_b`` is rows ``cu[pid_b]:cu[pid_b + 1]`` of the packed q and k/v (int32 CU_Q,
+    CU_K). SEQUSED_K (a KV cache): batch entry ``pid_b`` uses only its first K_LENS[pid_b] keys.
     """
     if VARLEN:
         q_start = tl.load(CU_Q + pid_b)
@@ -33,6 +35,9 @@ def seq_bounds(pid_b, q_len, k_len, CU_Q, CU_K, VARLEN: tl.constexpr):
     else:
         q_start = 0
         k_start = 0
+    if SEQUSED_K:
+        # Never past the cache's capacity (k_len), even if a length breaks the contract.
+        k_len = tl.minimum(tl.load(K_LENS + pid_b), k_len)
     return q_start, q_len, k_start, k_len
 
 
@@ -49,9 +54,10 @@ def visible(rows, cols, k_len, diag, window, CAUSAL: tl.constexpr, WINDOW: tl.co
 
 
 @triton.jit
-def key_range(start_m, q_len, k_len, window, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Key tiles of the query block [start_m, start_m + BLOCK_M): (lo, full_lo, full_hi, hi).
+def key_range(m_lo, m_hi, q_len, k_len, window, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+              BLOCK_N: tl.constexpr):
+    """Key tiles of a block of query rows with indices in [m_lo, m_hi):
+    (lo, full_lo, full_hi, hi).
 
     [lo, full_lo): the window's left edge (masked; empty without WINDOW);
     [full_lo, full_hi): every row of the block sees every key (unmasked fast path);
@@ -61,16 +67,15 @@ def key_range(start_m, q_len, k_len, window, CAUSAL: tl.constexpr, WINDOW: tl.co
     """
     if CAUSAL:
         diag = k_len - q_len
-        # The block's last row sees keys up to start_m + BLOCK_M - 1 + diag; its first row
-        # (hence every row) up to start_m + diag.
-        hi = tl.minimum(tl.maximum(start_m + BLOCK_M + diag, 0), k_len)
-        full_hi = (tl.minimum(tl.maximum(start_m + 1 + diag, 0), k_len) // BLOCK_N) * BLOCK_N
+        # The block's last row sees keys up to m_hi - 1 + diag; its first row (hence every
+        # row) up to m_lo + diag.
+        hi = tl.minimum(tl.maximum(m_hi + diag, 0), k_len)
+        full_hi = (tl.minimum(tl.maximum(m_lo + 1 + diag, 0), k_len) // BLOCK_N) * BLOCK_N
         if WINDOW:
-            # The first row sees keys from start_m + diag - window + 1 on; the last row (hence
-            # every row) from start_m + BLOCK_M + diag - window on.
-            lo = (tl.maximum(start_m + diag - window + 1, 0) // BLOCK_N) * BLOCK_N
-            full_lo = tl.cdiv(tl.maximum(start_m + BLOCK_M + diag - window, 0),
-                              BLOCK_N) * BLOCK_N
+            # The first row sees keys from m_lo + diag - window + 1 on; the last row (hence
+            # every row) from m_hi + diag - window on.
+            lo = (tl.maximum(m_lo + diag - window + 1, 0) // BLOCK_N) * BLOCK_N
+            full_lo = tl.cdiv(tl.maximum(m_hi + diag - window, 0), BLOCK_N) * BLOCK_N
             # A window narrower than the block leaves no tile every row sees.
             full_lo = tl.minimum(full_lo, full_hi)
         else:

@@ -69,7 +69,7 @@ def _bwd_preprocess(O, DO, Delta, CU_Q,
     # Heads and batch on grid axes 1 and 2 (65535 each), not one B*H axis.
     h = tl.program_id(1)
     b = tl.program_id(2)
-    q_start, q_len, _, _ = seq_bounds(b, q_len, q_len, CU_Q, CU_Q, VARLEN)
+    q_start, q_len, _, _ = seq_bounds(b, q_len, q_len, CU_Q, CU_Q, CU_Q, VARLEN, False)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_m[:, None] < q_len) & (offs_d[None, :] < HEAD_DIM)
@@ -186,7 +186,7 @@ def _bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, CU_Q, CU_K,
     # Heads and batch on grid axes 1 and 2 (65535 each), not one B*H axis.
     kv_h = tl.program_id(1)
     b = tl.program_id(2)
-    q_start, q_len, k_start, k_len = seq_bounds(b, q_len, k_len, CU_Q, CU_K, VARLEN)
+    q_start, q_len, k_start, k_len = seq_bounds(b, q_len, k_len, CU_Q, CU_K, CU_K, VARLEN, False)
     start_n = pid_n * BLOCK_N
     if VARLEN:
         # The grid covers the longest sequence; shorter ones leave programs with no keys.
@@ -324,7 +324,7 @@ def _bwd_dq(Q, K, V, DO, LSE, Delta, DQ, CU_Q, CU_K,
     # Heads and batch on grid axes 1 and 2 (65535 each), not one B*H axis.
     h = tl.program_id(1)
     b = tl.program_id(2)
-    q_start, q_len, k_start, k_len = seq_bounds(b, q_len, k_len, CU_Q, CU_K, VARLEN)
+    q_start, q_len, k_start, k_len = seq_bounds(b, q_len, k_len, CU_Q, CU_K, CU_K, VARLEN, False)
     start_m = pid_m * BLOCK_M
     if VARLEN:
         if start_m >= q_len:
@@ -355,8 +355,8 @@ def _bwd_dq(Q, K, V, DO, LSE, Delta, DQ, CU_Q, CU_K,
 
     # The same tile split as the forward (kernels/_tiles.py): [lo, full_lo) the window's edge,
     # [full_lo, full_hi) unmasked, [full_hi, hi) the diagonal / k_len edge.
-    lo, full_lo, full_hi, hi = key_range(start_m, q_len, k_len, window, CAUSAL, WINDOW,
-                                         BLOCK_M, BLOCK_N)
+    lo, full_lo, full_hi, hi = key_range(start_m, start_m + BLOCK_M, q_len, k_len, window,
+                                         CAUSAL, WINDOW, BLOCK_N)
     if WINDOW:
         for start_n in range(lo, full_lo, BLOCK_N):
             dq = _bwd_dq_step(dq, q, do, lse, delta, K, V, start_m, start_n, offs_m, offs_d,

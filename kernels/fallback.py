@@ -223,3 +223,22 @@ def backward(do, q, k, v, o, lse, cu_q, cu_k, causal, window, softmax_scale, dro
         _backward_dense(pb, _view(do, rq, packed), _view(o, rq, packed), lse_v,
                         _view(dq, rq, packed), _view(dk, rk, packed), _view(dv, rk, packed))
     return dq, dk, dv
+
+
+def kvcache_forward(q, k_cache, v_cache, cache_seqlens, k, v, causal, window, softmax_scale,
+                    o):
+    """``attention_with_kvcache`` row by row: append (k, v) in place, then each row b attends
+    to its first n_b cache positions. Returns (o, lse (B, H_q, q_len))."""
+    B, H, q_len, _ = q.shape
+    lens = cache_seqlens.tolist()
+    if k is not None:
+        for b, n in enumerate(lens):
+            k_cache[b, :, n:n + q_len] = k[b]
+            v_cache[b, :, n:n + q_len] = v[b]
+    lse = torch.empty((B, H, q_len), dtype=torch.float32, device=q.device)
+    for b, n in enumerate(lens):
+        n = n + (q_len if k is not None else 0)
+        o_b, lse_b = forward(q[b:b + 1], k_cache[b:b + 1, :, :n], v_cache[b:b + 1, :, :n], None,
+                             None, causal, window, softmax_scale, 0.0, 0, o[b:b + 1])
+        lse[b:b + 1] = lse_b
+    return o, lse

@@ -22,6 +22,7 @@ from . import fallback
 from ._common import MAX_HEAD_DIM, check_interpreter_setting, interpreter_active
 from .backward import attention_backward
 from .forward import attention_forward
+from .kvcache import kvcache_forward
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Seeds are 64-bit Philox keys; keep them non-negative so they round-trip through int64.
@@ -127,6 +128,15 @@ def _validate(q, k, v, causal, dropout_p, softmax_scale, seed, window, *, dims=4
     return causal
 
 
+def _check_num_splits(num_splits):
+    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
+        raise TypeError(f"num_splits must be an int >= 0 (0 = heuristic), got "
+                        f"{type(num_splits).__name__}")
+    if num_splits < 0:
+        raise ValueError(f"num_splits must be >= 0 (0 = heuristic, 1 = no split), got "
+                         f"{num_splits}")
+
+
 def _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k):
     """Checks of the packed layout; returns the (max_seqlen_q, max_seqlen_k) to launch with,
     -1 where the op must compute it (under torch.compile, where values are not read here)."""
@@ -226,7 +236,7 @@ def _lse_shape(q, cu_seqlens_q):
 def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
             max_seqlen_q: int, max_seqlen_k: int, causal: bool, dropout_p: float,
-            softmax_scale: float, seed: torch.Tensor, window: int
+            softmax_scale: float, seed: torch.Tensor, window: int, num_splits: int
             ) -> tuple[torch.Tensor, torch.Tensor]:
     seed_int = int(seed.item())
     win = window if window > 0 else None
@@ -238,12 +248,13 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              softmax_scale=softmax_scale, dropout_p=dropout_p, seed=seed_int,
                              window=win, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                              max_seqlen_q=_longest(cu_seqlens_q, max_seqlen_q),
-                             max_seqlen_k=_longest(cu_seqlens_k, max_seqlen_k), out=o)
+                             max_seqlen_k=_longest(cu_seqlens_k, max_seqlen_k),
+                             num_splits=num_splits, out=o)
 
 
 @_fwd_op.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, dropout_p,
-      softmax_scale, seed, window):
+      softmax_scale, seed, window, num_splits):
     return _like(q), q.new_empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32)
 
 
@@ -276,7 +287,7 @@ def _(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, dropout_p,
-     softmax_scale, seed, window) = inputs
+     softmax_scale, seed, window, _num_splits) = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, seed, cu_seqlens_q, cu_seqlens_k)
     ctx.mark_non_differentiable(lse)
@@ -310,7 +321,7 @@ def _backward(ctx, do, dlse):
                         ctx.window)
     if create_graph:  # a later grad of these gradients must fail with a clear message
         grads = _NoDoubleBackward.apply(grads, q, k, v, do)
-    return (*grads,) + (None,) * 9
+    return (*grads,) + (None,) * 10
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -328,7 +339,7 @@ def _seed_tensor(dropout_p, seed):
 
 
 def attention(q, k, v, *, causal=True, dropout_p=0.0, softmax_scale=None, seed=None,
-              window=None, return_lse=False):
+              window=None, num_splits=0, return_lse=False):
     """Fused scaled-dot-product attention: softmax(mask(q kᵀ · scale)) → dropout → @ v.
 
     Never materialises the (q_len × k_len) matrix; differentiable (FlashAttention-2-style
@@ -374,6 +385,13 @@ def attention(q, k, v, *, causal=True, dropout_p=0.0, softmax_scale=None, seed=N
 
             ``window >= k_len`` is plain causal attention. Work is O(q_len · window): key tiles
             outside the band are never visited.
+        num_splits: split-KV for launches too small to fill the GPU (decoding: few query rows,
+            many keys): each query block's keys are shared among ``num_splits`` programs whose
+            partial results are merged by their log-sum-exp (kernels/combine.py). 0 (default)
+            lets ``kernels.combine.num_splits_heuristic`` choose from the shapes and the
+            device's SM count (1 on CPU); 1 never splits; a larger value forces that many
+            (splits left without keys cost an empty program). Forward only; results stay
+            within the parity rule and deterministic.
         return_lse: also return the row log-sum-exp of the scaled scores.
 
     Returns:
@@ -384,11 +402,12 @@ def attention(q, k, v, *, causal=True, dropout_p=0.0, softmax_scale=None, seed=N
             row that sees no key. Not differentiable.
     """
     causal = _validate(q, k, v, causal, dropout_p, softmax_scale, seed, window)
+    _check_num_splits(num_splits)
     dropout_p = float(dropout_p)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     out, lse = _fwd_op(q, k, v, None, None, -1, -1, causal, dropout_p, float(softmax_scale),
-                       _seed_tensor(dropout_p, seed), int(window or 0))
+                       _seed_tensor(dropout_p, seed), int(window or 0), int(num_splits))
     return (out, lse) if return_lse else out
 
 
@@ -443,7 +462,120 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     out, lse = _fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                        dropout_p, float(softmax_scale), _seed_tensor(dropout_p, seed),
-                       int(window or 0))
+                       int(window or 0), 0)
+    return (out, lse) if return_lse else out
+
+
+def _check_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, window,
+                   num_splits):
+    """Validation of ``attention_with_kvcache``; returns causal as a bool."""
+    layout = "(batch, heads, seq, head_dim)"
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_tensor(name, t, 4, layout)
+    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache and v_cache must have one shape and dtype, got k_cache "
+                         f"{tuple(k_cache.shape)} {k_cache.dtype}, v_cache "
+                         f"{tuple(v_cache.shape)} {v_cache.dtype}")
+    if (k is None) != (v is None):
+        raise ValueError(f"k and v must be given together (new keys and values to append), "
+                         f"got k {'None' if k is None else 'a tensor'} and v "
+                         f"{'None' if v is None else 'a tensor'}")
+    B, heads_kv, max_len, D = k_cache.shape
+    q_len = q.shape[2]
+    if k is not None:
+        for name, t in (("k", k), ("v", v)):
+            _check_tensor(name, t, 4, layout)
+            if t.shape != (B, heads_kv, q_len, D) or t.dtype != k_cache.dtype:
+                raise ValueError(f"{name} must be (batch, heads_kv, q_len, head_dim) = "
+                                 f"{(B, heads_kv, q_len, D)} in the cache's dtype "
+                                 f"{k_cache.dtype}, got {tuple(t.shape)} {t.dtype}")
+    if q.dtype != k_cache.dtype or q.shape[0] != B or q.shape[3] != D:
+        raise ValueError(f"q must match the caches' dtype, batch and head_dim: q "
+                         f"{tuple(q.shape)} {q.dtype}, caches {tuple(k_cache.shape)} "
+                         f"{k_cache.dtype}")
+    causal = _validate(q, k_cache, v_cache, causal, 0.0, softmax_scale, None, window)
+    _check_num_splits(num_splits)
+    if not isinstance(cache_seqlens, torch.Tensor):
+        raise TypeError(f"cache_seqlens must be a torch.Tensor, got "
+                        f"{type(cache_seqlens).__name__}")
+    if cache_seqlens.dtype != torch.int32 or cache_seqlens.shape != (B,):
+        raise ValueError(f"cache_seqlens must be int32 of shape (batch,) = ({B},), got "
+                         f"{cache_seqlens.dtype} {tuple(cache_seqlens.shape)}")
+    if cache_seqlens.device != q.device:
+        raise ValueError(f"cache_seqlens must be on q's device {q.device}, got "
+                         f"{cache_seqlens.device}")
+    if cache_seqlens.device.type == "cpu" and not torch.compiler.is_compiling():
+        # Lengths on the host: check them (no device sync needed).
+        lens = cache_seqlens.tolist()
+        new = q_len if k is not None else 0
+        if any(n < 0 for n in lens):
+            raise ValueError(f"cache_seqlens must be >= 0, got {lens}")
+        if any(n + new > max_len for n in lens):
+            raise ValueError(f"cache_seqlens + {new} new positions must fit the cache "
+                             f"(max_len {max_len}), got cache_seqlens {lens}")
+    return causal
+
+
+@torch.library.custom_op("fused_attention::kvcache", mutates_args=("k_cache", "v_cache"))
+def _kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                cache_seqlens: torch.Tensor, k: Optional[torch.Tensor],
+                v: Optional[torch.Tensor], causal: bool, softmax_scale: float, window: int,
+                num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    win = window if window > 0 else None
+    if _use_fallback(q):
+        return fallback.kvcache_forward(q, k_cache, v_cache, cache_seqlens, k, v, causal, win,
+                                        softmax_scale, _like(q))
+    return kvcache_forward(_unit_last(q), k_cache, v_cache, cache_seqlens,
+                           None if k is None else _unit_last(k),
+                           None if v is None else _unit_last(v), causal=causal,
+                           softmax_scale=softmax_scale, window=win, num_splits=num_splits)
+
+
+@_kvcache_op.register_fake
+def _(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, window, num_splits):
+    return _like(q), q.new_empty(tuple(q.shape[:3]), dtype=torch.float32)
+
+
+def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, *, causal=True,
+                           softmax_scale=None, window=None, num_splits=0, return_lse=False):
+    """Attention of new query tokens against a preallocated KV cache (generation), optionally
+    appending their keys and values first; FlashAttention's serving API in our layout.
+
+    Args:
+        q: (batch, heads_q, q_len, head_dim): 1 token when decoding, a few for speculative
+            decoding (any q_len works).
+        k_cache, v_cache: (batch, heads_kv, max_len, head_dim), q's dtype and device,
+            heads_q % heads_kv == 0 (grouped-query heads read natively).
+        cache_seqlens: int32 (batch,): how many positions of each row's cache are filled
+            (rows may differ). Not modified: the caller advances it.
+        k, v: optional (batch, heads_kv, q_len, head_dim): written into the caches **in
+            place** at positions cache_seqlens[b] ... cache_seqlens[b] + q_len - 1 before
+            attending. Lengths on the CPU are checked (negative, or past max_len: ValueError);
+            lengths on the GPU are the caller's contract (not read, to avoid a sync), and the
+            kernels never write or read past max_len even if it is broken.
+        causal: with n = cache_seqlens[b] (+ q_len with k, v), query i of row b sees cache
+            positions j < n with j <= i + n - q_len (bottom-right over the filled length);
+            False: every j < n.
+        softmax_scale, window: as in ``attention``.
+        num_splits: split-KV as in ``attention`` (0: heuristic; long caches at small batch get
+            split across the GPU's SMs).
+        return_lse: also return lse fp32 (batch, heads_q, q_len).
+
+    Returns:
+        out (batch, heads_q, q_len, head_dim) in q's dtype [, lse]. Forward only (no
+        autograd); works under ``torch.inference_mode()`` and ``torch.compile(fullgraph=True)``
+        (a custom op that declares it mutates the caches).
+    """
+    causal = _check_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale,
+                            window, num_splits)
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a unit stride in head_dim (it is written in "
+                             f"place), got strides {t.stride()}")
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    out, lse = _kvcache_op(q, k_cache, v_cache, cache_seqlens, k, v, causal,
+                           float(softmax_scale), int(window or 0), int(num_splits))
     return (out, lse) if return_lse else out
 
 
@@ -477,7 +609,7 @@ def forward_with_lse(q, k, v, *, causal=True, dropout_p=0.0, softmax_scale=None,
     args = _integration_args(q, k, v, causal, dropout_p, softmax_scale, seed, window,
                              cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     with torch.no_grad():
-        return _fwd_op(q, k, v, *args)
+        return _fwd_op(q, k, v, *args, 0)
 
 
 def backward(do, q, k, v, out, lse, *, causal=True, dropout_p=0.0, softmax_scale=None, seed=0,

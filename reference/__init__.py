@@ -11,7 +11,7 @@
 Nothing here imports ``kernels``: the reference must not share the code it checks.
 """
 from .dropout import dropout_keep_mask, dropout_keep_mask_varlen, dropout_keep_rows, philox4x32
-from .functional import attention, attention_varlen, causal_mask
+from .functional import attention, attention_varlen, attention_with_kvcache, causal_mask
 from .gpt import (
     GELU,
     GPT_CONFIG_124M,
@@ -44,6 +44,7 @@ __all__ = [
     "generate_text_simple",
     "attention",
     "attention_varlen",
+    "attention_with_kvcache",
     "causal_mask",
     "dropout_keep_mask",
     "dropout_keep_mask_varlen",

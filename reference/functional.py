@@ -258,3 +258,44 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=True, dropou
         dtype = torch.float64 if upcast else q.dtype
         return q.new_zeros((0, heads_q, v.shape[-1]), dtype=dtype)
     return torch.cat(outs, dim=0)
+
+
+def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, *, causal=True,
+                           softmax_scale=None, window=None, upcast=True):
+    """Attention against a preallocated KV cache, row by row (the oracle of
+    ``kernels.attention_with_kvcache``).
+
+    Args:
+        q: (batch, heads_q, q_len, head_dim).
+        k_cache, v_cache: (batch, heads_kv, max_len, head_dim); **written in place** when k, v
+            are given, as the kernel does (pass copies to compare).
+        cache_seqlens: int (batch,) tensor or list: filled positions per row.
+        k, v: optional (batch, heads_kv, q_len, head_dim), appended at cache_seqlens[b] ... .
+        causal, softmax_scale, window: as in ``attention``; row b attends to its first
+            n_b = cache_seqlens[b] (+ q_len with k, v) positions, bottom-right causal over them.
+        upcast: float64 math and result (the oracle) or the input dtype.
+
+    Returns:
+        (batch, heads_q, q_len, head_dim), float64 if ``upcast`` else q's dtype.
+    """
+    lens = [int(n) for n in (cache_seqlens.tolist() if torch.is_tensor(cache_seqlens)
+                             else cache_seqlens)]
+    if len(lens) != q.shape[0] or k_cache.shape[0] != q.shape[0]:
+        raise ValueError(f"cache_seqlens, q and the caches must share the batch size, got "
+                         f"{len(lens)} lengths, q {tuple(q.shape)}, k_cache "
+                         f"{tuple(k_cache.shape)}")
+    q_len, max_len = q.shape[2], k_cache.shape[2]
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together")
+    new = 0 if k is None else q_len
+    if any(n < 0 or n + new > max_len for n in lens):
+        raise ValueError(f"cache_seqlens {lens} (+ {new} new) must lie in [0, {max_len}]")
+    rows = []
+    for b, n in enumerate(lens):
+        if k is not None:
+            k_cache[b, :, n:n + new] = k[b]
+            v_cache[b, :, n:n + new] = v[b]
+        rows.append(attention(q[b:b + 1], k_cache[b:b + 1, :, :n + new],
+                              v_cache[b:b + 1, :, :n + new], causal=causal,
+                              softmax_scale=softmax_scale, window=window, upcast=upcast))
+    return torch.cat(rows)
