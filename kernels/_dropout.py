@@ -15,7 +15,11 @@ Definition (shared with ``reference/dropout.py``; change both or neither):
     so no two (sequence, head, row, column) share a Philox word, and the mask does not depend
     on the ``max_seqlen`` hints. One packed sequence gives the dense mask of batch 1.
 
-  Grouped-query heads change nothing: ``h`` is the query head.
+  Grouped-query heads change nothing: ``h`` is the query head. A block of a longer dense
+  sequence (context parallelism: its queries start at global row ``row_offset``, its keys at
+  global column ``col_offset``, a multiple of 4) uses the global sequence's row ids and
+  ``groups`` with ``i + row_offset`` and ``j + col_offset``, so the blocks' masks are pieces of
+  the one mask of the whole sequence.
 * The Philox counter of element (r, j) (j the key column inside its sequence) is the 64-bit
   integer ``r * groups + j // 4``; it selects word ``j % 4`` of ``tl.randint4x(seed, counter)``
   (Philox-4x32-10, key = the seed's two 32-bit halves). One Philox call feeds four adjacent key
@@ -40,16 +44,18 @@ def dropout_threshold(dropout_p: float) -> int:
 
 @triton.jit
 def dropout_keep_tile(seed, row_base, offs_m, start_n, groups, threshold,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, col_offset=0):
     """Boolean keep mask of shape (BLOCK_M, BLOCK_N) for the rows with ids ``row_base + offs_m``
     and key columns ``start_n + arange(BLOCK_N)`` (see the module docstring: ``row_base`` is the
     lse offset of the program's (batch or sequence, head), ``groups`` the Philox counters per
     row).
 
     ``start_n`` must be a multiple of 4 (it is a multiple of BLOCK_N >= 16 in every caller).
-    Rows or columns past the sequence get well-defined but meaningless bits: callers mask them.
+    ``col_offset`` (a multiple of 4) shifts the columns: a block of a longer sequence whose keys
+    start at global column ``col_offset`` (context parallelism). Rows or columns past the
+    sequence get well-defined but meaningless bits: callers mask them.
     """
-    offs_g = start_n // 4 + tl.arange(0, BLOCK_N // 4)
+    offs_g = (col_offset + start_n) // 4 + tl.arange(0, BLOCK_N // 4)
     # 64-bit counter: heads*rows*columns passes 2**31 at realistic sizes.
     row = row_base.to(tl.int64) + offs_m.to(tl.int64)
     counter = row[:, None] * groups + offs_g[None, :].to(tl.int64)

@@ -41,6 +41,18 @@ class Problem(NamedTuple):
         sequences, whose offsets come from cu_seqlens instead."""
         return (0 if self.varlen else x.stride(0)), x.stride(1), x.stride(2)
 
+    def dropout_args(self, drop_layout=None):
+        """(groups, row-id batch stride, row-id head stride, row offset, column offset) of the
+        dropout counter (kernels/_dropout.py): the lse layout's by default; with
+        ``drop_layout = (q_total, k_total, row_offset, col_offset)`` (dense only) those of the
+        longer sequence this call is a block of."""
+        if drop_layout is None:
+            return (self.drop_groups, *self.lse_strides, 0, 0)
+        q_total, k_total, row_offset, col_offset = drop_layout
+        assert not self.varlen and col_offset % 4 == 0
+        assert row_offset + self.q_len <= q_total and col_offset + self.k_len <= k_total
+        return (triton.cdiv(k_total, 4), self.heads * q_total, q_total, row_offset, col_offset)
+
     def cu_args(self, dummy):
         """The cu_seqlens pointers (``dummy`` for dense calls: never read there)."""
         return (self.cu_q, self.cu_k) if self.varlen else (dummy, dummy)

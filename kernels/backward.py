@@ -105,7 +105,7 @@ def _load_row_stats(LSE, Delta, offs_m, q_len):
 def _bwd_dkdv_step(dk, dv, k, v, Q, DO, LSE, Delta,
                    start_m, start_n, offs_n, offs_d,
                    stride_qm, stride_dom,
-                   row_base, q_len, k_len, window, qk_scale,
+                   drop_base, drop_col, q_len, k_len, window, qk_scale,
                    seed, drop_groups, dropout_threshold, dropout_scale,
                    HEAD_DIM: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
                    WINDOW: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -143,8 +143,8 @@ def _bwd_dkdv_step(dk, dv, k, v, Q, DO, LSE, Delta,
         # Same bits as the forward: the mask depends only on (seed, row id, j), not on blocks.
         # It is generated (queries x keys) and transposed as a byte tile rather than i1: the
         # conservative element type for a layout change through shared memory.
-        keep = dropout_keep_tile(seed, row_base, offs_m, start_n, drop_groups,
-                                 dropout_threshold, BLOCK_M, BLOCK_N)
+        keep = dropout_keep_tile(seed, drop_base, offs_m, start_n, drop_groups,
+                                 dropout_threshold, BLOCK_M, BLOCK_N, drop_col)
         keepT = tl.trans(keep.to(tl.int8)) != 0
         pdT = tl.where(keepT, pT * dropout_scale, 0.0)
         dpT = tl.where(keepT, dpT * dropout_scale, 0.0)
@@ -167,6 +167,7 @@ def _bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, CU_Q, CU_K,
               stride_lb, stride_lh,
               GROUP, q_len, k_len, window, softmax_scale,
               seed, dropout_threshold, dropout_scale, drop_groups,
+              stride_db, stride_dh, drop_row, drop_col,
               Q_BUCKET, K_BUCKET,  # autotune key only (power-of-two buckets of q_len/k_len)
               HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
               VARLEN: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -186,7 +187,8 @@ def _bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, CU_Q, CU_K,
     # Heads and batch on grid axes 1 and 2 (65535 each), not one B*H axis.
     kv_h = tl.program_id(1)
     b = tl.program_id(2)
-    q_start, q_len, k_start, k_len = seq_bounds(b, q_len, k_len, CU_Q, CU_K, CU_K, VARLEN, False)
+    q_start, q_len, k_start, k_len = seq_bounds(b, q_len, k_len, CU_Q, CU_K, CU_K, VARLEN,
+                                                False)
     start_n = pid_n * BLOCK_N
     if VARLEN:
         # The grid covers the longest sequence; shorter ones leave programs with no keys.
@@ -221,28 +223,29 @@ def _bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, CU_Q, CU_K,
         Q_h = Q + off_b * stride_qb + h.to(tl.int64) * stride_qh + q_rows * stride_qm
         DO_h = DO + off_b * stride_dob + h.to(tl.int64) * stride_doh + q_rows * stride_dom
         row_base = off_b * stride_lb + h.to(tl.int64) * stride_lh + q_rows
+        drop_base = off_b * stride_db + h.to(tl.int64) * stride_dh + q_rows + drop_row
         LSE_h = LSE + row_base
         Delta_h = Delta + row_base
         for start_m in range(lo, full_lo, BLOCK_M):
             dk, dv = _bwd_dkdv_step(dk, dv, k, v, Q_h, DO_h, LSE_h, Delta_h, start_m, start_n,
-                                    offs_n, offs_d, stride_qm, stride_dom, row_base, q_len,
-                                    k_len, window, qk_scale, seed, drop_groups,
+                                    offs_n, offs_d, stride_qm, stride_dom, drop_base, drop_col,
+                                    q_len, k_len, window, qk_scale, seed, drop_groups,
                                     dropout_threshold, dropout_scale, HEAD_DIM, True, CAUSAL,
                                     WINDOW, DROPOUT, DOT_PRECISION, WIDEN, BLOCK_M, BLOCK_N)
         # Key columns past k_len need no mask here: they only reach dK/dV rows that are not
         # stored.
         for start_m in range(full_lo, full_hi, BLOCK_M):
             dk, dv = _bwd_dkdv_step(dk, dv, k, v, Q_h, DO_h, LSE_h, Delta_h, start_m, start_n,
-                                    offs_n, offs_d, stride_qm, stride_dom, row_base, q_len,
-                                    k_len, window, qk_scale, seed, drop_groups,
+                                    offs_n, offs_d, stride_qm, stride_dom, drop_base, drop_col,
+                                    q_len, k_len, window, qk_scale, seed, drop_groups,
                                     dropout_threshold, dropout_scale, HEAD_DIM, False, CAUSAL,
                                     WINDOW, DROPOUT, DOT_PRECISION, WIDEN, BLOCK_M, BLOCK_N)
         if WINDOW:
             for start_m in range(full_hi, hi, BLOCK_M):
                 dk, dv = _bwd_dkdv_step(dk, dv, k, v, Q_h, DO_h, LSE_h, Delta_h, start_m,
                                         start_n, offs_n, offs_d, stride_qm, stride_dom,
-                                        row_base, q_len, k_len, window, qk_scale, seed,
-                                        drop_groups, dropout_threshold, dropout_scale,
+                                        drop_base, drop_col, q_len, k_len, window, qk_scale,
+                                        seed, drop_groups, dropout_threshold, dropout_scale,
                                         HEAD_DIM, True, CAUSAL, WINDOW, DROPOUT,
                                         DOT_PRECISION, WIDEN, BLOCK_M, BLOCK_N)
 
@@ -259,7 +262,7 @@ def _bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, CU_Q, CU_K,
 def _bwd_dq_step(dq, q, do, lse, delta, K, V,
                  start_m, start_n, offs_m, offs_d,
                  stride_kn, stride_vn,
-                 row_base, q_len, k_len, window, qk_scale,
+                 drop_base, drop_col, q_len, k_len, window, qk_scale,
                  seed, drop_groups, dropout_threshold, dropout_scale,
                  HEAD_DIM: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
                  WINDOW: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -290,8 +293,8 @@ def _bwd_dq_step(dq, q, do, lse, delta, K, V,
 
     dp = tl.dot(do, vT, input_precision=DOT_PRECISION)                      # dPd = dO V^T
     if DROPOUT:
-        keep = dropout_keep_tile(seed, row_base, offs_m, start_n, drop_groups,
-                                 dropout_threshold, BLOCK_M, BLOCK_N)
+        keep = dropout_keep_tile(seed, drop_base, offs_m, start_n, drop_groups,
+                                 dropout_threshold, BLOCK_M, BLOCK_N, drop_col)
         dp = tl.where(keep, dp * dropout_scale, 0.0)
     ds = p * (dp - delta[:, None])
     dq = tl.dot(dot_operand(ds, kT, WIDEN), tl.trans(kT), dq, input_precision=DOT_PRECISION)
@@ -308,6 +311,7 @@ def _bwd_dq(Q, K, V, DO, LSE, Delta, DQ, CU_Q, CU_K,
             stride_lb, stride_lh,
             GROUP, q_len, k_len, window, softmax_scale,
             seed, dropout_threshold, dropout_scale, drop_groups,
+            stride_db, stride_dh, drop_row, drop_col,
             Q_BUCKET, K_BUCKET,  # autotune key only (power-of-two buckets of q_len/k_len)
             HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
             VARLEN: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -324,7 +328,8 @@ def _bwd_dq(Q, K, V, DO, LSE, Delta, DQ, CU_Q, CU_K,
     # Heads and batch on grid axes 1 and 2 (65535 each), not one B*H axis.
     h = tl.program_id(1)
     b = tl.program_id(2)
-    q_start, q_len, k_start, k_len = seq_bounds(b, q_len, k_len, CU_Q, CU_K, CU_K, VARLEN, False)
+    q_start, q_len, k_start, k_len = seq_bounds(b, q_len, k_len, CU_Q, CU_K, CU_K, VARLEN,
+                                                False)
     start_m = pid_m * BLOCK_M
     if VARLEN:
         if start_m >= q_len:
@@ -339,6 +344,7 @@ def _bwd_dq(Q, K, V, DO, LSE, Delta, DQ, CU_Q, CU_K,
     K += off_b * stride_kb + kv_h * stride_kh + k_rows * stride_kn
     V += off_b * stride_vb + kv_h * stride_vh + k_rows * stride_vn
     row_base = off_b * stride_lb + h.to(tl.int64) * stride_lh + q_rows
+    drop_base = off_b * stride_db + h.to(tl.int64) * stride_dh + q_rows + drop_row
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -360,20 +366,20 @@ def _bwd_dq(Q, K, V, DO, LSE, Delta, DQ, CU_Q, CU_K,
     if WINDOW:
         for start_n in range(lo, full_lo, BLOCK_N):
             dq = _bwd_dq_step(dq, q, do, lse, delta, K, V, start_m, start_n, offs_m, offs_d,
-                              stride_kn, stride_vn, row_base, q_len, k_len, window, qk_scale,
-                              seed, drop_groups, dropout_threshold, dropout_scale,
+                              stride_kn, stride_vn, drop_base, drop_col, q_len, k_len, window,
+                              qk_scale, seed, drop_groups, dropout_threshold, dropout_scale,
                               HEAD_DIM, True, CAUSAL, WINDOW, DROPOUT, DOT_PRECISION, WIDEN,
                               BLOCK_M, BLOCK_N)
     for start_n in range(full_lo, full_hi, BLOCK_N):
         dq = _bwd_dq_step(dq, q, do, lse, delta, K, V, start_m, start_n, offs_m, offs_d,
-                          stride_kn, stride_vn, row_base, q_len, k_len, window, qk_scale,
-                          seed, drop_groups, dropout_threshold, dropout_scale,
+                          stride_kn, stride_vn, drop_base, drop_col, q_len, k_len, window,
+                          qk_scale, seed, drop_groups, dropout_threshold, dropout_scale,
                           HEAD_DIM, False, CAUSAL, WINDOW, DROPOUT, DOT_PRECISION, WIDEN,
                           BLOCK_M, BLOCK_N)
     for start_n in range(full_hi, hi, BLOCK_N):
         dq = _bwd_dq_step(dq, q, do, lse, delta, K, V, start_m, start_n, offs_m, offs_d,
-                          stride_kn, stride_vn, row_base, q_len, k_len, window, qk_scale,
-                          seed, drop_groups, dropout_threshold, dropout_scale,
+                          stride_kn, stride_vn, drop_base, drop_col, q_len, k_len, window,
+                          qk_scale, seed, drop_groups, dropout_threshold, dropout_scale,
                           HEAD_DIM, True, CAUSAL, WINDOW, DROPOUT, DOT_PRECISION, WIDEN,
                           BLOCK_M, BLOCK_N)
 
@@ -399,7 +405,7 @@ _bwd_dq_tuned = triton.autotune(configs=bwd_configs(), key=_TUNE_KEY,
 
 def attention_backward(do, q, k, v, o, lse, *, causal, softmax_scale, dropout_p=0.0, seed=0,
                        window=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-                       max_seqlen_k=None, config=None):
+                       max_seqlen_k=None, drop_layout=None, config=None):
     """Gradients of ``o = attention(q, k, v)`` given ``do = dL/do``.
 
     Args:
@@ -415,8 +421,8 @@ def attention_backward(do, q, k, v, o, lse, *, causal, softmax_scale, dropout_p=
         softmax_scale: the scale the forward applied to q k^T.
         dropout_p: the forward's dropout probability in [0, 1); 0 compiles dropout out.
         seed: the forward's dropout seed, a Python int in [0, 2**63).
-        window, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: as given to
-            ``attention_forward``.
+        window, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, drop_layout: as given
+            to ``attention_forward``.
         config: a ``triton.Config`` with BLOCK_M, BLOCK_N (tests only); default: autotuned
             on a GPU, ``bwd_configs(interpret=True)[0]`` under the interpreter.
 
@@ -462,7 +468,7 @@ def attention_backward(do, q, k, v, o, lse, *, causal, softmax_scale, dropout_p=
 
     common = (*pb.strides(pb.q), *pb.strides(pb.k), *pb.strides(pb.v), *pb.strides(do))
     tail = (*pb.lse_strides, pb.group, pb.q_len, pb.k_len, window or 0, float(softmax_scale),
-            *drop_args, pb.drop_groups,
+            *drop_args, *pb.dropout_args(drop_layout),
             triton.next_power_of_2(pb.q_len), triton.next_power_of_2(pb.k_len))
     dkdv_args = (pb.q, pb.k, pb.v, do, lse, delta, dk4, dv4, cu_q, cu_k, *common,
                  *pb.strides(dk4), *pb.strides(dv4), *tail)

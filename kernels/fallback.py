@@ -54,11 +54,12 @@ class _Dense:
     ``row_base[b, h] + i`` with ``groups`` counters per row (kernels/_dropout.py)."""
 
     def __init__(self, q, k, v, causal, window, softmax_scale, dropout_p, seed, row_base,
-                 groups):
+                 groups, col_offset=0):
         self.group = q.shape[1] // k.shape[1]
         self.q, self.k, self.v = q.float(), self._expand(k.float()), self._expand(v.float())
         self.causal, self.window, self.scale = causal, window, softmax_scale
         self.dropout_p, self.seed, self.row_base, self.groups = dropout_p, seed, row_base, groups
+        self.col_offset = col_offset
 
     def _expand(self, x):
         return x.repeat_interleave(self.group, dim=1) if self.group > 1 else x
@@ -97,8 +98,9 @@ class _Dense:
                 + torch.arange(i0, i1, device=self.q.device)[None, None, :]).reshape(-1)
         # The counters of columns [0, k1), of which [k0, k1) are kept: Philox words come in
         # groups of 4 columns, so the mask is cut from the row's first column on.
-        keep = dropout_keep_rows(self.seed, rows, k1, self.dropout_p, groups=self.groups)
-        return keep[:, k0:].view(B, H, i1 - i0, k1 - k0) / (1.0 - self.dropout_p)
+        c = self.col_offset
+        keep = dropout_keep_rows(self.seed, rows, c + k1, self.dropout_p, groups=self.groups)
+        return keep[:, c + k0:].view(B, H, i1 - i0, k1 - k0) / (1.0 - self.dropout_p)
 
 
 def _sdpa_applies(q, k, cu_q, causal, window, dropout_p):
@@ -167,15 +169,19 @@ def _backward_dense(pb, do, o, lse, dq, dk, dv):
     dv.copy_(pb.reduce_group(dv_h))
 
 
-def _problems(q, k, v, cu_q, cu_k, causal, window, softmax_scale, dropout_p, seed):
+def _problems(q, k, v, cu_q, cu_k, causal, window, softmax_scale, dropout_p, seed,
+              drop_layout=None):
     """(dense problem, q-row slice, k-row slice) per batch or packed sequence. Dense: one
-    problem for the whole batch; packed: one per sequence on (1, H, len, D) views."""
+    problem for the whole batch; packed: one per sequence on (1, H, len, D) views.
+    ``drop_layout`` (dense only): (q_total, k_total, row_offset, col_offset) of a block."""
     common = (causal, window, softmax_scale, dropout_p, seed)
     if cu_q is None:
         B, H, q_len, _ = q.shape
-        row_base = torch.arange(B * H, device=q.device).view(B, H) * q_len
-        groups = (k.shape[2] + 3) // 4
-        return [(_Dense(q, k, v, *common, row_base, groups), slice(None), slice(None))]
+        q_total, k_total, row_off, col_off = drop_layout or (q_len, k.shape[2], 0, 0)
+        row_base = torch.arange(B * H, device=q.device).view(B, H) * q_total + row_off
+        groups = (k_total + 3) // 4
+        return [(_Dense(q, k, v, *common, row_base, groups, col_off), slice(None),
+                 slice(None))]
     total_q, H, _ = q.shape
     groups = (k.shape[0] + 3) // 4
     bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()
@@ -194,7 +200,8 @@ def _view(x, r, packed):
     return x[r].transpose(0, 1).unsqueeze(0) if packed else x
 
 
-def forward(q, k, v, cu_q, cu_k, causal, window, softmax_scale, dropout_p, seed, o):
+def forward(q, k, v, cu_q, cu_k, causal, window, softmax_scale, dropout_p, seed, o,
+            drop_layout=None):
     """(o, lse) as the forward kernel returns them; ``o`` is written in place."""
     if _sdpa_applies(q, k, cu_q, causal, window, dropout_p):
         return _sdpa_forward(q, k, v, causal, softmax_scale, o)
@@ -202,14 +209,14 @@ def forward(q, k, v, cu_q, cu_k, causal, window, softmax_scale, dropout_p, seed,
     lse_shape = (q.shape[1], q.shape[0]) if packed else q.shape[:3]
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     for pb, rq, _ in _problems(q, k, v, cu_q, cu_k, causal, window, softmax_scale, dropout_p,
-                               seed):
+                               seed, drop_layout):
         lse_v = lse[:, rq].unsqueeze(0) if packed else lse
         _forward_dense(pb, _view(o, rq, packed), lse_v)
     return o, lse
 
 
 def backward(do, q, k, v, o, lse, cu_q, cu_k, causal, window, softmax_scale, dropout_p, seed,
-             dq, dk, dv):
+             dq, dk, dv, drop_layout=None):
     """(dq, dk, dv) as the backward kernels return them, written into the given tensors."""
     if _sdpa_applies(q, k, cu_q, causal, window, dropout_p):
         return _sdpa_backward(do, q, k, v, o, lse, causal, softmax_scale, dq, dk, dv)
@@ -218,7 +225,7 @@ def backward(do, q, k, v, o, lse, cu_q, cu_k, causal, window, softmax_scale, dro
     dk.zero_()
     dv.zero_()
     for pb, rq, rk in _problems(q, k, v, cu_q, cu_k, causal, window, softmax_scale, dropout_p,
-                                seed):
+                                seed, drop_layout):
         lse_v = lse[:, rq].unsqueeze(0) if packed else lse
         _backward_dense(pb, _view(do, rq, packed), _view(o, rq, packed), lse_v,
                         _view(dq, rq, packed), _view(dk, rk, packed), _view(dv, rk, packed))

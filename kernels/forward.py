@@ -45,7 +45,7 @@ def load_rows(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr,
 @triton.jit
 def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
                     offs_m, offs_d, lo, hi, q_len, k_len, window, qk_scale,
-                    seed, row_base, drop_groups, drop_threshold,
+                    seed, drop_base, drop_col, drop_groups, drop_threshold,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
                     DROPOUT: tl.constexpr, EVEN_D: tl.constexpr, WIDEN: tl.constexpr,
@@ -83,8 +83,8 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if DROPOUT:
-            keep = dropout_keep_tile(seed, row_base, offs_m, start_n, drop_groups,
-                                     drop_threshold, BLOCK_M, BLOCK_N)
+            keep = dropout_keep_tile(seed, drop_base, offs_m, start_n, drop_groups,
+                                     drop_threshold, BLOCK_M, BLOCK_N, drop_col)
             p = tl.where(keep, p, 0.0)
         v_tile = v_base + start_n.to(tl.int64) * stride_vn
         v = load_rows(v_tile + offs_n0[:, None] * stride_vn + offs_d[None, :], offs_n, k_len,
@@ -104,6 +104,7 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K, K_LENS, O_PART, LSE_PART,
               stride_lb, stride_lh,
               GROUP, q_len, k_len, window, qk_scale,
               seed, drop_threshold, drop_scale, drop_groups,
+              stride_db, stride_dh, drop_row, drop_col,
               num_splits, n_lse_rows,
               Q_BUCKET, K_BUCKET,  # autotune key only (power-of-two buckets of q_len/k_len)
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -126,7 +127,9 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K, K_LENS, O_PART, LSE_PART,
     start + i; natural log, -inf for rows with no key. SPLIT: O and LSE are not written; split s
     writes its normalised partial output and lse to O_PART[s, r, :HEAD_DIM] and LSE_PART[s, r]
     (fp32, r = the row's lse offset, n_lse_rows rows per split) for kernels/combine.py.
-    ``qk_scale`` = softmax_scale · log2(e); ``window`` is read only when WINDOW.
+    ``qk_scale`` = softmax_scale · log2(e); ``window`` is read only when WINDOW. Dropout row ids
+    (kernels/_dropout.py): b * stride_db + h * stride_dh + row start + drop_row + i, columns
+    shifted by drop_col.
     """
     pid = tl.program_id(0)
     if SPLIT:
@@ -169,9 +172,10 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K, K_LENS, O_PART, LSE_PART,
         row_ok = offs_m < n_rows
         m_lo = start_m
         m_hi = start_m + BLOCK_M
-    # Offsets of each row's lse entry (also its dropout row id, kernels/_dropout.py), and of its
-    # q / o row: 64-bit, as batch * heads * seq can pass 2**31.
+    # Offsets of each row's lse entry, dropout row id (kernels/_dropout.py) and q / o row:
+    # 64-bit, as batch * heads * seq can pass 2**31.
     row_base = b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + q_start
+    drop_base = b.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh + q_start + drop_row
     q_rows = b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh \
         + (q_start + offs_m).to(tl.int64) * stride_qm
     k_base = K + b.to(tl.int64) * stride_kb + kv_h.to(tl.int64) * stride_kh \
@@ -200,19 +204,19 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K, K_LENS, O_PART, LSE_PART,
     if WINDOW:
         acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
                                         offs_m, offs_d, lo, full_lo, q_len, k_len, window,
-                                        qk_scale, seed, row_base, drop_groups, drop_threshold,
-                                        HEAD_DIM, BLOCK_M, BLOCK_N, True, CAUSAL, WINDOW,
-                                        DROPOUT, EVEN_D, WIDEN, DOT_PRECISION)
+                                        qk_scale, seed, drop_base, drop_col, drop_groups,
+                                        drop_threshold, HEAD_DIM, BLOCK_M, BLOCK_N, True,
+                                        CAUSAL, WINDOW, DROPOUT, EVEN_D, WIDEN, DOT_PRECISION)
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
                                     offs_m, offs_d, full_lo, full_hi, q_len, k_len, window,
-                                    qk_scale, seed, row_base, drop_groups, drop_threshold,
-                                    HEAD_DIM, BLOCK_M, BLOCK_N, False, CAUSAL, WINDOW,
-                                    DROPOUT, EVEN_D, WIDEN, DOT_PRECISION)
+                                    qk_scale, seed, drop_base, drop_col, drop_groups,
+                                    drop_threshold, HEAD_DIM, BLOCK_M, BLOCK_N, False, CAUSAL,
+                                    WINDOW, DROPOUT, EVEN_D, WIDEN, DOT_PRECISION)
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
                                     offs_m, offs_d, full_hi, hi, q_len, k_len, window,
-                                    qk_scale, seed, row_base, drop_groups, drop_threshold,
-                                    HEAD_DIM, BLOCK_M, BLOCK_N, True, CAUSAL, WINDOW,
-                                    DROPOUT, EVEN_D, WIDEN, DOT_PRECISION)
+                                    qk_scale, seed, drop_base, drop_col, drop_groups,
+                                    drop_threshold, HEAD_DIM, BLOCK_M, BLOCK_N, True, CAUSAL,
+                                    WINDOW, DROPOUT, EVEN_D, WIDEN, DOT_PRECISION)
 
     # Rows that saw no key (causal with q_len > k_len, empty sequences, a split without keys
     # for them) have l_i = 0: output 0, lse -inf.
@@ -245,8 +249,8 @@ _attn_fwd_tuned = triton.autotune(
 
 def attention_forward(q, k, v, *, causal, softmax_scale, dropout_p, seed, window=None,
                       cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-                      max_seqlen_k=None, k_lens=None, num_splits=1, pack_gqa=None, out=None,
-                      config=None):
+                      max_seqlen_k=None, k_lens=None, num_splits=1, pack_gqa=None,
+                      drop_layout=None, out=None, config=None):
     """Launch the fused forward on validated inputs.
 
     Args:
@@ -267,6 +271,9 @@ def attention_forward(q, k, v, *, causal, softmax_scale, dropout_p, seed, window
             kernels/combine.py (flash-decoding); 1 = no split; 0 = ``num_splits_heuristic``.
         pack_gqa: one program for all query heads of a kv group (each K/V tile read once per
             group); None = when the group is > 1 and q_len <= PACK_GQA_MAX_Q_LEN (decoding).
+        drop_layout: (q_total, k_total, row_offset, col_offset) when this dense call is a block
+            of a longer sequence (context parallelism): the dropout mask is then that block of
+            the whole sequence's mask (col_offset a multiple of 4). None: the call's own.
         out: optional tensor shaped like q to write into (test hook / preallocated output).
         config: a ``triton.Config`` with BLOCK_M, BLOCK_N to force (tests); default: autotuned
             on a GPU (or the first fitting config with KERNELS_AUTOTUNE=0), the small
@@ -308,7 +315,7 @@ def attention_forward(q, k, v, *, causal, softmax_scale, dropout_p, seed, window
             *pb.lse_strides,
             pb.group, pb.q_len, pb.k_len, window or 0, softmax_scale * LOG2E,
             seed if dropout else 0, dropout_threshold(dropout_p) if dropout else 0,
-            1.0 / (1.0 - dropout_p), pb.drop_groups, num_splits, lse.numel(),
+            1.0 / (1.0 - dropout_p), *pb.dropout_args(drop_layout), num_splits, lse.numel(),
             triton.next_power_of_2(pb.q_len), triton.next_power_of_2(pb.k_len))
     meta = dict(HEAD_DIM=D, BLOCK_D=block_d(D), CAUSAL=causal, WINDOW=window is not None,
                 VARLEN=pb.varlen, SEQUSED_K=k_lens is not None, PACK_GQA=bool(pack_gqa),

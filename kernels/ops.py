@@ -236,25 +236,25 @@ def _lse_shape(q, cu_seqlens_q):
 def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
             max_seqlen_q: int, max_seqlen_k: int, causal: bool, dropout_p: float,
-            softmax_scale: float, seed: torch.Tensor, window: int, num_splits: int
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+            softmax_scale: float, seed: torch.Tensor, window: int, num_splits: int,
+            drop_layout: Optional[list[int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
     seed_int = int(seed.item())
     win = window if window > 0 else None
     o = _like(q)
     if _use_fallback(q):
         return fallback.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, win,
-                                softmax_scale, dropout_p, seed_int, o)
+                                softmax_scale, dropout_p, seed_int, o, drop_layout)
     return attention_forward(_unit_last(q), _unit_last(k), _unit_last(v), causal=causal,
                              softmax_scale=softmax_scale, dropout_p=dropout_p, seed=seed_int,
                              window=win, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                              max_seqlen_q=_longest(cu_seqlens_q, max_seqlen_q),
                              max_seqlen_k=_longest(cu_seqlens_k, max_seqlen_k),
-                             num_splits=num_splits, out=o)
+                             num_splits=num_splits, drop_layout=drop_layout, out=o)
 
 
 @_fwd_op.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, dropout_p,
-      softmax_scale, seed, window, num_splits):
+      softmax_scale, seed, window, num_splits, drop_layout=None):
     return _like(q), q.new_empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32)
 
 
@@ -263,36 +263,38 @@ def _bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             o: torch.Tensor, lse: torch.Tensor,
             cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
             max_seqlen_q: int, max_seqlen_k: int, causal: bool, dropout_p: float,
-            softmax_scale: float, seed: torch.Tensor, window: int
+            softmax_scale: float, seed: torch.Tensor, window: int,
+            drop_layout: Optional[list[int]] = None
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     seed_int = int(seed.item())
     win = window if window > 0 else None
     if _use_fallback(q):
         return fallback.backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, causal, win,
                                  softmax_scale, dropout_p, seed_int, _like(q), _like(k),
-                                 _like(v))
+                                 _like(v), drop_layout)
     return attention_backward(_unit_last(do), _unit_last(q), _unit_last(k), _unit_last(v),
                               _unit_last(o), lse, causal=causal, softmax_scale=softmax_scale,
                               dropout_p=dropout_p, seed=seed_int, window=win,
                               cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                               max_seqlen_q=_longest(cu_seqlens_q, max_seqlen_q),
-                              max_seqlen_k=_longest(cu_seqlens_k, max_seqlen_k))
+                              max_seqlen_k=_longest(cu_seqlens_k, max_seqlen_k),
+                              drop_layout=drop_layout)
 
 
 @_bwd_op.register_fake
 def _(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-      dropout_p, softmax_scale, seed, window):
+      dropout_p, softmax_scale, seed, window, drop_layout=None):
     return _like(q), _like(k), _like(v)
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, dropout_p,
-     softmax_scale, seed, window, _num_splits) = inputs
+     softmax_scale, seed, window, _num_splits, drop_layout) = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, seed, cu_seqlens_q, cu_seqlens_k)
     ctx.mark_non_differentiable(lse)
     ctx.args = (max_seqlen_q, max_seqlen_k, causal, dropout_p, softmax_scale)
-    ctx.window = window
+    ctx.window, ctx.drop_layout = window, drop_layout
 
 
 class _NoDoubleBackward(torch.autograd.Function):
@@ -318,10 +320,10 @@ def _backward(ctx, do, dlse):
     create_graph = torch.is_grad_enabled()
     with torch.no_grad():
         grads = _bwd_op(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *ctx.args, seed,
-                        ctx.window)
+                        ctx.window, ctx.drop_layout)
     if create_graph:  # a later grad of these gradients must fail with a clear message
         grads = _NoDoubleBackward.apply(grads, q, k, v, do)
-    return (*grads,) + (None,) * 10
+    return (*grads,) + (None,) * 11
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -582,6 +584,26 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, *
 # --------------------------------------------------------------------------------------------
 # Entry points for integrations that own their autograd formula (kernels.sdpa)
 # --------------------------------------------------------------------------------------------
+def _check_drop_layout(drop_layout, q, k, packed):
+    """``drop_layout = (q_total, k_total, row_offset, col_offset)``: this dense call is the
+    block [row_offset, + q_len) x [col_offset, + k_len) of a (q_total, k_total) attention, and
+    its dropout mask is that block of the whole one (kernels/_dropout.py)."""
+    if drop_layout is None:
+        return None
+    values = list(drop_layout)
+    if packed or len(values) != 4 or not all(isinstance(x, numbers.Integral) and
+                                             not isinstance(x, bool) for x in values):
+        raise ValueError(f"drop_layout must be 4 ints (q_total, k_total, row_offset, "
+                         f"col_offset) for a dense call, got {drop_layout!r}")
+    q_total, k_total, row_offset, col_offset = (int(x) for x in values)
+    if (row_offset < 0 or col_offset < 0 or col_offset % 4 or
+            row_offset + q.shape[2] > q_total or col_offset + k.shape[2] > k_total):
+        raise ValueError(f"drop_layout {tuple(values)} does not hold a block of q_len "
+                         f"{q.shape[2]} x k_len {k.shape[2]} (offsets >= 0, col_offset a "
+                         f"multiple of 4, inside the totals)")
+    return [q_total, k_total, row_offset, col_offset]
+
+
 def _integration_args(q, k, v, causal, dropout_p, softmax_scale, seed, window, cu_seqlens_q,
                       cu_seqlens_k, max_seqlen_q, max_seqlen_k):
     if cu_seqlens_q is None:
@@ -601,22 +623,26 @@ def _integration_args(q, k, v, causal, dropout_p, softmax_scale, seed, window, c
 
 def forward_with_lse(q, k, v, *, causal=True, dropout_p=0.0, softmax_scale=None, seed=0,
                      window=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-                     max_seqlen_k=None):
+                     max_seqlen_k=None, drop_layout=None):
     """(out, lse) of ``attention`` (dense) or ``attention_varlen`` (with cu_seqlens), same
     arguments and validation, but as a plain forward: for integrations that register their own
-    backward (kernels.sdpa), which pass the same arguments to ``backward``. ``seed``: an int
-    (the dropout mask's Philox key; ignored without dropout)."""
+    backward (kernels.sdpa, kernels.distributed), which pass the same arguments to
+    ``backward``. ``seed``: an int (the dropout mask's Philox key; ignored without dropout).
+    ``drop_layout``: see ``_check_drop_layout`` (context parallelism's blocks)."""
     args = _integration_args(q, k, v, causal, dropout_p, softmax_scale, seed, window,
                              cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    layout = _check_drop_layout(drop_layout, q, k, cu_seqlens_q is not None)
     with torch.no_grad():
-        return _fwd_op(q, k, v, *args, 0)
+        return _fwd_op(q, k, v, *args, 0, layout)
 
 
 def backward(do, q, k, v, out, lse, *, causal=True, dropout_p=0.0, softmax_scale=None, seed=0,
              window=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-             max_seqlen_k=None):
+             max_seqlen_k=None, drop_layout=None):
     """(dq, dk, dv) for ``do`` = dL/d(out), given the (out, lse) of ``forward_with_lse`` with
-    the same arguments; shapes and layouts of q, k, v. Deterministic."""
+    the same arguments; shapes and layouts of q, k, v. Deterministic. With another call's
+    (out, lse) -- the merged result of several key blocks -- it gives this block's share of the
+    gradients (FlashAttention-2's backward only needs the final out and lse)."""
     (cu_q, cu_k, max_q, max_k, causal, dropout_p, scale, seed_t,
      window) = _integration_args(q, k, v, causal, dropout_p, softmax_scale, seed, window,
                                  cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
@@ -624,6 +650,7 @@ def backward(do, q, k, v, out, lse, *, causal=True, dropout_p=0.0, softmax_scale
         raise ValueError(f"do and out must have q's shape {tuple(q.shape)} and lse "
                          f"{_lse_shape(q, cu_q)}, got do {tuple(do.shape)}, out "
                          f"{tuple(out.shape)}, lse {tuple(lse.shape)}")
+    layout = _check_drop_layout(drop_layout, q, k, cu_q is not None)
     with torch.no_grad():
         return _bwd_op(do, q, k, v, out, lse.float().contiguous(), cu_q, cu_k, max_q, max_k,
-                       causal, dropout_p, scale, seed_t, window)
+                       causal, dropout_p, scale, seed_t, window, layout)
