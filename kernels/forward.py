@@ -298,6 +298,7 @@ def attention_forward(q, k, v, *, causal, softmax_scale, dropout_p, seed, window
     dropout = dropout_p > 0.0
     if pack_gqa is None:
         pack_gqa = pb.group > 1 and not pb.varlen and pb.q_len <= PACK_GQA_MAX_Q_LEN
+    assert not (pack_gqa and pb.varlen), "packed GQA heads are for dense (decoding) calls"
     rows, heads = (pb.group * pb.q_len, pb.heads // pb.group) if pack_gqa else (pb.q_len,
                                                                                   pb.heads)
     if num_splits == 0:
