@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist  # imported by ``import torch`` already: costs nothing here
 
 from . import ops
+from .validation import validate_attention
 
 __all__ = ["ring_attention", "shard", "unshard"]
 
@@ -381,7 +382,7 @@ class _RingAttention(torch.autograd.Function):
 def _local_checks(q, k, v, causal, dropout_p, softmax_scale, seed, layout, world, backend):
     """This rank's own verdict (raises); returns causal as a bool."""
     _check_layout(layout)
-    causal = ops._validate(q, k, v, causal, dropout_p, softmax_scale, seed, None)
+    causal = validate_attention(q, k, v, causal, dropout_p, softmax_scale, seed, None)
     if backend == "nccl" and q.device.type != "cuda":
         raise ValueError(f"the group's backend is NCCL, which needs CUDA tensors; q is on "
                          f"{q.device} (use gloo for CPU tensors)")

@@ -1,0 +1,238 @@
+"""Argument checks of the public functions (and of the integrations' entry points).
+
+Validation happens at the public boundary only, once per call; the launchers below it assert
+their invariants. Every error names the argument, what was expected and what was given.
+"""
+import math
+import numbers
+
+import torch
+
+from ._common import MAX_HEAD_DIM
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Seeds are 64-bit Philox keys; keep them non-negative so they round-trip through int64.
+SEED_LIMIT = 2 ** 63
+# Triton's grid dimensions 1 and 2 (heads, batch) are limited to 65535 programs.
+MAX_GRID_YZ = 65535
+_MAX_INT32 = 2 ** 31 - 1
+
+
+def check_tensor(name, t, dims, layout):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != dims:
+        raise ValueError(f"{name} must be {dims}-D {layout}, got {t.dim()}-D tensor of shape "
+                         f"{tuple(t.shape)}")
+    if t.dtype not in _DTYPES:
+        raise TypeError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
+    if t.device.type not in ("cuda", "cpu"):
+        raise ValueError(f"{name} must be on a CUDA device (or the CPU for the interpreter / "
+                         f"PyTorch fallback), got device {t.device}")
+
+
+def as_bool(name, value):
+    """``value`` as a Python bool: bool and numpy.bool_ are accepted, nothing else."""
+    if isinstance(value, bool):
+        return value
+    kind = type(value)
+    if kind.__module__ == "numpy" and kind.__name__ in ("bool_", "bool"):
+        return bool(value)
+    raise TypeError(f"{name} must be a bool, got {kind.__module__}.{kind.__qualname__}"
+                    if kind.__module__ != "builtins" else
+                    f"{name} must be a bool, got {kind.__name__}")
+
+
+def validate_attention(q, k, v, causal, dropout_p, softmax_scale, seed, window, *, dims=4,
+                       layout="(batch, heads, seq_len, head_dim)", head_axis=1):
+    """Checks shared by ``attention`` and ``attention_varlen``; returns causal as a bool."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t, dims, layout)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, "
+                        f"v {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k and v must be on one device, got q {q.device}, k {k.device}, "
+                         f"v {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape {layout}, got k {tuple(k.shape)} "
+                         f"and v {tuple(v.shape)}")
+    if dims == 4 and q.shape[0] != k.shape[0]:
+        raise ValueError(f"q and k must have the same batch (dim 0), got q {tuple(q.shape)} "
+                         f"and k {tuple(k.shape)}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must have the same head_dim (last dim), got q "
+                         f"{tuple(q.shape)} and k {tuple(k.shape)}")
+    heads_q, heads_kv = q.shape[head_axis], k.shape[head_axis]
+    if heads_kv == 0 and heads_q != 0 or heads_kv != 0 and heads_q % heads_kv != 0:
+        raise ValueError(f"the query heads must be a multiple of the key/value heads "
+                         f"(grouped-query attention), got heads_q={heads_q} (q "
+                         f"{tuple(q.shape)}) and heads_kv={heads_kv} (k {tuple(k.shape)})")
+    head_dim = q.shape[-1]
+    if head_dim < 1:
+        raise ValueError(f"head_dim must be >= 1, got {head_dim}")
+    if head_dim > MAX_HEAD_DIM:
+        raise NotImplementedError(f"head_dim up to {MAX_HEAD_DIM} is supported, got {head_dim}")
+    if heads_q > MAX_GRID_YZ or dims == 4 and q.shape[0] > MAX_GRID_YZ:
+        raise NotImplementedError(f"batch and heads must each be <= {MAX_GRID_YZ} (Triton grid "
+                                  f"limit), got q {tuple(q.shape)}")
+    causal = as_bool("causal", causal)
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a float in [0, 1), got {type(dropout_p).__name__}")
+    if not (0.0 <= dropout_p < 1.0):  # also rejects NaN
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if softmax_scale is not None:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+            raise TypeError(f"softmax_scale must be a positive float or None, got "
+                            f"{type(softmax_scale).__name__}")
+        if not (math.isfinite(softmax_scale) and softmax_scale > 0):
+            raise ValueError(f"softmax_scale must be finite and > 0, got {softmax_scale}")
+    if seed is not None:
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+            raise TypeError(f"seed must be an int in [0, 2**63) or None, got "
+                            f"{type(seed).__name__}")
+        if not (0 <= seed < SEED_LIMIT):
+            raise ValueError(f"seed must be in [0, 2**63), got {seed}")
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, numbers.Integral):
+            raise TypeError(f"window must be an int >= 1 or None, got {type(window).__name__}")
+        if window < 1:
+            raise ValueError(f"window must be >= 1 (the number of most recent keys a query "
+                             f"sees, itself included), got {window}")
+        if not causal:
+            raise ValueError("window requires causal=True (a sliding window looks back from "
+                             "each query's diagonal), got causal=False")
+        if window > _MAX_INT32:
+            raise ValueError(f"window must be < 2**31, got {window}")
+    return causal
+
+
+def check_num_splits(num_splits):
+    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
+        raise TypeError(f"num_splits must be an int >= 0 (0 = heuristic), got "
+                        f"{type(num_splits).__name__}")
+    if num_splits < 0:
+        raise ValueError(f"num_splits must be >= 0 (0 = heuristic, 1 = no split), got "
+                         f"{num_splits}")
+
+
+def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k):
+    """Checks of the packed layout; returns the (max_seqlen_q, max_seqlen_k) to launch with,
+    -1 where the op must compute it (under torch.compile, where values are not read here)."""
+    for name, cu, x in (("cu_seqlens_q", cu_seqlens_q, q), ("cu_seqlens_k", cu_seqlens_k, k)):
+        if not isinstance(cu, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+        if cu.dtype != torch.int32:
+            raise TypeError(f"{name} must be int32 (FlashAttention's convention), got "
+                            f"{cu.dtype}")
+        if cu.dim() != 1 or cu.numel() < 1:
+            raise ValueError(f"{name} must be 1-D (num_seqs + 1,), got shape "
+                             f"{tuple(cu.shape)}")
+        if cu.device != x.device:
+            raise ValueError(f"{name} must be on the tensors' device {x.device}, got "
+                             f"{cu.device}")
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of "
+                         f"sequences, got {cu_seqlens_q.numel() - 1} and "
+                         f"{cu_seqlens_k.numel() - 1}")
+    if cu_seqlens_q.numel() - 1 > MAX_GRID_YZ:
+        raise NotImplementedError(f"at most {MAX_GRID_YZ} packed sequences (Triton grid "
+                                  f"limit), got {cu_seqlens_q.numel() - 1}")
+    hints = []
+    for name, hint in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if hint is not None and (isinstance(hint, bool) or not isinstance(hint, numbers.Integral)
+                                 or hint < 0):
+            raise TypeError(f"{name} must be a non-negative int or None, got {hint!r}")
+        hints.append(-1 if hint is None else int(hint))
+    if torch.compiler.is_compiling():
+        # No host sync while tracing: the values are the caller's contract (see the docstring).
+        return tuple(hints)
+    maxima = []
+    for name, cu, x, hint, hint_name in (
+            ("cu_seqlens_q", cu_seqlens_q, q, hints[0], "max_seqlen_q"),
+            ("cu_seqlens_k", cu_seqlens_k, k, hints[1], "max_seqlen_k")):
+        values = cu.tolist()  # one small device-to-host copy per tensor
+        if values[0] != 0:
+            raise ValueError(f"{name} must start at 0, got {values[0]}")
+        lengths = [b - a for a, b in zip(values, values[1:])]
+        if any(n < 0 for n in lengths):
+            raise ValueError(f"{name} must be non-decreasing, got {values}")
+        if values[-1] != x.shape[0]:
+            raise ValueError(f"{name}[-1] must equal the number of packed rows "
+                             f"{x.shape[0]}, got {values[-1]}")
+        longest = max(lengths, default=0)
+        if hint >= 0 and hint < longest:
+            raise ValueError(f"{hint_name}={hint} is smaller than the longest sequence of "
+                             f"{name} ({longest})")
+        maxima.append(max(hint, longest))
+    return tuple(maxima)
+
+
+def check_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, window,
+                   num_splits):
+    """Validation of ``attention_with_kvcache``; returns causal as a bool."""
+    layout = "(batch, heads, seq, head_dim)"
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        check_tensor(name, t, 4, layout)
+    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache and v_cache must have one shape and dtype, got k_cache "
+                         f"{tuple(k_cache.shape)} {k_cache.dtype}, v_cache "
+                         f"{tuple(v_cache.shape)} {v_cache.dtype}")
+    if (k is None) != (v is None):
+        raise ValueError(f"k and v must be given together (new keys and values to append), "
+                         f"got k {'None' if k is None else 'a tensor'} and v "
+                         f"{'None' if v is None else 'a tensor'}")
+    B, heads_kv, max_len, D = k_cache.shape
+    q_len = q.shape[2]
+    if k is not None:
+        for name, t in (("k", k), ("v", v)):
+            check_tensor(name, t, 4, layout)
+            if t.shape != (B, heads_kv, q_len, D) or t.dtype != k_cache.dtype:
+                raise ValueError(f"{name} must be (batch, heads_kv, q_len, head_dim) = "
+                                 f"{(B, heads_kv, q_len, D)} in the cache's dtype "
+                                 f"{k_cache.dtype}, got {tuple(t.shape)} {t.dtype}")
+    if q.dtype != k_cache.dtype or q.shape[0] != B or q.shape[3] != D:
+        raise ValueError(f"q must match the caches' dtype, batch and head_dim: q "
+                         f"{tuple(q.shape)} {q.dtype}, caches {tuple(k_cache.shape)} "
+                         f"{k_cache.dtype}")
+    causal = validate_attention(q, k_cache, v_cache, causal, 0.0, softmax_scale, None, window)
+    check_num_splits(num_splits)
+    if not isinstance(cache_seqlens, torch.Tensor):
+        raise TypeError(f"cache_seqlens must be a torch.Tensor, got "
+                        f"{type(cache_seqlens).__name__}")
+    if cache_seqlens.dtype != torch.int32 or cache_seqlens.shape != (B,):
+        raise ValueError(f"cache_seqlens must be int32 of shape (batch,) = ({B},), got "
+                         f"{cache_seqlens.dtype} {tuple(cache_seqlens.shape)}")
+    if cache_seqlens.device != q.device:
+        raise ValueError(f"cache_seqlens must be on q's device {q.device}, got "
+                         f"{cache_seqlens.device}")
+    if cache_seqlens.device.type == "cpu" and not torch.compiler.is_compiling():
+        # Lengths on the host: check them (no device sync needed).
+        lens = cache_seqlens.tolist()
+        new = q_len if k is not None else 0
+        if any(n < 0 for n in lens):
+            raise ValueError(f"cache_seqlens must be >= 0, got {lens}")
+        if any(n + new > max_len for n in lens):
+            raise ValueError(f"cache_seqlens + {new} new positions must fit the cache "
+                             f"(max_len {max_len}), got cache_seqlens {lens}")
+    return causal
+
+
+def check_drop_layout(drop_layout, q, k, packed):
+    """``drop_layout = (q_total, k_total, row_offset, col_offset)``: this dense call is the
+    block [row_offset, + q_len) x [col_offset, + k_len) of a (q_total, k_total) attention, and
+    its dropout mask is that block of the whole one (kernels/_dropout.py)."""
+    if drop_layout is None:
+        return None
+    values = list(drop_layout)
+    if packed or len(values) != 4 or not all(isinstance(x, numbers.Integral) and
+                                             not isinstance(x, bool) for x in values):
+        raise ValueError(f"drop_layout must be 4 ints (q_total, k_total, row_offset, "
+                         f"col_offset) for a dense call, got {drop_layout!r}")
+    q_total, k_total, row_offset, col_offset = (int(x) for x in values)
+    if (row_offset < 0 or col_offset < 0 or col_offset % 4 or
+            row_offset + q.shape[2] > q_total or col_offset + k.shape[2] > k_total):
+        raise ValueError(f"drop_layout {tuple(values)} does not hold a block of q_len "
+                         f"{q.shape[2]} x k_len {k.shape[2]} (offsets >= 0, col_offset a "
+                         f"multiple of 4, inside the totals)")
+    return [q_total, k_total, row_offset, col_offset]
