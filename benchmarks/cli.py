@@ -4,7 +4,12 @@
    exits with status 1 before anything is timed.
 2. Module level: reference.MultiHeadAttention vs kernels.FusedMultiHeadAttention, and a GPT
    training step without / with kernels.fuse_attention (``--no-modules`` to skip).
-3. The attention sweep over seq_len x mode x dtype x head_dim x dropout x provider.
+3. The attention sweep over seq_len x mode x dtype x head_dim x dropout x provider; right after
+   its primary config, the feature rows (features.py: grouped-query heads, sliding window,
+   packed sequences; ``--features`` / ``--no-features``), so that the time budget cuts the
+   secondary configs first.
+3b. With ``--fallback-row`` (opt-in, CPU measurement on any machine): the PyTorch fallback at
+   seq 16384 vs SDPA, time and peak memory, in fresh processes (cpu_fallback.py).
 4. ``<out-dir>/<date>-<gpu-or-cpu>.json`` and ``.csv`` (rewritten after every point, so a killed
    run leaves valid partial files with ``meta.complete = false``), PNG plots, a terminal table.
 
@@ -66,6 +71,7 @@ def _dtype_name(text):
 
 def build_parser():
     """The argparse parser (every sweep dimension can be chosen)."""
+    from .features import FEATURES
     from .flops import MODES
     from .providers import PROVIDERS
 
@@ -107,6 +113,18 @@ def build_parser():
     p.add_argument("--no-modules", action="store_true",
                    help="skip the MultiHeadAttention and GPT training-step benchmarks")
     p.add_argument("--no-sweep", action="store_true", help="skip the attention sweep")
+    p.add_argument("--features", nargs="+", choices=list(FEATURES), default=list(FEATURES),
+                   help="feature rows to run (default: all): gqa = grouped-query heads vs MHA "
+                        "and SDPA enable_gqa, window = sliding window vs full causal, varlen = "
+                        "packed sequences vs the dense kernel on the same tokens")
+    p.add_argument("--no-features", action="store_true", help="skip the feature rows")
+    p.add_argument("--fallback-row", action="store_true",
+                   help="also measure the PyTorch fallback for CPU tensors (TRITON_INTERPRET "
+                        "off) vs SDPA at batch 1, 2 heads, head_dim 64, fp32: time and peak "
+                        "memory, in fresh processes (about 2 minutes on 2 cores; runs last, "
+                        "not cut by --time-budget)")
+    p.add_argument("--fallback-seq", type=int, default=16384,
+                   help="seq_len of --fallback-row")
     p.add_argument("--skip-parity", action="store_true", help="do not run the parity check")
     p.add_argument("--table-metric", choices=["tflops", "ms"],
                    help="what the terminal table shows (default: tflops on GPU, ms on CPU)")
@@ -187,6 +205,8 @@ def run(args, device_type, start):
     import torch
 
     from . import report
+    from .cpu_fallback import fallback_rows
+    from .features import feature_rows
     from .modules import gpt_rows, module_rows
     from .parity import check_parity
     from .sweep import SweepConfig, run_sweep
@@ -255,8 +275,23 @@ def run(args, device_type, start):
         save(rows)
         rows += gpt_rows(device, primary, opts, deadline, progress, args.quick)
         save(rows)
-    # 3. Sweep.
-    if not args.no_sweep:
+    # 3. Sweep, with the feature rows after its primary config.
+    done = list(rows)
+    feature_list = [] if args.no_features else list(dict.fromkeys(args.features))
+    feat = []
+
+    def run_features(sweep_so_far=()):
+        if not feature_list:
+            return
+        feat.extend(feature_rows(
+            device, primary, feature_list, opts, deadline, progress, args.quick,
+            sdpa_names=args.providers if args.explicit_providers else None))
+        save(done + feat + list(sweep_so_far))
+
+    if args.no_sweep:
+        run_features()
+        rows = done + feat
+    else:
         cfg = SweepConfig(device=device, seq_lens=args.seq_lens, modes=args.modes,
                           dtypes=args.dtypes, head_dims=args.head_dims, dropouts=args.dropout,
                           providers=args.providers, tokens=args.tokens, hidden=args.hidden,
@@ -264,11 +299,16 @@ def run(args, device_type, start):
                           explicit_providers=args.explicit_providers,
                           warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, cpu_reps=args.cpu_reps,
                           cpu_max_s=args.cpu_max_s, deadline=deadline)
-        done = list(rows)
         sweep_rows = run_sweep(cfg, lambda name: getattr(torch, name),
-                               on_point=lambda current: save(done + current),
-                               progress=progress)
-        rows = done + sweep_rows
+                               on_point=lambda current: save(done + feat + current),
+                               progress=progress, after_primary=run_features)
+        rows = done + feat + sweep_rows
+    # 3b. The CPU fallback row (asked for, so not cut by the time budget).
+    if args.fallback_row:
+        save(rows)
+        threads = args.cpu_threads if args.cpu_threads and args.cpu_threads > 0 else 0
+        rows = rows + fallback_rows(args.fallback_seq, threads=threads, reps=args.cpu_reps,
+                                    progress=progress)
     progress.close()
     meta["complete"] = True
     save(rows)
@@ -276,9 +316,14 @@ def run(args, device_type, start):
     if not args.no_plots:
         paths += report_plots(rows, args.out_dir, stem, meta)
     print(report.format_tables(rows, args.table_metric))
+    print(report.format_features(rows))
     print(report.format_headline(rows))
     if device_type == "cpu":
         print("\nNOTE: " + meta["note"])
+    if args.fallback_row:
+        print("NOTE: the fallback rows measure the PyTorch fallback for CPU tensors "
+              "(TRITON_INTERPRET unset, fresh processes), not Triton's interpreter; their "
+              "target is a CPU target, judged on any machine.")
     summary = report.status_summary(rows)
     print(f"\n{len(rows)} rows: " + ", ".join(f"{k} {v}" for k, v in sorted(summary.items()))
           + f"; {time.monotonic() - start:.1f}s")

@@ -2,8 +2,10 @@
 
 JSON: ``{"meta": {...}, "rows": [...]}``. ``meta`` always has device, torch, triton, cuda,
 commit, date, plus how things were measured (timing, peak_mem, flops) and the run's arguments.
-Every row has the keys of ``sweep.ROW_KEYS``; module rows add the extras in ``modules.py``.
-CSV: one line per row, columns = the union of the rows' keys (extras empty where absent).
+Every row has the keys of ``sweep.ROW_KEYS``; module rows add the extras in ``modules.py``,
+feature rows those in ``features.py``, fallback rows those in ``cpu_fallback.py``.
+CSV: one line per row, columns = the union of the rows' keys (extras empty where absent, lists
+such as ``seqlens`` as JSON text).
 """
 import csv
 import datetime as _dt
@@ -65,7 +67,12 @@ def collect_meta(device, args_dict, repo_dir):
                      "just before (inputs q, k, v, do excluded)" if cuda else
                      "not measured on CPU (null)"),
         "flops": ("forward = 4*batch*heads*q_len*k_len*head_dim, halved for causal; "
-                  "bwd = 2.5x forward; fwd_bwd = 3.5x forward (benchmarks/flops.py)"),
+                  "bwd = 2.5x forward; fwd_bwd = 3.5x forward (benchmarks/flops.py); heads = "
+                  "query heads; window < k_len: 4*batch*heads*head_dim*(visible pairs); "
+                  "packed sequences: the sum of each sequence's own count"),
+        "features": ("bench gqa / window / varlen (benchmarks/features.py): targets on ours' "
+                     "rows (target, target_met; target_met null on CPU, where the kernel runs "
+                     "in Triton's interpreter)"),
         "speedup": "speedup_vs_best_sdpa = fastest ok sdpa_* ms / kernels ms at the same point",
         "compile": ("reference_compiled and flex: torch.compile(dynamic=False), recompiled per "
                     "shape, AOTAutograd donated buffers off (bwd mode needs retain_graph)"),
@@ -103,6 +110,14 @@ def write_json(path, meta, rows):
     os.replace(tmp, path)
 
 
+def _csv_cell(value):
+    if value is None:
+        return ""
+    if isinstance(value, (list, tuple)):
+        return json.dumps(list(value))
+    return value
+
+
 def write_csv(path, rows):
     """Write rows as CSV, columns = union of the rows' keys in first-seen order."""
     fields = list(dict.fromkeys(k for r in rows for k in r))
@@ -111,7 +126,7 @@ def write_csv(path, rows):
         w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()
         for r in rows:
-            w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in fields})
+            w.writerow({k: _csv_cell(r.get(k)) for k in fields})
     os.replace(tmp, path)
 
 
@@ -159,7 +174,7 @@ def format_tables(rows, metric="tflops"):
             if k and k.get("speedup_vs_best_sdpa"):
                 line += f"  {k['speedup_vs_best_sdpa']:.3g}x ({SHORT_NAMES[k['best_sdpa']]})"
             out.append(line)
-    other = [r for r in rows if r["bench"] != "attention"]
+    other = [r for r in rows if r["bench"] in ("module", "gpt_step")]
     if other:
         out.append(f"\n{'module / model':<20} {'mode':<10} {'dtype':<9} {'p':>4} {'shape':>16} "
                    f"{'ms':>9} {'TFLOP/s':>8} {'peak MiB':>9}  status")
@@ -175,6 +190,56 @@ def format_tables(rows, metric="tflops"):
     out.append("\ncells: number = ok; oom; n/a = unsupported; '-' = skipped (quadratic limit, "
                "earlier OOM, compile provider on CPU); time = time budget ran out; ERR = error "
                "(see status in the JSON)")
+    return "\n".join(out)
+
+
+FEATURE_BENCHES = ("gqa", "window", "varlen", "fallback")
+# (field, format) of the comparison shown on ours' rows, per bench.
+_COMPARISONS = {"gqa": ("speedup_vs_mha", "{:.3g}x MHA"), "window": ("speedup_vs_full",
+                                                                     "{:.3g}x full"),
+                "varlen": ("tflops_vs_dense_each", "{:.3g}x dense"),
+                "fallback": ("time_vs_sdpa", "{:.3g}x SDPA time")}
+
+
+def _feature_shape(r):
+    if r["bench"] == "varlen":
+        return f"{r['batch']} seqs/{r.get('total_tokens')} tok x{r['heads']} d{r['head_dim']}"
+    heads = f"{r['heads']}/{r['heads_kv']}" if r.get("heads_kv") not in (None, r["heads"]) else (
+        str(r["heads"]))
+    win = f" w{r['window']}" if r.get("window") else ""
+    return f"{r['batch']}x{heads}x{r['seq_len']} d{r['head_dim']}{win}"
+
+
+def format_features(rows):
+    """The feature rows (gqa, window, varlen) and the CPU fallback row, with each target."""
+    sel = [r for r in rows if r["bench"] in FEATURE_BENCHES]
+    if not sel:
+        return ""
+    out = ["\nfeatures (shape: batch x heads[/kv heads] x seq, w = window; varlen: sequences/"
+           "tokens; fallback: CPU, no interpreter)",
+           f"{'bench':<8} {'provider':<26} {'mode':<8} {'dtype':<9} {'shape':<28} {'ms':>10} "
+           f"{'TFLOP/s':>8} {'peak MiB':>8}  compared / status"]
+    for r in sel:
+        ms = f"{r['ms']:.3f}" if r["ms"] is not None else ""
+        tf = f"{r['tflops']:.3g}" if r["tflops"] is not None else ""
+        mem = f"{r['peak_mem_bytes'] / 2**20:.1f}" if r["peak_mem_bytes"] is not None else ""
+        note = r["status"] if r["status"] != "ok" else ""
+        field, fmt = _COMPARISONS[r["bench"]]
+        if r["status"] == "ok" and r.get(field) is not None:
+            note = fmt.format(r[field])
+            if r["bench"] == "window" and r.get("ideal_speedup"):
+                note += f" (ideal {r['ideal_speedup']:.3g}x)"
+            if r["bench"] == "varlen" and r.get("tflops_vs_dense_padded") is not None:
+                note += f", {r['tflops_vs_dense_padded']:.3g}x padded"
+            met = r.get("target_met")
+            note += ("; target met" if met else "; TARGET MISSED" if met is False
+                     else "; target not judged" + (" (CPU interpreter)"
+                                                    if r["bench"] != "fallback" else ""))
+        out.append(f"{r['bench']:<8} {r['provider']:<26} {r['mode']:<8} {r['dtype']:<9} "
+                   f"{_feature_shape(r):<28} {ms:>10} {tf:>8} {mem:>8}  {note[:70]}")
+    targets = list(dict.fromkeys(r["target"] for r in sel if r.get("target")))
+    if targets:
+        out.append("targets: " + "; ".join(targets))
     return "\n".join(out)
 
 

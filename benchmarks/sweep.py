@@ -108,19 +108,25 @@ def _static_skip(cfg, name, provider, case):
     return None
 
 
-def run_sweep(cfg: SweepConfig, torch_dtype, on_row=None, on_point=None, progress=None):
+def run_sweep(cfg: SweepConfig, torch_dtype, on_row=None, on_point=None, progress=None,
+              after_primary=None):
     """Run the sweep; return the rows, sorted by config, seq_len, provider and mode.
 
     ``torch_dtype(name)`` maps a dtype name to a torch dtype. ``on_row(row)`` is called after
     each row, ``on_point(rows)`` after each (config, seq_len) point (used to save partial
-    results), ``progress(done, total, text)`` to report progress.
+    results), ``progress(done, total, text)`` to report progress. ``after_primary(rows)`` is
+    called once, with the rows so far, after the primary config's rows (the CLI runs the
+    feature rows there, so that the time budget cuts the secondary configs before them).
     """
     configure_dynamo()
     rows = []
     total = count_points(cfg)
     oom_at = {}  # (provider, dtype, head_dim, dropout, mode) -> seq_len of the first OOM
     providers = {name: get_provider(name) for name in cfg.providers}
-    for (dtype_name, head_dim, dropout_p), names in plan_tasks(cfg):
+    for task_index, ((dtype_name, head_dim, dropout_p), names) in enumerate(plan_tasks(cfg)):
+        if task_index == 1 and after_primary is not None:
+            after_primary(rows)
+            after_primary = None
         for seq_len in cfg.seq_lens:
             batch, heads = shape_for(seq_len, head_dim, cfg.tokens, cfg.hidden)
             case = Case(batch=batch, heads=heads, seq_len=seq_len, head_dim=head_dim,
@@ -168,6 +174,8 @@ def run_sweep(cfg: SweepConfig, torch_dtype, on_row=None, on_point=None, progres
             free_memory(cfg.device, collect=False)
             if on_point:
                 on_point(rows)
+    if after_primary is not None:  # the primary config was the only one
+        after_primary(rows)
     if progress:
         progress(len(rows), total, "done")
     order = {c: i for i, c in enumerate(ordered_configs(cfg.dtypes, cfg.head_dims,

@@ -1,10 +1,11 @@
 """Smoke tests of the benchmark command (``python -m benchmarks``) and its FLOP count.
 
 The CLI test runs the CPU path (kernel in Triton's interpreter) at --quick sizes in a
-subprocess with CUDA hidden, so it checks the same thing on every machine; a GPU-marked test
-runs a one-point CUDA sweep. No test depends on how fast the machine is: the CLI runs get no
-time budget (``--time-budget 0``), and the budget's cut-off is tested with a deadline already
-past.
+subprocess with CUDA hidden, so it checks the same thing on every machine, the feature rows
+(grouped-query heads, sliding window, packed sequences) included; another runs the opt-in CPU
+fallback row at a small seq_len; a GPU-marked test runs a one-point CUDA sweep. No test
+depends on how fast the machine is: the CLI runs get no time budget (``--time-budget 0``),
+and the budget's cut-off is tested with a deadline already past.
 """
 import csv
 import json
@@ -18,11 +19,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.flops import attention_flops, gpt_step_flops, mha_flops, tflops
+from benchmarks.cpu_fallback import compare as fallback_compare
+from benchmarks.features import SHAPES, feature_rows, mixed_lengths
+from benchmarks.flops import (attention_flops, gpt_step_flops, ideal_window_speedup, mha_flops,
+                              tflops, varlen_flops, visible_pairs)
 from benchmarks.parity import parity_ok
 from benchmarks.plots import plot_filenames, x_range, y_scale
 from benchmarks.providers import PROVIDERS
-from benchmarks.report import format_tables, results_stem
+from benchmarks.report import format_features, format_tables, results_stem
 from benchmarks.sweep import ROW_KEYS, SweepConfig, add_speedups, plan_tasks, run_sweep
 
 REPO = Path(__file__).resolve().parents[1]
@@ -136,6 +140,83 @@ def test_cli_quick_cpu(tmp_path):
             ("gpt_step", "gpt_step_reference"), ("gpt_step", "gpt_step_kernels")} <= benches
     gpt = [r for r in rows if r["provider"] == "gpt_step_kernels"][0]
     assert gpt["status"] == "ok" and gpt["fused_modules"] >= 1
+    _check_feature_rows(rows, csv_path)
+    assert "features (shape:" in proc.stdout
+
+
+def _check_feature_rows(rows, csv_path):
+    """The CPU feature rows ran, and what they report is computed from what was measured:
+    FLOPs from flops.py, the ratios from the rows' own medians, no target judged on CPU."""
+    by = {(r["bench"], r["provider"], r["mode"]): r for r in rows}
+    shapes = SHAPES["cpu"]
+    for mode in ("fwd", "fwd_bwd"):
+        # Grouped-query heads: ours with 1 kv head, vs ours MHA (2 kv heads) and SDPA.
+        gqa, mha = by["gqa", "kernels", mode], by["gqa", "kernels_mha", mode]
+        assert gqa["status"] == mha["status"] == "ok"
+        assert (gqa["heads"], gqa["heads_kv"]) == (2, 1) and mha["heads_kv"] == 2
+        assert gqa["speedup_vs_mha"] == pytest.approx(mha["ms"] / gqa["ms"])
+        assert gqa["target_met"] is None and "MHA" in gqa["target"]
+        assert by["gqa", "sdpa_flash", mode]["status"] == by["gqa", "sdpa_math", mode][
+            "status"] == "ok"  # the CPU backends that take enable_gqa=True
+        assert gqa["best_sdpa"] in ("sdpa_flash", "sdpa_math")
+        L = gqa["seq_len"]
+        assert gqa["tflops"] == pytest.approx(tflops(
+            attention_flops(1, 2, L, L, gqa["head_dim"], mode=mode), gqa["ms"]))
+        # Sliding window vs full causal; the ideal from the visible pairs.
+        win, full = by["window", "kernels", mode], by["window", "kernels_causal", mode]
+        assert win["status"] == full["status"] == "ok"
+        W, L = shapes["window"]["window"], shapes["window"]["seq_len"]
+        assert (win["window"], full["window"], win["seq_len"]) == (W, None, L)
+        assert win["speedup_vs_full"] == pytest.approx(full["ms"] / win["ms"])
+        assert win["ideal_speedup"] == pytest.approx(ideal_window_speedup(L, L, W))
+        assert win["tflops"] == pytest.approx(tflops(
+            attention_flops(1, 1, L, L, win["head_dim"], mode=mode, window=W), win["ms"]))
+        assert win["tflops"] * win["ms"] < full["tflops"] * full["ms"]  # fewer FLOPs counted
+        assert by["window", "torch_varlen", mode]["status"].startswith("unsupported: CUDA")
+        # Packed sequences: every row counts the same FLOPs, each sequence's own causal work.
+        var = by["varlen", "kernels_varlen", mode]
+        lens = var["seqlens"]
+        assert sum(lens) == var["total_tokens"] == shapes["varlen"]["total"]
+        assert var["batch"] == len(lens) > 1 and var["seq_len"] == max(lens)
+        flops = varlen_flops(lens, lens, var["heads"], var["head_dim"], mode=mode)
+        for name in ("kernels_varlen", "kernels_dense_each", "kernels_dense_padded"):
+            r = by["varlen", name, mode]
+            assert r["status"] == "ok" and r["seqlens"] == lens
+            assert r["tflops"] == pytest.approx(tflops(flops, r["ms"]))
+        assert var["tflops_vs_dense_each"] == pytest.approx(
+            by["varlen", "kernels_dense_each", mode]["ms"] / var["ms"])
+        assert var["tflops_vs_dense_padded"] == pytest.approx(
+            by["varlen", "kernels_dense_padded", mode]["ms"] / var["ms"])
+        assert var["target_met"] is None
+    with open(csv_path, newline="") as f:
+        table = [t for t in csv.DictReader(f) if t["bench"] == "varlen"]
+    assert table and json.loads(table[0]["seqlens"]) == lens
+
+
+def test_cli_fallback_row(tmp_path):
+    """`--fallback-row` (alone, at seq 256): the PyTorch fallback (interpreter off, in fresh
+    processes) vs SDPA, time and peak memory, on both fallback paths; the comparison is
+    computed from the rows, whatever the numbers."""
+    _, data, csv_path = _run_cli(tmp_path, "--skip-parity", "--no-modules", "--no-sweep",
+                                 "--no-features", "--fallback-row", "--fallback-seq", "256")
+    _, rows = _check_schema(data, csv_path)
+    by = {(r["provider"], r["mode"]): r for r in rows}
+    assert {r["bench"] for r in rows} == {"fallback"} and len(rows) == 6
+    for mode in ("fwd", "fwd_bwd"):
+        sdpa = by["sdpa", mode]
+        for name, path in (("kernels_fallback", "sdpa"), ("kernels_fallback_blockwise",
+                                                          "blockwise")):
+            r = by[name, mode]
+            assert r["status"] == "ok" and r["fallback_path"] == path, r
+            assert (r["seq_len"], r["heads"], r["head_dim"], r["dtype"]) == (
+                256, 2, 64, "float32")
+            assert isinstance(r["peak_mem_bytes"], int) and r["peak_mem_bytes"] >= 0
+            assert "VmHWM" in r["peak_mem_method"] or "ru_maxrss" in r["peak_mem_method"]
+            assert r["threads"] == 1
+            assert r["time_vs_sdpa"] == pytest.approx(r["ms"] / sdpa["ms"])
+            assert r["target_met"] == (r["peak_mem_bytes"] <= 64 * 2**20
+                                       and r["time_vs_sdpa"] <= 3)
+        assert sdpa["status"] == "ok" and sdpa["fallback_path"] is None
 
 
 @pytest.mark.gpu
@@ -168,6 +249,101 @@ def test_flops_documented_numbers():
         1, 2, 8, 8, 2, mode="fwd_bwd")
     with pytest.raises(ValueError):
         attention_flops(1, 1, 1, 1, 1, mode="backward")
+
+
+@pytest.mark.parametrize("q_len,k_len,window", [(6, 6, None), (6, 6, 3), (2, 6, 3), (5, 2, None),
+                                                (7, 9, 1), (9, 7, 4), (8, 8, 8), (8, 8, 20)])
+def test_visible_pairs_match_the_mask(q_len, k_len, window):
+    """visible_pairs counts the kernels' bottom-right causal / window mask exactly."""
+    i = torch.arange(q_len)[:, None]
+    j = torch.arange(k_len)[None, :]
+    d = k_len - q_len
+    mask = j <= i + d
+    if window is not None:
+        mask &= j > i + d - window
+    assert visible_pairs(q_len, k_len, window=window) == int(mask.sum())
+    assert visible_pairs(q_len, k_len, causal=False) == q_len * k_len
+
+
+def test_window_and_varlen_flops():
+    """The ideal window speed-up is computed (4.27x for 4096 at 32k), window FLOPs count the
+    visible pairs, window >= k_len is plain causal, varlen sums each sequence's own count."""
+    assert round(ideal_window_speedup(32768, 32768, 4096), 2) == 4.27
+    assert ideal_window_speedup(128, 128, 128) == 1.0
+    pairs = visible_pairs(128, 128, window=16)
+    assert attention_flops(2, 3, 128, 128, 64, window=16) == 4 * 2 * 3 * 64 * pairs
+    assert attention_flops(2, 3, 128, 128, 64, window=16, mode="fwd_bwd") == 3.5 * (
+        4 * 2 * 3 * 64 * pairs)
+    assert attention_flops(1, 1, 128, 128, 64, window=128) == attention_flops(1, 1, 128, 128, 64)
+    lens = [100, 7, 300]
+    assert varlen_flops(lens, lens, 4, 64, mode="bwd") == sum(
+        attention_flops(1, 4, n, n, 64, mode="bwd") for n in lens)
+    assert varlen_flops(lens, lens, 4, 64) == 4 * 4 * 64 * sum(n * n for n in lens) / 2
+
+
+def test_mixed_lengths_are_fixed_and_in_range():
+    for total, lo, hi in ((16384, 128, 4096), (64, 8, 32), (5000, 100, 200), (50, 100, 300)):
+        lens = mixed_lengths(total, lo, hi, seed=0)
+        assert sum(lens) == total and lens == mixed_lengths(total, lo, hi, seed=0)
+        assert all(lo <= n <= hi for n in lens) or lens == [total]
+    gpu = SHAPES["cuda"]["varlen"]
+    lens = mixed_lengths(gpu["total"], gpu["lo"], gpu["hi"], gpu["seed"])
+    assert sum(lens) == 16384 and len(set(lens)) > 1
+
+
+def test_feature_rows_respect_the_time_budget():
+    """A deadline already past: every feature row is written, none is measured (no kernel
+    runs), each says why."""
+    rows = feature_rows("cpu", torch.bfloat16, deadline=float("-inf"))
+    assert {r["bench"] for r in rows} == {"gqa", "window", "varlen"}
+    assert all(r["ms"] is None for r in rows)
+    assert all(r["status"] == "skipped: time budget" or r["status"].startswith("unsupported: ")
+               for r in rows), {r["status"] for r in rows}
+    assert {r["provider"] for r in rows if r["status"] == "skipped: time budget"} >= {
+        "kernels", "kernels_mha", "kernels_causal", "kernels_varlen", "kernels_dense_each",
+        "kernels_dense_padded"}
+    assert all(r.get("target_met") is None for r in rows)
+    assert "features (shape:" in format_features(rows)
+
+
+def test_features_run_after_the_primary_config():
+    """The sweep calls the feature hook once, after the primary config's rows and before the
+    others (so the time budget cuts secondary configs first)."""
+    seen = []
+    called = []
+    cfg = SweepConfig(device="cpu", seq_lens=[32, 64], modes=["fwd"], dtypes=["bfloat16"],
+                      head_dims=[32, 64], dropouts=[0.0], providers=["kernels", "sdpa_math"],
+                      tokens=64, hidden=64, quadratic_max_seq=1 << 30, deadline=float("-inf"))
+    run_sweep(cfg, lambda name: getattr(torch, name), on_row=seen.append,
+              after_primary=lambda rows: called.append((len(seen), len(rows))))
+    assert called == [(2 * 2, 2 * 2)]  # seq_lens x providers x modes of the primary config
+    called.clear()
+    cfg.head_dims = [32]
+    run_sweep(cfg, lambda name: getattr(torch, name), after_primary=lambda r: called.append(1))
+    assert called == [1]  # only a primary config: called at the end
+
+
+def test_targets_in_the_table():
+    """GPU rows with a target say met / MISSED; the fallback's target is judged from its rows."""
+    base = dict(mode="fwd", dtype="bfloat16", causal=True, dropout_p=0.0, batch=1, heads=32,
+                seq_len=4096, head_dim=128, ms_p20=None, ms_p80=None, peak_mem_bytes=None,
+                first_call_s=None, speedup_vs_best_sdpa=None, best_sdpa=None, heads_kv=8,
+                window=None, tflops=1.0, status="ok")
+    rows = [dict(base, bench="gqa", provider="kernels", ms=1.0, speedup_vs_mha=1.2,
+                 target="GQA >= MHA", target_met=True),
+            dict(base, bench="window", provider="kernels", ms=1.0, window=4096,
+                 speedup_vs_full=3.0, ideal_speedup=4.27, target="3.5x", target_met=False)]
+    text = format_features(rows)
+    assert "1.2x MHA; target met" in text and "3x full (ideal 4.27x); TARGET MISSED" in text
+    fb = dict(base, bench="fallback", dtype="float32", heads=2, heads_kv=None, seq_len=16384,
+              head_dim=64)
+    rows = fallback_compare([dict(fb, provider="kernels_fallback", ms=2.0,
+                                  peak_mem_bytes=10 * 2**20),
+                             dict(fb, provider="kernels_fallback_blockwise", ms=7.0,
+                                  peak_mem_bytes=10 * 2**20),
+                             dict(fb, provider="sdpa", ms=1.0, peak_mem_bytes=2**20)])
+    assert [r.get("target_met") for r in rows] == [True, False, None]
+    assert rows[0]["time_vs_sdpa"] == 2.0
 
 
 def test_parity_ok_rule():
