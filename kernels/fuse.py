@@ -10,7 +10,10 @@ Recognised (by class or by duck typing, so user copies of the book's classes wor
 * CausalAttention-like: the same without ``out_proj``
   -> :class:`~kernels.modules.FusedCausalAttention`;
 * MultiHeadAttentionWrapper-like: only a ModuleList ``heads`` of CausalAttention-like modules
-  -> :class:`~kernels.modules.FusedMultiHeadAttentionWrapper`.
+  -> :class:`~kernels.modules.FusedMultiHeadAttentionWrapper`;
+* the attention classes of ``llms-from-scratch`` (the book's companion package: KV-cache GPT-2,
+  Llama 3, Qwen 3 and their KV-cache variants), recognised by class, never by structure, and
+  only when their ``forward`` is the package's -> their twins in :mod:`kernels.book`.
 
 Left alone: ``SelfAttention_v1/v2`` (no mask: not causal), modules whose ``mask`` is not the
 causal pattern, and already fused modules. Duck typing checks structure, not ``forward``: a
@@ -26,6 +29,7 @@ from .modules import (
     FusedMultiHeadAttentionWrapper,
     _context_length_of,
 )
+from .book import BookTwin, book_twin
 
 __all__ = ["fuse_attention"]
 
@@ -88,8 +92,11 @@ def _is_wrapper(module):
 def _fused_twin(module):
     """The fused replacement of ``module``, or None if it is not a recognised attention."""
     if isinstance(module, (FusedCausalAttention, FusedMultiHeadAttention,
-                           FusedMultiHeadAttentionWrapper)):
+                           FusedMultiHeadAttentionWrapper, BookTwin)):
         return None
+    twin = book_twin(module)
+    if twin is not None:
+        return twin
     if _is_multi_head_attention(module):
         return FusedMultiHeadAttention.from_module(module)
     if _is_causal_attention(module):
