@@ -6,8 +6,8 @@
    training step without / with kernels.fuse_attention (``--no-modules`` to skip).
 3. The attention sweep over seq_len x mode x dtype x head_dim x dropout x provider; right after
    its primary config, the feature rows (features.py: grouped-query heads, sliding window,
-   packed sequences; ``--features`` / ``--no-features``), so that the time budget cuts the
-   secondary configs first.
+   packed sequences, decoding against a KV cache; ``--features`` / ``--no-features``), so that
+   the time budget cuts the secondary configs first.
 3b. With ``--fallback-row`` (opt-in, CPU measurement on any machine): the PyTorch fallback at
    seq 16384 vs SDPA, time and peak memory, in fresh processes (cpu_fallback.py).
 4. ``<out-dir>/<date>-<gpu-or-cpu>.json`` and ``.csv`` (rewritten after every point, so a killed
@@ -116,7 +116,9 @@ def build_parser():
     p.add_argument("--features", nargs="+", choices=list(FEATURES), default=list(FEATURES),
                    help="feature rows to run (default: all): gqa = grouped-query heads vs MHA "
                         "and SDPA enable_gqa, window = sliding window vs full causal, varlen = "
-                        "packed sequences vs the dense kernel on the same tokens")
+                        "packed sequences vs the dense kernel on the same tokens, decode = one "
+                        "query token against KV caches of 1k-128k keys, split-KV vs unsplit vs "
+                        "SDPA, in GB/s of K and V read")
     p.add_argument("--no-features", action="store_true", help="skip the feature rows")
     p.add_argument("--fallback-row", action="store_true",
                    help="also measure the PyTorch fallback for CPU tensors (TRITON_INTERPRET "
@@ -317,6 +319,7 @@ def run(args, device_type, start):
         paths += report_plots(rows, args.out_dir, stem, meta)
     print(report.format_tables(rows, args.table_metric))
     print(report.format_features(rows))
+    print(report.format_decode(rows, "ms" if args.table_metric == "ms" else "gbps"))
     print(report.format_headline(rows))
     if device_type == "cpu":
         print("\nNOTE: " + meta["note"])

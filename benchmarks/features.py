@@ -1,9 +1,10 @@
 """Feature rows (issue 9): grouped-query heads, a sliding window, packed variable-length
-sequences, each against what it should be at least as good as. ``--features`` picks them,
+sequences, and (issue 10) decoding against a KV cache, each against what it should be at
+least as good as. ``--features`` picks them,
 ``--no-features`` skips them; in the run order they come right after the sweep's primary
 config (see cli.py), and rows not started within the time budget say ``skipped: time budget``.
 
-Modes ``fwd`` and ``fwd_bwd``, causal, the sweep's first dtype, measured like every other row
+Modes ``fwd`` and ``fwd_bwd`` (decode: ``fwd``), causal, the sweep's first dtype, measured like every other row
 (measure.py). Rows have every ``sweep.ROW_KEYS`` field (``heads`` = query heads) plus
 ``heads_kv`` and ``window`` (None = none); the comparison fields sit on the row of ours that
 the target is about, with ``target`` (the issue's target, in words) and ``target_met`` (True /
@@ -41,19 +42,54 @@ and ``total_tokens``; every varlen row counts the same FLOPs, each sequence's ow
 (flops.varlen_flops: sum of len^2 / 2-based), so their TFLOP/s compare directly.
 ``tflops_vs_dense_each`` (target >= 0.9: varlen within 10 % of the dense kernel at the same
 lengths) and ``tflops_vs_dense_padded`` sit on the kernels_varlen row.
+
+Decode rows (issue 10: split-KV, one query token against a long KV cache) are the last
+feature. Mode ``fwd`` only, one row per (batch, cache length, provider); ``seq_len`` = the cache
+length (the cache is allocated at that length and filled: ``cache_seqlens = seq_len``, no
+k/v appended, so every provider does the same work), ``q_len`` = 1, ``causal`` True (one
+query row sees every key: ours bottom-right causal; SDPA, whose ``is_causal`` is top-left, is
+called with ``is_causal=False``, the same thing).
+
+=========  ======================  =========================================================
+bench      provider                what
+=========  ======================  =========================================================
+decode     kernels                 ``kernels.attention_with_kvcache(q, k_cache, v_cache,
+                                   cache_seqlens, num_splits=N)``, N = the profile's
+                                   ``num_splits`` (GPU: 0, the heuristic; CPU: a forced
+                                   split, since the heuristic gives 1 in the interpreter)
+decode     kernels_unsplit         the same with ``num_splits=1`` (no split)
+decode     kernels_dense           ``kernels.attention(q, k_cache, v_cache, num_splits=N)``
+decode     sdpa_flash / sdpa_*     ``F.scaled_dot_product_attention(q, k_cache[:, :, :len],
+                                   v_cache[:, :, :len], is_causal=False, enable_gqa=True)``
+                                   forced to one backend (flash, efficient; CPU: efficient
+                                   is unsupported)
+=========  ======================  =========================================================
+
+Every decode row: ``heads_kv``, ``q_len``, ``kv_bytes`` (flops.kv_read_bytes: K and V read
+once), ``gbps`` = kv_bytes / median time, ``copy_gbps`` (the card's device-to-device copy
+rate, bytes read + written, measured once in the run by ceilings.copy_gbps; None on CPU)
+and ``bw_fraction`` = gbps / copy_gbps. Ours' rows: ``num_splits`` (the split count the
+launch used), ``num_splits_arg`` (what was passed) and ``num_splits_how`` (``heuristic``:
+kernels.combine.num_splits_heuristic of the launch's nominal_tiles, reproduced here as
+forward.py computes it; ``forced``; ``none``). The kernels row: ``speedup_vs_unsplit`` =
+kernels_unsplit ms / kernels ms, ``speedup_vs_best_sdpa``, and the targets where the issue sets
+one (:func:`decode_targets`: batch 1, bw_fraction >= 0.7 at cache >= 32k, >= 0.5 at 8k;
+speedup_vs_unsplit >= 5 at 32k). FLOPs: one query row sees every key, so the exact count is
+the non-causal ``4 * batch * heads * cache_len * head_dim``.
 """
 import random
 import time
 
 import torch
 
-from .flops import attention_flops, ideal_window_speedup, tflops, varlen_flops
+from .flops import (attention_flops, gbps, ideal_window_speedup, kv_read_bytes, tflops,
+                    varlen_flops)
 from .measure import MEASURE_KEYS, classify_failure, measure
 from .providers import Case, SdpaProvider
 from .sweep import add_speedups, new_row
 from .timing import free_memory
 
-FEATURES = ("gqa", "window", "varlen")
+FEATURES = ("gqa", "window", "varlen", "decode")
 FEATURE_MODES = ("fwd", "fwd_bwd")
 CPU_REPS = 1  # timed calls per row on CPU (after the warm-up call)
 
@@ -63,15 +99,22 @@ SHAPES = {
     "cuda": dict(
         gqa=dict(batch=4, heads=32, heads_kv=8, seq_len=4096, head_dim=128),
         window=dict(batch=1, heads=16, seq_len=32768, head_dim=128, window=4096),
-        varlen=dict(total=16384, lo=128, hi=4096, heads=16, head_dim=128, seed=0)),
+        varlen=dict(total=16384, lo=128, hi=4096, heads=16, head_dim=128, seed=0),
+        decode=dict(batches=(1, 8), heads=32, heads_kv=8, head_dim=128, num_splits=0,
+                    cache_lens=tuple(1024 << i for i in range(8)))),  # 1k ... 128k
     # CPU: a handful of 16x16 tiles per call (each interpreted call still takes 0.1-1 s).
     "cpu": dict(
         gqa=dict(batch=1, heads=2, heads_kv=1, seq_len=32, head_dim=32),
         window=dict(batch=1, heads=1, seq_len=64, head_dim=32, window=16),
-        varlen=dict(total=64, lo=8, hi=32, heads=1, head_dim=32, seed=0)),
+        varlen=dict(total=64, lo=8, hi=32, heads=1, head_dim=32, seed=0),
+        # num_splits forced to 4 (4 tiles of 16 keys at cache 64): the heuristic gives 1 in
+        # the interpreter, and the split + merge path is the one to exercise.
+        decode=dict(batches=(1, 2), heads=4, heads_kv=1, head_dim=16, num_splits=4,
+                    cache_lens=(64, 128))),
 }
 GQA_SDPA = {"cuda": ("sdpa_flash", "sdpa_efficient", "sdpa_cudnn"),
             "cpu": ("sdpa_math", "sdpa_flash")}
+DECODE_SDPA = ("sdpa_flash", "sdpa_efficient")  # on CPU efficient is "unsupported: CUDA-only"
 TARGETS = {"gqa": ("speedup_vs_mha", 1.0, "GQA at least as fast as MHA with the same query "
                                           "heads (speedup_vs_mha >= 1)"),
            "window": ("speedup_vs_full", 3.5, "window at least 3.5x faster than full causal "
@@ -319,10 +362,11 @@ def _measure_spec(spec, mode, device, opts):
 
 
 def feature_rows(device, dtype, features=FEATURES, opts=None, deadline=float("inf"),
-                 progress=None, quick=False, sdpa_names=None):
+                 progress=None, quick=False, sdpa_names=None, copy_gbps=None):
     """Rows of the ``features`` (a subset of FEATURES), in that order; see the module
-    docstring. ``sdpa_names`` restricts the SDPA backends of the GQA rows (None = the
-    profile's)."""
+    docstring. ``sdpa_names`` restricts the SDPA backends of the GQA and decode rows (None =
+    the profile's). ``copy_gbps``: the device's copy bandwidth for the decode rows'
+    ``bw_fraction`` (None: measured once by ceilings.copy_gbps on a GPU, none on CPU)."""
     opts = dict(opts or dict(warmup_ms=10.0, rep_ms=50.0, cpu_reps=3, cpu_max_s=1.0))
     prof = profile(device, quick)
     if prof != "cuda":
@@ -331,8 +375,10 @@ def feature_rows(device, dtype, features=FEATURES, opts=None, deadline=float("in
         opts["cpu_reps"] = min(opts["cpu_reps"], CPU_REPS)
     shapes = SHAPES[prof]
     sdpa = GQA_SDPA["cuda" if prof == "cuda" else "cpu"]
+    decode_sdpa = DECODE_SDPA
     if sdpa_names is not None:
         sdpa = tuple(s for s in sdpa if s in sdpa_names)
+        decode_sdpa = tuple(s for s in decode_sdpa if s in sdpa_names)
     unknown = [f for f in features if f not in FEATURES]
     if unknown:
         raise ValueError(f"unknown feature(s) {unknown}; choose from {FEATURES}")
@@ -342,6 +388,10 @@ def feature_rows(device, dtype, features=FEATURES, opts=None, deadline=float("in
     rows = []
     for feature in features:
         sh = shapes[feature]
+        if feature == "decode":  # many points, inputs built per point: its own loop
+            rows += decode_rows(sh, device, dtype, decode_sdpa, opts, deadline, progress,
+                                copy_gbps)
+            continue
         try:
             case, specs, flops = build[feature](sh)
             setup_error = None
@@ -418,3 +468,187 @@ def _ratio(a, b, key):
     if not a or not b or a["status"] != "ok" or b["status"] != "ok" or not b[key]:
         return None
     return a[key] / b[key]
+
+
+# --------------------------------------------------------------------------------------------
+# Decode rows (issue 10)
+# --------------------------------------------------------------------------------------------
+DECODE_OURS = ("kernels", "kernels_unsplit", "kernels_dense")
+
+
+def decode_targets(batch, cache_len):
+    """[(field, threshold)] that issue 10 sets for a decode point on a GPU (empty: none):
+    batch 1: ``bw_fraction`` >= 0.7 at cache >= 32k and >= 0.5 at 8k; ``speedup_vs_unsplit``
+    >= 5 at 32k."""
+    out = []
+    if batch == 1 and cache_len >= 32768:
+        out.append(("bw_fraction", 0.7))
+    if batch == 1 and cache_len == 8192:
+        out.append(("bw_fraction", 0.5))
+    if batch == 1 and cache_len == 32768:
+        out.append(("speedup_vs_unsplit", 5.0))
+    return out
+
+
+def decode_target_text(targets):
+    """``"bw_fraction >= 0.7 and speedup_vs_unsplit >= 5"``, or None without a target."""
+    return " and ".join(f"{field} >= {t:g}" for field, t in targets) or None
+
+
+def splits_used(device, batch, heads, heads_kv, q_len, cache_len, num_splits, sm_count=None):
+    """(split count, how) of a decode launch with ``num_splits`` passed, as
+    kernels/forward.py computes it: 0 = ``num_splits_heuristic`` over the launch's nominal
+    64 x 64 tiles (one program per kv group when query heads are packed: grouped heads and
+    q_len <= PACK_GQA_MAX_Q_LEN), then ``clamp_splits``. ``how``: "heuristic", "none"
+    (num_splits=1) or "forced". ``sm_count``: the heuristic's SM count (None: the device's;
+    CPU / interpreter: no split), e.g. 132 for what an H100 SXM would choose."""
+    from kernels.combine import (PACK_GQA_MAX_Q_LEN, clamp_splits, nominal_tiles,
+                                 num_splits_heuristic)
+
+    if num_splits == 0:
+        group = heads // heads_kv
+        pack = group > 1 and q_len <= PACK_GQA_MAX_Q_LEN
+        rows, prog_heads = (group * q_len, heads_kv) if pack else (q_len, heads)
+        m_blocks, n_tiles = nominal_tiles(rows, cache_len)
+        n = num_splits_heuristic(torch.device(device), batch * prog_heads * m_blocks, n_tiles,
+                                 sm_count=sm_count)
+        how = "heuristic"
+    else:
+        n, how = num_splits, ("none" if num_splits == 1 else "forced")
+    return clamp_splits(n, cache_len), how
+
+
+def measure_copy_gbps(device):
+    """The device's copy bandwidth in GB/s (ceilings.copy_gbps: 1 GiB device-to-device, bytes
+    read + written, median), or None (CPU, or the measurement failed)."""
+    if torch.device(device).type != "cuda":
+        return None
+    from .ceilings import copy_gbps
+
+    try:
+        return float(copy_gbps()[0])
+    except Exception:  # e.g. no memory for the 2 GiB of buffers: bw_fraction stays None
+        return None
+    finally:
+        free_memory(device)
+
+
+def _decode_inputs(batch, heads, heads_kv, cache_len, head_dim, device, dtype):
+    """q (batch, heads, 1, D); caches (batch, heads_kv, cache_len, D), filled; lengths int32."""
+    g = torch.Generator(device=device).manual_seed(cache_len + batch)
+    q = _randn(g, (batch, heads, 1, head_dim), device, dtype)
+    kc, vc = (_randn(g, (batch, heads_kv, cache_len, head_dim), device, dtype)
+              for _ in range(2))
+    lens = torch.full((batch,), cache_len, dtype=torch.int32, device=device)
+    return q, kc, vc, lens
+
+
+def _decode_spec(name, inputs, num_splits):
+    """The _Spec of one decode provider on ``inputs`` (fwd only: no leaves, no gradients)."""
+    def build():
+        import kernels
+
+        q, kc, vc, lens = inputs
+        if name in ("kernels", "kernels_unsplit"):
+            n = 1 if name == "kernels_unsplit" else num_splits
+            return (lambda: [kernels.attention_with_kvcache(q, kc, vc, lens, causal=True,
+                                                            num_splits=n)]), ()
+        if name == "kernels_dense":
+            return (lambda: [kernels.attention(q, kc, vc, causal=True,
+                                               num_splits=num_splits)]), ()
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backend = getattr(SDPBackend, SdpaProvider(name).backend_name)
+        n_keys = int(lens.max())  # the filled slice (the whole cache here)
+        k, v = kc[:, :, :n_keys], vc[:, :, :n_keys]
+
+        def f():
+            # One query row sees every key: is_causal=False is ours' bottom-right causal.
+            with sdpa_kernel(backend):
+                return [F.scaled_dot_product_attention(q, k, v, is_causal=False,
+                                                       enable_gqa=True)]
+        return f, ()
+    unsupported = SdpaProvider(name).unsupported_reason if name.startswith("sdpa_") else None
+    return _Spec(name, build, [], unsupported=unsupported)
+
+
+def decode_rows(sh, device, dtype, sdpa_names=DECODE_SDPA, opts=None, deadline=float("inf"),
+                progress=None, copy_gbps=None):
+    """Decode rows of one profile's shape ``sh``: for each batch, each cache length (in that
+    order: batch 1 first), ours split / unsplit / dense API and the SDPA backends; see the
+    module docstring. ``copy_gbps`` None: measured once, before the first row that runs."""
+    opts = dict(opts or dict(warmup_ms=10.0, rep_ms=50.0, cpu_reps=1, cpu_max_s=1.0))
+    gpu = torch.device(device).type == "cuda"
+    H, Hkv, D, ns = sh["heads"], sh["heads_kv"], sh["head_dim"], sh["num_splits"]
+    names = DECODE_OURS + tuple(sdpa_names)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    copy = dict(gbps=copy_gbps, known=copy_gbps is not None or not gpu)
+    rows = []
+    for B in sh["batches"]:
+        for L in sh["cache_lens"]:
+            case = Case(batch=B, heads=H, seq_len=L, head_dim=D, dtype=dtype, dropout_p=0.0,
+                        device=device)
+            inputs, point = None, []
+            for name in names:
+                row = new_row(name, "fwd", case, bench="decode")
+                row.update(heads_kv=Hkv, window=None, q_len=1,
+                           kv_bytes=kv_read_bytes(B, Hkv, L, D, itemsize), gbps=None,
+                           copy_gbps=None, bw_fraction=None)
+                if name in DECODE_OURS:
+                    arg = 1 if name == "kernels_unsplit" else ns
+                    n, how = splits_used(device, B, H, Hkv, 1, L, arg)
+                    row.update(num_splits=n, num_splits_arg=arg, num_splits_how=how)
+                static = SdpaProvider(name).static_reason(case) if name.startswith(
+                    "sdpa_") else None
+                if progress:
+                    progress(None, None, f"decode {name} batch {B} cache {L}")
+                if static:
+                    row["status"] = f"unsupported: {static}"
+                elif time.monotonic() > deadline:
+                    row["status"] = "skipped: time budget"
+                else:
+                    if not copy["known"]:
+                        copy.update(gbps=measure_copy_gbps(device), known=True)
+                    if inputs is None:
+                        try:
+                            inputs = _decode_inputs(B, H, Hkv, L, D, device, dtype)
+                        except Exception as exc:  # e.g. no memory for the caches
+                            inputs = classify_failure(exc)
+                    if isinstance(inputs, str):
+                        row["status"] = inputs
+                    else:
+                        row.update(_measure_spec(_decode_spec(name, inputs, ns), "fwd", device,
+                                                 opts))
+                        if row["status"] == "ok":
+                            row["tflops"] = tflops(attention_flops(B, H, 1, L, D, causal=False),
+                                                   row["ms"])
+                point.append(row)
+            inputs = None
+            free_memory(device)
+            rows += decode_compare(point, gpu, copy["gbps"])
+    return rows
+
+
+def decode_compare(rows, gpu, copy_gbps):
+    """Bandwidth fields on every row of one decode point, and the comparisons and the target
+    on the kernels row (in place; returns ``rows``): ``gbps`` = kv_bytes / ms,
+    ``bw_fraction`` = gbps / copy_gbps, ``speedup_vs_unsplit``, ``speedup_vs_best_sdpa``,
+    ``target``, ``target_met`` (None off a GPU or when a value is missing)."""
+    for r in rows:
+        r["copy_gbps"] = copy_gbps
+        if r["status"] == "ok":
+            r["gbps"] = gbps(r["kv_bytes"], r["ms"])
+            r["bw_fraction"] = r["gbps"] / copy_gbps if copy_gbps else None
+    by = {r["provider"]: r for r in rows}
+    mine = by.get("kernels")
+    if mine is None:
+        return rows
+    mine["speedup_vs_unsplit"] = _ratio(by.get("kernels_unsplit"), mine, "ms")
+    add_speedups(rows)
+    targets = decode_targets(mine["batch"], mine["seq_len"])
+    mine["target"] = decode_target_text(targets)
+    values = [mine.get(field) for field, _ in targets]
+    mine["target_met"] = (all(v >= t for v, (_, t) in zip(values, targets))
+                          if gpu and targets and None not in values else None)
+    return rows

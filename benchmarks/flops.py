@@ -15,6 +15,9 @@ two counts differ by less than 1/seq_len (n*(n+1)/2 pairs vs n^2/2), 0.003 % at 
 Grouped-query heads: ``heads`` is the number of query heads (k/v heads change no FLOPs).
 Packed sequences (varlen): the sum of each sequence's own count (:func:`varlen_flops`), i.e.
 sum(len^2)/2-based for causal, never the padded batch's.
+Decoding (one query row against a KV cache of ``k_len`` keys): it sees every key, so the
+exact count is the non-causal one, ``4 * batch * heads * k_len * head_dim``; what limits it
+is memory, so decode rows also report :func:`kv_read_bytes` / time (:func:`gbps`).
 """
 
 MODE_FACTORS = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
@@ -108,6 +111,25 @@ def gpt_step_flops(linear_params, n_layers, batch, seq_len, emb_dim, heads, *, c
     core = attention_flops(batch, heads, seq_len, seq_len, emb_dim // heads, causal=causal,
                            mode="fwd_bwd")
     return 6.0 * linear_params * tokens + n_layers * core
+
+
+def kv_read_bytes(batch, heads_kv, cache_len, head_dim, itemsize=2):
+    """Bytes of K and V one decoding step reads: ``2 * batch * heads_kv * cache_len *
+    head_dim * itemsize`` (bf16: itemsize 2). Each kv head is counted once (grouped query
+    heads share it); q, the output and the split partials are not counted (all << K, V).
+
+    >>> kv_read_bytes(1, 8, 32768, 128)
+    134217728
+    """
+    return 2 * batch * heads_kv * cache_len * head_dim * itemsize
+
+
+def gbps(nbytes, ms):
+    """Rate in GB/s (1e9 bytes) for ``nbytes`` moved in ``ms`` milliseconds (None when ms is
+    missing/0)."""
+    if not ms or ms <= 0:
+        return None
+    return nbytes / (ms * 1e-3) / 1e9
 
 
 def tflops(flops, ms):

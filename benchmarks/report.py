@@ -70,9 +70,15 @@ def collect_meta(device, args_dict, repo_dir):
                   "bwd = 2.5x forward; fwd_bwd = 3.5x forward (benchmarks/flops.py); heads = "
                   "query heads; window < k_len: 4*batch*heads*head_dim*(visible pairs); "
                   "packed sequences: the sum of each sequence's own count"),
-        "features": ("bench gqa / window / varlen (benchmarks/features.py): targets on ours' "
-                     "rows (target, target_met; target_met null on CPU, where the kernel runs "
-                     "in Triton's interpreter)"),
+        "features": ("bench gqa / window / varlen / decode (benchmarks/features.py): targets "
+                     "on ours' rows (target, target_met; target_met null on CPU, where the "
+                     "kernel runs in Triton's interpreter)"),
+        "decode": ("bench decode: q_len 1 against a filled KV cache of seq_len keys; gbps = "
+                   "kv_bytes (2*batch*heads_kv*seq_len*head_dim*itemsize, K and V read once) / "
+                   "median time; bw_fraction = gbps / copy_gbps, the device-to-device copy rate "
+                   "(bytes read + written) measured once in this run by "
+                   "benchmarks.ceilings.copy_gbps (null on CPU); FLOPs 4*batch*heads*seq_len*"
+                   "head_dim (one query row sees every key)"),
         "speedup": "speedup_vs_best_sdpa = fastest ok sdpa_* ms / kernels ms at the same point",
         "compile": ("reference_compiled and flex: torch.compile(dynamic=False), recompiled per "
                     "shape, AOTAutograd donated buffers off (bwd mode needs retain_graph)"),
@@ -240,6 +246,51 @@ def format_features(rows):
     targets = list(dict.fromkeys(r["target"] for r in sel if r.get("target")))
     if targets:
         out.append("targets: " + "; ".join(targets))
+    return "\n".join(out)
+
+
+DECODE_SHORT = {"kernels": "split", "kernels_unsplit": "unsplit", "kernels_dense": "dense",
+                "sdpa_flash": "flash", "sdpa_efficient": "effic", "sdpa_math": "math"}
+
+
+def format_decode(rows, metric="gbps"):
+    """The decode rows (issue 10): one line per (batch, cache length), a cell per provider
+    (GB/s of K and V read, or ``metric="ms"``), then on ours' split row: its split count,
+    fraction of the copy bandwidth, speed-up over unsplit and over the fastest SDPA, target."""
+    sel = [r for r in rows if r["bench"] == "decode"]
+    if not sel:
+        return ""
+    providers = list(dict.fromkeys(r["provider"] for r in sel))
+    first = sel[0]
+    copy = next((r["copy_gbps"] for r in sel if r.get("copy_gbps")), None)
+    unit = "GB/s of K+V read" if metric == "gbps" else "ms (median)"
+    out = [f"\ndecode: q_len 1, heads {first['heads']}/{first['heads_kv']} kv, "
+           f"d{first['head_dim']}, {first['dtype']}  [{unit}; copy "
+           + (f"{copy:.0f} GB/s measured in this run]" if copy else "GB/s not measured]"),
+           f"{'batch':>5} {'cache':>7} {'splits':>9} "
+           + " ".join(f"{DECODE_SHORT.get(n, n)[:8]:>8}" for n in providers)
+           + f" {'%copy':>6} {'x unspl':>7} {'x sdpa':>6}  target"]
+    for key in dict.fromkeys((r["batch"], r["seq_len"]) for r in sel):
+        cells = {r["provider"]: r for r in sel if (r["batch"], r["seq_len"]) == key}
+        mine = cells.get("kernels", {})
+        splits = (f"{mine['num_splits']} {mine['num_splits_how'][:5]}"
+                  if mine.get("num_splits") is not None else "")
+        line = f"{key[0]:>5} {key[1]:>7} {splits:>9} " + " ".join(
+            f"{_cell(cells[n], metric) if n in cells else '':>8}" for n in providers)
+        frac, unspl, sdpa = (mine.get(k) for k in ("bw_fraction", "speedup_vs_unsplit",
+                                                  "speedup_vs_best_sdpa"))
+        line += f" {f'{100 * frac:.0f}%' if frac is not None else '':>6}"
+        line += f" {f'{unspl:.3g}x' if unspl is not None else '':>7}"
+        line += f" {f'{sdpa:.3g}x' if sdpa is not None else '':>6}"
+        if mine.get("target"):
+            met = mine.get("target_met")
+            line += "  " + ("met" if met else "MISSED" if met is False else "not judged") + (
+                f" ({mine['target']})")
+        out.append(line)
+    out.append("splits: the split count of ours' split row (heuristic = "
+               "kernels.combine.num_splits_heuristic, forced = passed); %copy, x unspl, x sdpa "
+               "and the target are on that row" + ("" if copy else
+                                                   "; target not judged without a GPU"))
     return "\n".join(out)
 
 

@@ -2,10 +2,10 @@
 
 The CLI test runs the CPU path (kernel in Triton's interpreter) at --quick sizes in a
 subprocess with CUDA hidden, so it checks the same thing on every machine, the feature rows
-(grouped-query heads, sliding window, packed sequences) included; another runs the opt-in CPU
-fallback row at a small seq_len; a GPU-marked test runs a one-point CUDA sweep. No test
-depends on how fast the machine is: the CLI runs get no time budget (``--time-budget 0``),
-and the budget's cut-off is tested with a deadline already past.
+(grouped-query heads, sliding window, packed sequences, decoding against a KV cache)
+included; another runs the opt-in CPU fallback row at a small seq_len; a GPU-marked test runs
+a one-point CUDA sweep. No test depends on how fast the machine is: the CLI runs get no time
+budget (``--time-budget 0``), and the budget's cut-off is tested with a deadline already past.
 """
 import csv
 import json
@@ -20,13 +20,14 @@ import pytest
 import torch
 
 from benchmarks.cpu_fallback import compare as fallback_compare
-from benchmarks.features import SHAPES, feature_rows, mixed_lengths
-from benchmarks.flops import (attention_flops, gpt_step_flops, ideal_window_speedup, mha_flops,
-                              tflops, varlen_flops, visible_pairs)
+from benchmarks.features import (SHAPES, decode_compare, decode_targets, feature_rows,
+                                 mixed_lengths, splits_used)
+from benchmarks.flops import (attention_flops, gbps, gpt_step_flops, ideal_window_speedup,
+                              kv_read_bytes, mha_flops, tflops, varlen_flops, visible_pairs)
 from benchmarks.parity import parity_ok
 from benchmarks.plots import plot_filenames, x_range, y_scale
 from benchmarks.providers import PROVIDERS
-from benchmarks.report import format_features, format_tables, results_stem
+from benchmarks.report import format_decode, format_features, format_tables, results_stem
 from benchmarks.sweep import ROW_KEYS, SweepConfig, add_speedups, plan_tasks, run_sweep
 
 REPO = Path(__file__).resolve().parents[1]
@@ -142,6 +143,8 @@ def test_cli_quick_cpu(tmp_path):
     assert gpt["status"] == "ok" and gpt["fused_modules"] >= 1
     _check_feature_rows(rows, csv_path)
     assert "features (shape:" in proc.stdout
+    _check_decode_rows(rows, csv_path)
+    assert "decode: q_len 1" in proc.stdout
 
 
 def _check_feature_rows(rows, csv_path):
@@ -191,6 +194,128 @@ def _check_feature_rows(rows, csv_path):
     with open(csv_path, newline="") as f:
         table = [t for t in csv.DictReader(f) if t["bench"] == "varlen"]
     assert table and json.loads(table[0]["seqlens"]) == lens
+
+
+def _check_decode_rows(rows, csv_path):
+    """The CPU decode rows ran (split forced, since the heuristic gives 1 in the interpreter),
+    and their bytes, GB/s, FLOPs and speed-ups are computed from their own shapes and medians;
+    no copy bandwidth and no target on CPU."""
+    sh = SHAPES["cpu"]["decode"]
+    H, Hkv, D = sh["heads"], sh["heads_kv"], sh["head_dim"]
+    dec = [r for r in rows if r["bench"] == "decode"]
+    points = [(b, n) for b in sh["batches"] for n in sh["cache_lens"]]
+    assert list(dict.fromkeys((r["batch"], r["seq_len"]) for r in dec)) == points
+    for B, L in points:
+        by = {r["provider"]: r for r in dec if (r["batch"], r["seq_len"]) == (B, L)}
+        assert set(by) == {"kernels", "kernels_unsplit", "kernels_dense", "sdpa_flash",
+                           "sdpa_efficient"}
+        assert by["sdpa_efficient"]["status"] == "unsupported: CUDA-only backend"
+        for name, r in by.items():
+            assert (r["heads"], r["heads_kv"], r["head_dim"], r["q_len"]) == (H, Hkv, D, 1)
+            assert r["mode"] == "fwd" and r["dtype"] == "bfloat16" and r["window"] is None
+            assert r["kv_bytes"] == kv_read_bytes(B, Hkv, L, D) == 2 * B * Hkv * L * D * 2
+            assert r["copy_gbps"] is None and r["bw_fraction"] is None
+            if name == "sdpa_efficient":
+                assert r["gbps"] is None
+                continue
+            assert r["status"] == "ok", r
+            assert r["gbps"] == pytest.approx(r["kv_bytes"] / (r["ms"] * 1e-3) / 1e9)
+            assert r["tflops"] == pytest.approx(4 * B * H * L * D / (r["ms"] * 1e-3) / 1e12)
+        mine, unsplit, dense = by["kernels"], by["kernels_unsplit"], by["kernels_dense"]
+        assert (mine["num_splits"], mine["num_splits_arg"], mine["num_splits_how"]) == (
+            sh["num_splits"], sh["num_splits"], "forced") and mine["num_splits"] > 1
+        assert (dense["num_splits"], dense["num_splits_how"]) == (sh["num_splits"], "forced")
+        assert (unsplit["num_splits"], unsplit["num_splits_arg"],
+                unsplit["num_splits_how"]) == (1, 1, "none")
+        assert "num_splits" not in by["sdpa_flash"]
+        assert mine["speedup_vs_unsplit"] == pytest.approx(unsplit["ms"] / mine["ms"])
+        assert mine["speedup_vs_best_sdpa"] == pytest.approx(by["sdpa_flash"]["ms"] / mine["ms"])
+        assert mine["best_sdpa"] == "sdpa_flash"
+        assert mine["target"] is None and mine["target_met"] is None
+    with open(csv_path, newline="") as f:
+        table = [t for t in csv.DictReader(f) if t["bench"] == "decode"]
+    assert len(table) == len(dec) and int(table[0]["kv_bytes"]) == dec[0]["kv_bytes"]
+
+
+def _decode_point(batch, cache_len, ms):
+    """Synthetic rows of one GPU decode point (32/8 heads, d128, bf16); ``ms`` per provider."""
+    rows = []
+    for name, t in ms.items():
+        rows.append(dict(bench="decode", provider=name, mode="fwd", dtype="bfloat16",
+                         causal=True, dropout_p=0.0, batch=batch, heads=32, heads_kv=8,
+                         seq_len=cache_len, head_dim=128, q_len=1, window=None,
+                         kv_bytes=kv_read_bytes(batch, 8, cache_len, 128), gbps=None,
+                         copy_gbps=None, bw_fraction=None, ms=t, ms_p20=t, ms_p80=t,
+                         tflops=1.0 if t else None, peak_mem_bytes=None, first_call_s=None,
+                         speedup_vs_best_sdpa=None, best_sdpa=None,
+                         status="ok" if t else "unsupported: x"))
+        if name.startswith("kernels"):
+            rows[-1].update(num_splits=14 if name == "kernels" else 1,
+                            num_splits_arg=0 if name == "kernels" else 1,
+                            num_splits_how="heuristic" if name == "kernels" else "none")
+    return rows
+
+
+def test_decode_bandwidth_speedup_and_targets():
+    """Decode rows: GB/s = K+V bytes / time, its fraction of the copy bandwidth, the speed-up
+    over unsplit and the issue's targets (batch 1: >= 70% of copy at >= 32k, >= 50% at 8k,
+    >= 5x unsplit at 32k), judged only on a GPU and only with every value present."""
+    assert decode_targets(1, 32768) == [("bw_fraction", 0.7), ("speedup_vs_unsplit", 5.0)]
+    assert decode_targets(1, 131072) == [("bw_fraction", 0.7)]
+    assert decode_targets(1, 8192) == [("bw_fraction", 0.5)]
+    assert decode_targets(1, 16384) == decode_targets(8, 32768) == decode_targets(1, 64) == []
+    nbytes = kv_read_bytes(1, 8, 32768, 128)  # 128 MiB
+    assert nbytes == 2 * 8 * 32768 * 128 * 2 and gbps(nbytes, 0.1) == pytest.approx(1342.17728)
+    # 32k: 2100 GB/s of a 3000 GB/s copy = 0.7, 6x unsplit: met.
+    fast = nbytes / 2100e9 * 1e3
+    rows = decode_compare(_decode_point(1, 32768, dict(
+        kernels=fast, kernels_unsplit=6 * fast, kernels_dense=fast, sdpa_flash=2 * fast,
+        sdpa_efficient=None)), gpu=True, copy_gbps=3000.0)
+    by = {r["provider"]: r for r in rows}
+    mine = by["kernels"]
+    assert mine["gbps"] == pytest.approx(2100.0) and mine["bw_fraction"] == pytest.approx(0.7)
+    assert mine["speedup_vs_unsplit"] == pytest.approx(6.0)
+    assert mine["speedup_vs_best_sdpa"] == pytest.approx(2.0)
+    assert by["sdpa_flash"]["bw_fraction"] == pytest.approx(0.35)
+    assert all(r["copy_gbps"] == 3000.0 for r in rows) and by["sdpa_efficient"]["gbps"] is None
+    assert mine["target"] == "bw_fraction >= 0.7 and speedup_vs_unsplit >= 5"
+    assert mine["target_met"] is True
+    # 4x unsplit misses the speed-up target even at full bandwidth.
+    rows2 = decode_compare(_decode_point(1, 32768, dict(
+        kernels=fast, kernels_unsplit=4 * fast)), gpu=True, copy_gbps=3000.0)
+    assert rows2[0]["target_met"] is False
+    # No copy bandwidth, or a CPU run: computed fields, no verdict.
+    rows3 = decode_compare(_decode_point(1, 8192, dict(kernels=1.0, kernels_unsplit=2.0)),
+                           gpu=True, copy_gbps=None)
+    assert rows3[0]["bw_fraction"] is None and rows3[0]["target_met"] is None
+    assert rows3[0]["target"] == "bw_fraction >= 0.5"
+    rows4 = decode_compare(_decode_point(1, 8192, dict(kernels=1.0, kernels_unsplit=2.0)),
+                           gpu=False, copy_gbps=3000.0)
+    assert rows4[0]["bw_fraction"] is not None and rows4[0]["target_met"] is None
+    # A point without a target.
+    rows5 = decode_compare(_decode_point(8, 16384, dict(kernels=1.0, kernels_unsplit=2.0)),
+                           gpu=True, copy_gbps=3000.0)
+    assert rows5[0]["target"] is None and rows5[0]["target_met"] is None
+    text = format_decode(rows + rows5)
+    assert "copy 3000 GB/s measured in this run" in text
+    assert "2100.0" in text and "70%" in text and "6x" in text and "met (bw_fraction" in text
+    assert "14 heuri" in text and "MISSED" in format_decode(rows2)
+
+
+def test_decode_splits_follow_the_heuristic():
+    """The split count recorded on ours' rows is kernels.combine's heuristic over the launch's
+    nominal tiles (packed GQA: one program per kv group): on an H100's 132 SMs the GPU shapes
+    get 14-16 splits at batch 1 and 2 at batch 8 (benchmarks/NOTES.md); none on CPU."""
+    sh = SHAPES["cuda"]["decode"]
+    h100 = {(b, n): splits_used("cuda", b, sh["heads"], sh["heads_kv"], 1, n, 0, sm_count=132)
+            for b in sh["batches"] for n in sh["cache_lens"]}
+    assert all(how == "heuristic" for _, how in h100.values())
+    assert [h100[1, n][0] for n in sh["cache_lens"]] == [16, 16, 16, 15, 14, 14, 14, 15]
+    assert [h100[8, n][0] for n in sh["cache_lens"]] == [2] * 8
+    assert splits_used("cpu", 1, 4, 1, 1, 128, 0) == (1, "heuristic")
+    assert splits_used("cpu", 1, 4, 1, 1, 64, 4) == (4, "forced")
+    assert splits_used("cpu", 1, 4, 1, 1, 32, 4) == (2, "forced")  # clamped: 2 tiles of 16
+    assert splits_used("cpu", 1, 4, 1, 1, 64, 1) == (1, "none")
 
 
 def test_cli_fallback_row(tmp_path):
@@ -295,15 +420,19 @@ def test_feature_rows_respect_the_time_budget():
     """A deadline already past: every feature row is written, none is measured (no kernel
     runs), each says why."""
     rows = feature_rows("cpu", torch.bfloat16, deadline=float("-inf"))
-    assert {r["bench"] for r in rows} == {"gqa", "window", "varlen"}
+    assert {r["bench"] for r in rows} == {"gqa", "window", "varlen", "decode"}
     assert all(r["ms"] is None for r in rows)
     assert all(r["status"] == "skipped: time budget" or r["status"].startswith("unsupported: ")
                for r in rows), {r["status"] for r in rows}
     assert {r["provider"] for r in rows if r["status"] == "skipped: time budget"} >= {
         "kernels", "kernels_mha", "kernels_causal", "kernels_varlen", "kernels_dense_each",
-        "kernels_dense_padded"}
+        "kernels_dense_padded", "kernels_unsplit", "kernels_dense"}
     assert all(r.get("target_met") is None for r in rows)
     assert "features (shape:" in format_features(rows)
+    dec = [r for r in rows if r["bench"] == "decode"]  # the last feature: every point written
+    assert rows[-len(dec):] == dec and len(dec) == 5 * 4
+    assert all(r["copy_gbps"] is None and r["gbps"] is None for r in dec)
+    assert "decode: q_len 1" in format_decode(dec)
 
 
 def test_features_run_after_the_primary_config():
