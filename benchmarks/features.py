@@ -1,8 +1,8 @@
 """Feature rows (issue 9): grouped-query heads, a sliding window, packed variable-length
 sequences, and (issue 10) decoding against a KV cache, each against what it should be at
 least as good as. ``--features`` picks them, ``--no-features`` skips them; in the run order
-they come right after the sweep's primary config (see cli.py), and rows not started within the
-time budget say ``skipped: time budget``.
+they come right after the sweep's primary config (see cli.py), and rows not started within
+the time budget say ``skipped: time budget``.
 
 Modes ``fwd`` and ``fwd_bwd`` (decode: ``fwd``), causal, the sweep's first dtype, measured like
 every other row (measure.py). Rows have every ``sweep.ROW_KEYS`` field (``heads`` = query heads) plus
