@@ -5,10 +5,10 @@ they come right after the sweep's primary config (see cli.py), and rows not star
 the time budget say ``skipped: time budget``.
 
 Modes ``fwd`` and ``fwd_bwd`` (decode: ``fwd``), causal, the sweep's first dtype, measured like
-every other row (measure.py). Rows have every ``sweep.ROW_KEYS`` field (``heads`` = query
-heads) plus ``heads_kv`` and ``window`` (None = none); the comparison fields sit on the row of ours that
-the target is about, with ``target`` (the issue's target, in words) and ``target_met`` (True /
-False on a GPU when both rows ran; None on CPU, where the kernel runs in Triton's
+every other row (measure.py). Rows have every ``sweep.ROW_KEYS`` field (``heads`` = query heads)
+plus ``heads_kv`` and ``window`` (None = none); the comparison fields sit on the row of ours
+that the target is about, with ``target`` (the issue's target, in words) and ``target_met``
+(True / False on a GPU when both rows ran; None on CPU, where the kernel runs in Triton's
 interpreter and the figures say nothing about GPU speed, or when a row is missing).
 
 =========  ======================  =========================================================
