@@ -225,6 +225,19 @@ class GQATwin(BookTwin):
         o = _ops.attention(q, k.to(q.dtype), v.to(q.dtype), causal=True)   # (b, H, n, hd)
         return self.out_proj(o.transpose(1, 2).reshape(b, n, self.d_out).to(v.dtype))
 
+    def _forward_cached(self, x, mask, cos, sin, start_pos, cache):
+        """The KV-cache variants' forward: new keys/values (after norms and RoPE at
+        ``start_pos``) appended to ``cache = (keys, values)``, the mask checked to be causal
+        bottom-right over all keys; returns (context, (keys, values))."""
+        b, n, _ = x.shape
+        q, k, v = self._qkv(x, cos, sin, start_pos)
+        if cache is not None:
+            prev_k, prev_v = cache
+            k = torch.cat([prev_k, k], dim=2)
+            v = torch.cat([prev_v, v], dim=2)
+        check_mask(mask, b, self.num_heads, n, k.shape[2], who=self._mask_name())
+        return self._attend(q, k, v), (k, v)
+
     def _mask_name(self):
         return f"{type(self).__name__} (twin of {', '.join(self.book_classes)})"
 

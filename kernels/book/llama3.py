@@ -73,11 +73,4 @@ class FusedLlama3GroupedQueryAttentionKV(_Llama3Init):
     book_classes = ("llms_from_scratch.kv_cache.llama3.GroupedQueryAttention",)
 
     def forward(self, x, mask, cos, sin, start_pos=0, cache=None):
-        b, n, _ = x.shape
-        q, k, v = self._qkv(x, cos, sin, start_pos)
-        if cache is not None:
-            prev_k, prev_v = cache
-            k = torch.cat([prev_k, k], dim=2)
-            v = torch.cat([prev_v, v], dim=2)
-        check_mask(mask, b, self.num_heads, n, k.shape[2], who=self._mask_name())
-        return self._attend(q, k, v), (k, v)
+        return self._forward_cached(x, mask, cos, sin, start_pos, cache)
