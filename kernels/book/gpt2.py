@@ -20,6 +20,15 @@ def _check_split(d_out, num_heads):
                          f"num_heads={num_heads}")
 
 
+def _adopt_heads(cls, module):
+    """``cls`` twin of ``module`` (its very children and Parameters) with its head split."""
+    _check_split(int(module.d_out), int(module.num_heads))
+    twin = cls._adopt(module)
+    twin.d_out, twin.num_heads = int(module.d_out), int(module.num_heads)
+    twin.head_dim = twin.d_out // twin.num_heads
+    return twin
+
+
 class FusedMultiHeadAttentionKV(BookTwin):
     """Fused twin of ``kv_cache.gpt2.MultiHeadAttention`` (GPT-2 attention with a KV cache).
 
@@ -53,11 +62,7 @@ class FusedMultiHeadAttentionKV(BookTwin):
     @classmethod
     def from_module(cls, module):
         """Twin of a package module: its very children and Parameters, same mode."""
-        _check_split(int(module.d_out), int(module.num_heads))
-        twin = cls._adopt(module)
-        twin.d_out, twin.num_heads = int(module.d_out), int(module.num_heads)
-        twin.head_dim = twin.d_out // twin.num_heads
-        return twin
+        return _adopt_heads(cls, module)
 
     def forward(self, x, use_cache=False, start_pos=0, cache=None):
         b, n, _ = x.shape
@@ -102,10 +107,7 @@ class FusedPyTorchMultiHeadAttention(BookTwin):
 
     @classmethod
     def from_module(cls, module):
-        _check_split(int(module.d_out), int(module.num_heads))
-        twin = cls._adopt(module)
-        twin.d_out, twin.num_heads = int(module.d_out), int(module.num_heads)
-        twin.head_dim = twin.d_out // twin.num_heads
+        twin = _adopt_heads(cls, module)
         twin.dropout = float(module.dropout)
         return twin
 
