@@ -6,7 +6,8 @@
    training step without / with kernels.fuse_attention (``--no-modules`` to skip).
 3. The attention sweep over seq_len x mode x dtype x head_dim x dropout x provider; right after
    its primary config, the feature rows (features.py: grouped-query heads, sliding window,
-   packed sequences, decoding against a KV cache; ``--features`` / ``--no-features``), so that
+   packed sequences, decoding against a KV cache, a transformers model and SDPA's flash
+   backend with ours; ``--features`` / ``--no-features``), so that
    the time budget cuts the secondary configs first.
 3b. With ``--fallback-row`` (opt-in, CPU measurement on any machine): the PyTorch fallback at
    seq 16384 vs SDPA, time and peak memory, in fresh processes (cpu_fallback.py).
@@ -113,12 +114,15 @@ def build_parser():
     p.add_argument("--no-modules", action="store_true",
                    help="skip the MultiHeadAttention and GPT training-step benchmarks")
     p.add_argument("--no-sweep", action="store_true", help="skip the attention sweep")
-    p.add_argument("--features", nargs="+", choices=list(FEATURES), default=list(FEATURES),
-                   help="feature rows to run (default: all): gqa = grouped-query heads vs MHA "
+    p.add_argument("--features", nargs="+", choices=list(FEATURES),
+                   help="feature rows to run (default: all; on CPU all but hf): gqa = grouped-query heads vs MHA "
                         "and SDPA enable_gqa, window = sliding window vs full causal, varlen = "
                         "packed sequences vs the dense kernel on the same tokens, decode = one "
                         "query token against KV caches of 1k-128k keys, split-KV vs unsplit vs "
-                        "SDPA, in GB/s of K and V read")
+                        "SDPA, in GB/s of K and V read, hf = a transformers Llama model's "
+                        "training step and generation, attn_implementation sdpa vs "
+                        "triton_fused, sdpa_impl = F.scaled_dot_product_attention's flash "
+                        "backend, PyTorch's vs ours (CUDA only)")
     p.add_argument("--no-features", action="store_true", help="skip the feature rows")
     p.add_argument("--fallback-row", action="store_true",
                    help="also measure the PyTorch fallback for CPU tensors (TRITON_INTERPRET "
@@ -141,6 +145,10 @@ def resolve_args(args, device_type):
     for key, value in defaults.items():
         if getattr(args, key, None) is None:
             setattr(args, key, list(value) if isinstance(value, list) else value)
+    if getattr(args, "features", None) is None:
+        from .features import DEFAULT_FEATURES
+
+        args.features = list(DEFAULT_FEATURES[device_type])
     args.explicit_providers = args.providers is not None
     if args.providers is None:
         from .providers import PROVIDERS

@@ -1,5 +1,7 @@
 """Feature rows (issue 9): grouped-query heads, a sliding window, packed variable-length
-sequences, and (issue 10) decoding against a KV cache, each against what it should be at
+sequences, (issue 10) decoding against a KV cache, and (issue 12) a transformers model and
+SDPA's flash backend with ours installed (``hf``, ``sdpa_impl``: see the comment above
+HF_SHAPES), each against what it should be at
 least as good as. ``--features`` picks them, ``--no-features`` skips them; in the run order
 they come right after the sweep's primary config (see cli.py), and rows not started within
 the time budget say ``skipped: time budget``.
@@ -89,7 +91,11 @@ from .providers import Case, SdpaProvider
 from .sweep import add_speedups, new_row
 from .timing import free_memory
 
-FEATURES = ("gqa", "window", "varlen", "decode")
+FEATURES = ("gqa", "window", "varlen", "decode", "hf", "sdpa_impl")
+# The default set per device type: on CPU ``hf`` is left out (its tiny model's rows took ~8 s,
+# mostly our attention in the interpreter, against ~5 s allowed in the default run);
+# ``--features hf`` selects it.
+DEFAULT_FEATURES = {"cuda": FEATURES, "cpu": tuple(f for f in FEATURES if f != "hf")}
 FEATURE_MODES = ("fwd", "fwd_bwd")
 CPU_REPS = 1  # timed calls per row on CPU (after the warm-up call)
 
@@ -387,10 +393,15 @@ def feature_rows(device, dtype, features=FEATURES, opts=None, deadline=float("in
              "varlen": lambda sh: _varlen_specs(sh, device, dtype)}
     rows = []
     for feature in features:
-        sh = shapes[feature]
+        sh = shapes.get(feature)
         if feature == "decode":  # many points, inputs built per point: its own loop
             rows += decode_rows(sh, device, dtype, decode_sdpa, opts, deadline, progress,
                                 copy_gbps)
+            continue
+        if feature in ("hf", "sdpa_impl"):  # issue 12: their own loops too
+            own = hf_rows if feature == "hf" else sdpa_impl_rows
+            shp = (HF_SHAPES if feature == "hf" else SDPA_IMPL_SHAPES)[prof]
+            rows += own(shp, device, dtype, opts, deadline, progress)
             continue
         try:
             case, specs, flops = build[feature](sh)
@@ -652,3 +663,242 @@ def decode_compare(rows, gpu, copy_gbps):
     mine["target_met"] = (all(v >= t for v, (_, t) in zip(values, targets))
                           if gpu and targets and None not in values else None)
     return rows
+
+
+# --------------------------------------------------------------------------------------------
+# Integration rows (issue 12): a transformers model, and SDPA's flash backend
+# --------------------------------------------------------------------------------------------
+# hf: a Llama-shaped model from a config (random weights, no download), attn_implementation
+# "sdpa" vs ours ("triton_fused", kernels.hf.register()), the same weights (switched with
+# set_attn_implementation). Modes: ``fwd_bwd`` = one training forward + backward of the LM loss
+# (model.train(), the config's attention_dropout at each dropout_p) and ``generate`` = greedy
+# generation of ``new_tokens`` tokens after a ``prompt``-token prompt (model.eval(), no dropout;
+# ``tokens_per_s`` = batch * new_tokens / median time). ``seq_len`` = the training length
+# (generate rows: the prompt length).
+# sdpa_impl: F.scaled_dot_product_attention(is_causal=True) under
+# sdpa_kernel(SDPBackend.FLASH_ATTENTION), PyTorch's default flash (``sdpa_flash``) vs ours
+# installed as the flash implementation (``sdpa_flash_triton_fused``: kernels.sdpa.register(),
+# activate_flash_attention_impl("triton_fused") around the row, restored in a finally). The
+# override is a CUDA kernel: on CPU the rows are written as skipped with the reason.
+# On both, ``speedup_vs_sdpa`` (= sdpa ms / ours ms) on ours' rows; target >= 1 without dropout
+# and > 1 with it (:data:`INTEGRATION_TARGETS`), judged on a GPU only.
+HF_SHAPES = {
+    # Llama 3.2 1B's shapes (tied embeddings): ~1.2B parameters.
+    "cuda": dict(hidden=2048, layers=16, heads=32, heads_kv=8, intermediate=8192,
+                 vocab=128256, batch=1, seq_len=4096, prompt=128, new_tokens=64,
+                 dropouts=(0.0, 0.1)),
+    "cpu": dict(hidden=64, layers=1, heads=4, heads_kv=2, intermediate=128, vocab=256,
+                batch=1, seq_len=32, prompt=8, new_tokens=4, dropouts=(0.0, 0.1)),
+}
+SDPA_IMPL_SHAPES = {
+    "cuda": dict(tokens=16384, heads=16, head_dim=128, seq_lens=(1024, 4096),
+                 dropouts=(0.0, 0.1)),
+    "cpu": dict(tokens=64, heads=2, head_dim=32, seq_lens=(32,), dropouts=(0.0, 0.1)),
+}
+HF_PROVIDERS = ("hf_sdpa", "hf_triton_fused")
+SDPA_IMPL_PROVIDERS = ("sdpa_flash", "sdpa_flash_triton_fused")
+INTEGRATION_TARGETS = {False: "not slower than sdpa (speedup_vs_sdpa >= 1)",
+                       True: "faster than sdpa with dropout (speedup_vs_sdpa > 1)"}
+
+
+def hf_reason():
+    """Why the hf rows cannot run here (None: they can)."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return "transformers not installed (pip install .[hf])"
+    return None
+
+
+def sdpa_impl_reason(device):
+    """Why the sdpa_impl rows cannot run here (None: they can)."""
+    try:
+        from torch.nn.attention import activate_flash_attention_impl  # noqa: F401
+    except ImportError:
+        return (f"torch {torch.__version__} has no flash-attention impl registry "
+                "(torch.nn.attention.register_flash_attention_impl, torch >= 2.10)")
+    if torch.device(device).type != "cuda":
+        return "CUDA-only (ours overrides SDPA's CUDA flash kernel)"
+    return None
+
+
+def _integration_compare(rows, gpu, key):
+    """``speedup_vs_sdpa``, ``target``, ``target_met`` on ours' rows (the second provider of
+    each point ``key(row)``), in place."""
+    points = {}
+    for r in rows:
+        points.setdefault(key(r), []).append(r)
+    for point in points.values():
+        base, mine = point[0], point[-1]
+        value = _ratio(base, mine, "ms")
+        dropout = mine["dropout_p"] > 0
+        mine["speedup_vs_sdpa"] = value
+        mine["target"] = INTEGRATION_TARGETS[dropout]
+        mine["target_met"] = ((value > 1.0 if dropout else value >= 1.0)
+                              if gpu and value is not None else None)
+    return rows
+
+
+def _integration_row(bench, provider, mode, case, extra, static, deadline):
+    row = new_row(provider, mode, case, bench=bench)
+    row.update(heads_kv=None, window=None)
+    row.update(extra)
+    if static:
+        row["status"] = f"skipped: {static}"
+    elif time.monotonic() > deadline:
+        row["status"] = "skipped: time budget"
+    return row
+
+
+def hf_rows(sh, device, dtype, opts, deadline=float("inf"), progress=None):
+    """The hf rows (see the comment above HF_SHAPES)."""
+    gpu = torch.device(device).type == "cuda"
+    static = hf_reason()
+    D = sh["hidden"] // sh["heads"]
+    extra = dict(heads_kv=sh["heads_kv"], layers=sh["layers"], hidden=sh["hidden"],
+                 intermediate=sh["intermediate"], vocab=sh["vocab"], tokens_per_s=None)
+    points = [("fwd_bwd", p) for p in sh["dropouts"]] + [("generate", 0.0)]
+    rows, model, ids = [], None, None
+    for mode, p in points:
+        L = sh["seq_len"] if mode == "fwd_bwd" else sh["prompt"]
+        case = Case(batch=sh["batch"], heads=sh["heads"], seq_len=L, head_dim=D, dtype=dtype,
+                    dropout_p=p, device=device)
+        for name in HF_PROVIDERS:
+            row = _integration_row("hf", name, mode, case, extra, static, deadline)
+            if mode == "generate":
+                row.update(prompt=sh["prompt"], new_tokens=sh["new_tokens"])
+            rows.append(row)
+            if row["status"] is not None:
+                continue
+            if progress:
+                progress(None, None, f"hf {name} {mode} p{p}")
+            if model is None:
+                try:
+                    model = _hf_model(sh, device, dtype)
+                    g = torch.Generator(device="cpu").manual_seed(0)
+                    ids = torch.randint(0, sh["vocab"], (sh["batch"], sh["seq_len"]),
+                                        generator=g).to(device)
+                except Exception as exc:
+                    model = classify_failure(exc)
+            if isinstance(model, str):
+                row["status"] = model
+                continue
+            model.set_attn_implementation(name[len("hf_"):])
+            for m in model.modules():
+                if hasattr(m, "attention_dropout"):
+                    m.attention_dropout = p
+            row.update(_hf_measure(model, ids, mode, sh, device, opts))
+            if row["status"] == "ok" and mode == "generate":
+                row["tokens_per_s"] = sh["batch"] * sh["new_tokens"] / (row["ms"] * 1e-3)
+    model = ids = None
+    free_memory(device)
+    return _integration_compare(rows, gpu, lambda r: (r["mode"], r["dropout_p"]))
+
+
+def _hf_model(sh, device, dtype):
+    import transformers
+
+    import kernels.hf
+
+    kernels.hf.register()
+    cfg = transformers.LlamaConfig(
+        hidden_size=sh["hidden"], num_hidden_layers=sh["layers"],
+        num_attention_heads=sh["heads"], num_key_value_heads=sh["heads_kv"],
+        intermediate_size=sh["intermediate"], vocab_size=sh["vocab"],
+        max_position_embeddings=max(sh["seq_len"], sh["prompt"] + sh["new_tokens"]),
+        tie_word_embeddings=True, attention_dropout=0.0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(
+            cfg, attn_implementation="sdpa", dtype=dtype)
+    return model
+
+
+def _hf_measure(model, ids, mode, sh, device, opts):
+    params = [t for t in model.parameters() if t.requires_grad]
+    if mode == "fwd_bwd":
+        model.train()
+
+        def make():
+            return lambda: model(input_ids=ids, labels=ids).loss.backward()
+    else:
+        model.eval()
+        prompt = ids[:, :sh["prompt"]]
+        n = sh["new_tokens"]
+
+        def make():
+            return lambda: model.generate(prompt, max_new_tokens=n, min_new_tokens=n,
+                                          do_sample=False)
+    timing = {k: opts[k] for k in ("warmup_ms", "rep_ms", "cpu_reps", "cpu_max_s")}
+    try:
+        return measure(make, device, grads=params if mode == "fwd_bwd" else (), **timing)
+    finally:
+        for t in params:
+            t.grad = None
+
+
+def sdpa_impl_rows(sh, device, dtype, opts, deadline=float("inf"), progress=None):
+    """The sdpa_impl rows (see the comment above HF_SHAPES)."""
+    gpu = torch.device(device).type == "cuda"
+    static = sdpa_impl_reason(device)
+    H, D = sh["heads"], sh["head_dim"]
+    rows = []
+    for L in sh["seq_lens"]:
+        B = max(1, sh["tokens"] // L)
+        inputs = None
+        for p in sh["dropouts"]:
+            case = Case(batch=B, heads=H, seq_len=L, head_dim=D, dtype=dtype, dropout_p=p,
+                        device=device)
+            for mode in FEATURE_MODES:
+                for name in SDPA_IMPL_PROVIDERS:
+                    row = _integration_row("sdpa_impl", name, mode, case, {}, static, deadline)
+                    rows.append(row)
+                    if row["status"] is not None:
+                        continue
+                    if progress:
+                        progress(None, None, f"sdpa_impl {name} {mode} seq {L} p{p}")
+                    if inputs is None:
+                        try:
+                            g = torch.Generator(device=device).manual_seed(L)
+                            inputs = [_randn(g, (B, H, L, D), device, dtype) for _ in range(4)]
+                        except Exception as exc:
+                            inputs = classify_failure(exc)
+                    if isinstance(inputs, str):
+                        row["status"] = inputs
+                        continue
+                    row.update(_sdpa_impl_measure(name, inputs, p, mode, device, opts))
+                    if row["status"] == "ok":
+                        row["tflops"] = tflops(attention_flops(B, H, L, L, D, causal=True,
+                                                               mode=mode), row["ms"])
+        inputs = None
+        free_memory(device)
+    return _integration_compare(rows, gpu, lambda r: (r["mode"], r["seq_len"], r["dropout_p"]))
+
+
+def _sdpa_impl_measure(name, inputs, p, mode, device, opts):
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v, do = inputs
+
+    def build():
+        qq, kk, vv = _leaf(q), _leaf(k), _leaf(v)
+
+        def f():
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return [F.scaled_dot_product_attention(qq, kk, vv, dropout_p=p,
+                                                       is_causal=True)]
+        return f, (qq, kk, vv)
+
+    ours = name.endswith("triton_fused")
+    if ours:
+        import kernels.sdpa
+        from torch.nn.attention import (activate_flash_attention_impl,
+                                        restore_flash_attention_impl)
+
+        kernels.sdpa.register()
+        activate_flash_attention_impl(kernels.sdpa.NAME)
+    try:
+        return _measure_spec(_Spec(name, build, [do]), mode, device, opts)
+    finally:
+        if ours:
+            restore_flash_attention_impl()

@@ -199,11 +199,13 @@ def format_tables(rows, metric="tflops"):
     return "\n".join(out)
 
 
-FEATURE_BENCHES = ("gqa", "window", "varlen", "fallback")
+FEATURE_BENCHES = ("gqa", "window", "varlen", "hf", "sdpa_impl", "fallback")
 # (field, format) of the comparison shown on ours' rows, per bench.
 _COMPARISONS = {"gqa": ("speedup_vs_mha", "{:.3g}x MHA"), "window": ("speedup_vs_full",
                                                                      "{:.3g}x full"),
                 "varlen": ("tflops_vs_dense_each", "{:.3g}x dense"),
+                "hf": ("speedup_vs_sdpa", "{:.3g}x sdpa"),
+                "sdpa_impl": ("speedup_vs_sdpa", "{:.3g}x flash"),
                 "fallback": ("time_vs_sdpa", "{:.3g}x SDPA time")}
 
 

@@ -2,9 +2,10 @@
 
 The CLI test runs the CPU path (kernel in Triton's interpreter) at --quick sizes in a
 subprocess with CUDA hidden, so it checks the same thing on every machine, the feature rows
-(grouped-query heads, sliding window, packed sequences, decoding against a KV cache)
-included; another runs the opt-in CPU fallback row at a small seq_len; a GPU-marked test runs
-a one-point CUDA sweep. No test depends on how fast the machine is: the CLI runs get no time
+(grouped-query heads, sliding window, packed sequences, decoding against a KV cache,
+SDPA's flash backend with ours, recorded as skipped on CPU) included; another runs the CPU
+path of the transformers rows (not in the CPU default); another runs the opt-in CPU fallback
+row at a small seq_len; a GPU-marked test runs a one-point CUDA sweep. No test depends on how fast the machine is: the CLI runs get no time
 budget (``--time-budget 0``), and the budget's cut-off is tested with a deadline already past.
 """
 import csv
@@ -20,8 +21,9 @@ import pytest
 import torch
 
 from benchmarks.cpu_fallback import compare as fallback_compare
-from benchmarks.features import (SHAPES, decode_compare, decode_targets, feature_rows,
-                                 mixed_lengths, splits_used)
+from benchmarks.features import (HF_SHAPES, SDPA_IMPL_SHAPES, SHAPES, decode_compare,
+                                 decode_targets, feature_rows, hf_reason, mixed_lengths,
+                                 sdpa_impl_reason, splits_used)
 from benchmarks.flops import (attention_flops, gbps, gpt_step_flops, ideal_window_speedup,
                               kv_read_bytes, mha_flops, tflops, varlen_flops, visible_pairs)
 from benchmarks.parity import parity_ok
@@ -145,6 +147,43 @@ def test_cli_quick_cpu(tmp_path):
     assert "features (shape:" in proc.stdout
     _check_decode_rows(rows, csv_path)
     assert "decode: q_len 1" in proc.stdout
+    # Issue 12: sdpa_impl (CUDA-only) is written with its reason; hf is not in the CPU default.
+    impl = [r for r in rows if r["bench"] == "sdpa_impl"]
+    assert impl and all(r["status"].startswith("skipped: ") and r["ms"] is None for r in impl)
+    assert not [r for r in rows if r["bench"] == "hf"]
+
+
+def test_integration_rows_cpu():
+    """Issue 12 on CPU: the hf rows run a tiny Llama (sdpa vs ours; training with and without
+    dropout, greedy generation) with speed-ups from their own medians and no target judged;
+    sdpa_impl records why it is skipped. No assertion on speed."""
+    reason = _interpreter_unusable()
+    if reason:
+        pytest.skip(reason)
+    rows = feature_rows("cpu", torch.bfloat16, ["hf", "sdpa_impl"])
+    hf = [r for r in rows if r["bench"] == "hf"]
+    sh = HF_SHAPES["cpu"]
+    assert [(r["provider"], r["mode"], r["dropout_p"]) for r in hf] == [
+        (p, m, d) for m, d in [("fwd_bwd", x) for x in sh["dropouts"]] + [("generate", 0.0)]
+        for p in ("hf_sdpa", "hf_triton_fused")]
+    if hf_reason():
+        assert all(r["status"] == f"skipped: {hf_reason()}" for r in hf)
+    else:
+        assert all(r["status"] == "ok" for r in hf), [r["status"] for r in hf]
+        for base, mine in zip(hf[::2], hf[1::2]):
+            assert mine["speedup_vs_sdpa"] == pytest.approx(base["ms"] / mine["ms"])
+            assert mine["target_met"] is None and "sdpa" in mine["target"]
+            assert (mine["heads"], mine["heads_kv"], mine["layers"]) == (
+                sh["heads"], sh["heads_kv"], sh["layers"])
+        gen = [r for r in hf if r["mode"] == "generate"]
+        assert all(r["tokens_per_s"] == pytest.approx(sh["new_tokens"] / (r["ms"] * 1e-3))
+                   for r in gen)
+    impl = [r for r in rows if r["bench"] == "sdpa_impl"]
+    assert len(impl) == 2 * 2 * 2 * len(SDPA_IMPL_SHAPES["cpu"]["seq_lens"])
+    assert all(r["status"] == f"skipped: {sdpa_impl_reason('cpu')}" and r["ms"] is None
+               and r.get("target_met") is None for r in impl)
+    assert "CUDA-only" in sdpa_impl_reason("cpu") or "registry" in sdpa_impl_reason("cpu")
+    assert "x sdpa" in format_features(rows) or hf_reason()
 
 
 def _check_feature_rows(rows, csv_path):
@@ -420,17 +459,21 @@ def test_feature_rows_respect_the_time_budget():
     """A deadline already past: every feature row is written, none is measured (no kernel
     runs), each says why."""
     rows = feature_rows("cpu", torch.bfloat16, deadline=float("-inf"))
-    assert {r["bench"] for r in rows} == {"gqa", "window", "varlen", "decode"}
+    assert {r["bench"] for r in rows} == {"gqa", "window", "varlen", "decode", "hf", "sdpa_impl"}
     assert all(r["ms"] is None for r in rows)
-    assert all(r["status"] == "skipped: time budget" or r["status"].startswith("unsupported: ")
-               for r in rows), {r["status"] for r in rows}
+    assert all(r["status"] == "skipped: time budget" or r["status"].startswith(
+        ("unsupported: ", "skipped: CUDA-only", "skipped: transformers")) for r in rows), {
+        r["status"] for r in rows}
     assert {r["provider"] for r in rows if r["status"] == "skipped: time budget"} >= {
         "kernels", "kernels_mha", "kernels_causal", "kernels_varlen", "kernels_dense_each",
         "kernels_dense_padded", "kernels_unsplit", "kernels_dense"}
     assert all(r.get("target_met") is None for r in rows)
     assert "features (shape:" in format_features(rows)
-    dec = [r for r in rows if r["bench"] == "decode"]  # the last feature: every point written
-    assert rows[-len(dec):] == dec and len(dec) == 5 * 4
+    # decode, then the integration rows (issue 12) last: every point written
+    assert [r["bench"] for r in rows][-1] == "sdpa_impl"
+    dec = [r for r in rows if r["bench"] == "decode"]
+    assert len(dec) == 5 * 4 and rows.index(dec[-1]) < min(
+        i for i, r in enumerate(rows) if r["bench"] in ("hf", "sdpa_impl"))
     assert all(r["copy_gbps"] is None and r["gbps"] is None for r in dec)
     assert "decode: q_len 1" in format_decode(dec)
 
