@@ -5,8 +5,9 @@ subprocess with CUDA hidden, so it checks the same thing on every machine, the f
 (grouped-query heads, sliding window, packed sequences, decoding against a KV cache,
 SDPA's flash backend with ours, recorded as skipped on CPU) included; another runs the CPU
 path of the transformers rows (not in the CPU default); another runs the opt-in CPU fallback
-row at a small seq_len; a GPU-marked test runs a one-point CUDA sweep. No test depends on how fast the machine is: the CLI runs get no time
-budget (``--time-budget 0``), and the budget's cut-off is tested with a deadline already past.
+row at a small seq_len; a GPU-marked test runs a one-point CUDA sweep. No test depends on how
+fast the machine is: the CLI runs get no time budget (``--time-budget 0``), and the budget's
+cut-off is tested with a deadline already past.
 """
 import csv
 import json
