@@ -116,7 +116,8 @@ def build_parser():
     p.add_argument("--no-sweep", action="store_true", help="skip the attention sweep")
     p.add_argument("--features", nargs="+", choices=list(FEATURES),
                    help="feature rows to run (default: all; on CPU all but hf): gqa = "
-                        "grouped-query heads vs MHA and SDPA enable_gqa, window = sliding window vs full causal, varlen = "
+                        "grouped-query heads vs MHA and SDPA enable_gqa, window = sliding "
+                        "window vs full causal, varlen = "
                         "packed sequences vs the dense kernel on the same tokens, decode = one "
                         "query token against KV caches of 1k-128k keys, split-KV vs unsplit vs "
                         "SDPA, in GB/s of K and V read, hf = a transformers Llama model's "
