@@ -86,7 +86,7 @@ import torch
 
 from .flops import (attention_flops, gbps, ideal_window_speedup, kv_read_bytes, tflops,
                     varlen_flops)
-from .measure import MEASURE_KEYS, classify_failure, measure
+from .measure import MEASURE_KEYS, classify_failure, measure, mode_maker
 from .providers import Case, SdpaProvider
 from .sweep import add_speedups, new_row
 from .timing import free_memory
@@ -157,25 +157,6 @@ def mixed_lengths(total, lo, hi, seed):
 
 def _randn(g, shape, device, dtype):
     return torch.randn(shape, generator=g, device=device).to(dtype)
-
-
-def _maker(forward, mode, douts):
-    """``make()`` for fwd (under no_grad) or fwd_bwd (one backward through every output);
-    ``forward()`` returns a list of outputs, ``douts`` their upstream gradients."""
-    if mode == "fwd":
-        def make():
-            def fn():
-                with torch.no_grad():
-                    return forward()
-            return fn
-    elif mode == "fwd_bwd":
-        def make():
-            def fn():
-                torch.autograd.backward(forward(), douts)
-            return fn
-    else:
-        raise ValueError(f"feature rows time fwd and fwd_bwd, not {mode!r}")
-    return make
 
 
 def _leaf(x):
@@ -363,7 +344,7 @@ def _measure_spec(spec, mode, device, opts):
                     status=classify_failure(exc, (), spec.unsupported))
     grads = grads if mode != "fwd" else ()  # fwd: under no_grad, nothing written to .grad
     timing = {k: opts[k] for k in ("warmup_ms", "rep_ms", "cpu_reps", "cpu_max_s")}
-    return measure(_maker(forward, mode, spec.douts), device, grads=grads,
+    return measure(mode_maker(forward, mode, spec.douts, grads), device, grads=grads,
                    unsupported_reason=spec.unsupported, **timing)
 
 

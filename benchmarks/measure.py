@@ -29,8 +29,9 @@ MEASURE_KEYS = ("status", "ms", "ms_p20", "ms_p80", "peak_mem_bytes", "first_cal
 def mode_maker(forward, mode, dout, grads):
     """``make()`` returning the function timed for ``mode``.
 
-    ``forward()`` computes the output from inputs it closes over; ``dout`` is the upstream
-    gradient; ``grads`` are the leaf tensors whose ``.grad`` the backward writes.
+    ``forward()`` computes the output (a tensor, or a list of tensors) from inputs it closes
+    over; ``dout`` is the upstream gradient (a list for a list); ``grads`` are the leaf tensors
+    whose ``.grad`` the backward writes.
     fwd: forward under ``torch.no_grad()``; bwd: backward of one retained forward graph;
     fwd_bwd: forward then backward.
     """
@@ -45,12 +46,12 @@ def mode_maker(forward, mode, dout, grads):
             out = forward()
 
             def fn():
-                out.backward(dout, retain_graph=True)
+                torch.autograd.backward(out, dout, retain_graph=True)
             return fn
     elif mode == "fwd_bwd":
         def make():
             def fn():
-                forward().backward(dout)
+                torch.autograd.backward(forward(), dout)
             return fn
     else:
         raise ValueError(f"unknown mode {mode!r}")
