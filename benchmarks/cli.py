@@ -9,6 +9,9 @@
    packed sequences, decoding against a KV cache, a transformers model and SDPA's flash
    backend with ours; ``--features`` / ``--no-features``), so that
    the time budget cuts the secondary configs first.
+3a. With ``--book-models`` (opt-in): llms-from-scratch's models, original vs
+   ``kernels.fuse_attention``, generation tokens/s and a training step (book_models.py); they
+   run after the module rows, before the sweep.
 3b. With ``--fallback-row`` (opt-in, CPU measurement on any machine): the PyTorch fallback at
    seq 16384 vs SDPA, time and peak memory, in fresh processes (cpu_fallback.py).
 4. ``<out-dir>/<date>-<gpu-or-cpu>.json`` and ``.csv`` (rewritten after every point, so a killed
@@ -72,6 +75,7 @@ def _dtype_name(text):
 
 def build_parser():
     """The argparse parser (every sweep dimension can be chosen)."""
+    from .book_models import FAMILIES as BOOK_FAMILIES
     from .features import FEATURES
     from .flops import MODES
     from .providers import PROVIDERS
@@ -125,6 +129,15 @@ def build_parser():
                         "triton_fused, sdpa_impl = F.scaled_dot_product_attention's flash "
                         "backend, PyTorch's vs ours (CUDA only)")
     p.add_argument("--no-features", action="store_true", help="skip the feature rows")
+    p.add_argument("--book-models", nargs="*", choices=list(BOOK_FAMILIES), metavar="FAMILY",
+                   help="also run the book-model rows (opt-in; no FAMILY = all of "
+                        f"{', '.join(BOOK_FAMILIES)}): llms-from-scratch's models as they are "
+                        "vs kernels.fuse_attention, greedy generation tokens/s (GPU: batch 1 "
+                        "and 8, prompt 512, 256 new tokens) and a training step (GPU: seq "
+                        "2048), Qwen 3 0.6B / Llama 3.2 1B / GPT-2 124M shapes, random weights")
+    p.add_argument("--book-layers", type=int,
+                   help="layers of the book models (default: each config's own; fewer for a "
+                        "shorter run, recorded on the rows)")
     p.add_argument("--fallback-row", action="store_true",
                    help="also measure the PyTorch fallback for CPU tensors (TRITON_INTERPRET "
                         "off) vs SDPA at batch 1, 2 heads, head_dim 64, fp32: time and peak "
@@ -286,6 +299,16 @@ def run(args, device_type, start):
         save(rows)
         rows += gpt_rows(device, primary, opts, deadline, progress, args.quick)
         save(rows)
+    # 2b. Book models (opt-in): asked for, so before the sweep that the time budget cuts.
+    if args.book_models is not None:
+        from .book_models import FAMILIES as BOOK_FAMILIES
+        from .book_models import book_rows
+
+        done_before = list(rows)
+        rows += book_rows(device, primary, args.book_models or BOOK_FAMILIES, opts, deadline,
+                          progress, layers=args.book_layers,
+                          on_rows=lambda current: save(done_before + current))
+        save(rows)
     # 3. Sweep, with the feature rows after its primary config.
     done = list(rows)
     feature_list = [] if args.no_features else list(dict.fromkeys(args.features))
@@ -329,6 +352,10 @@ def run(args, device_type, start):
     print(report.format_tables(rows, args.table_metric))
     print(report.format_features(rows))
     print(report.format_decode(rows, "ms" if args.table_metric == "ms" else "gbps"))
+    if args.book_models is not None:
+        from .book_models import format_book
+
+        print(format_book(rows))
     print(report.format_headline(rows))
     if device_type == "cpu":
         print("\nNOTE: " + meta["note"])

@@ -5,15 +5,30 @@
 #
 # Installs nothing. Every stage runs under `timeout`, and the stages together stay inside
 # GPU_CHECK_BUDGET seconds (default 540, for a 10-minute device call): the benchmark gets what
-# the earlier stages left, minus a margin, as its --time-budget. Writes into OUTDIR (at most 6
+# the earlier stages left, minus a margin, as its --time-budget. Writes into OUTDIR (at most 8
 # files, so that a device call can bring all of them back):
 #   check.log                   everything printed, stage by stage (the table is near the end)
 #   junit.xml                   pytest's report
 #   ceilings.json               bf16 8192^3 matmul TFLOP/s and copy GB/s (benchmarks/ceilings.py)
 #   <date>-<gpu>.json / .csv    benchmark results (schema: benchmarks/README.md)
 #   plots.tar                   the benchmark's PNG plots
+#   book/<date>-<gpu>.json/.csv the book-model rows (stage "book", not in the default stages)
+# Stage "book" (issue 11; `GPU_CHECK_STAGES="versions book"`, a device call of its own):
+# `python -m benchmarks --book-models`, llms-from-scratch's Qwen 3 / Llama 3 / GPT-2 KV /
+# batched Qwen 3 original vs fused (generation tokens/s at batch 1 and 8, prompt 512, 256 new
+# tokens; a bf16 training step at seq 2048), saved after each family. It needs
+# llms-from-scratch (pure Python, and tiktoken for Llama 3): where it is not installed, put its
+# wheel's contents on PYTHONPATH (`pip install --no-deps --target DIR <wheel>`), else the rows
+# say "skipped: llms-from-scratch not installed".
+# GPU time, ESTIMATED (not measured yet): ~2-3 min of first calls (compiling and autotuning our
+# kernel's ~10 forward and ~4 backward keys: prefill, decode, varlen and training shapes at
+# head_dim 128 and 64) + ~3 min of timed calls (a generation call is host-bound, ~1-2 s for
+# GPT-2 and Llama, ~4-5 s for the 28-layer Qwen 3, 3 calls per row) = ~5-7 min, inside one
+# 10-minute call (BOOK_TIMEOUT, default 540 s). BOOK_ARGS="--book-layers 8" roughly halves the
+# generation part (recorded on the rows); a run cut by the timeout keeps the families saved.
 # Environment knobs: PYTHON (default python3), GPU_CHECK_BUDGET, TESTS_TIMEOUT (default 240),
-# BENCH_ARGS (extra arguments for `python -m benchmarks`, e.g. "--quick"), GPU_CHECK_STAGES
+# BENCH_ARGS (extra arguments for `python -m benchmarks`, e.g. "--quick"), BOOK_TIMEOUT and
+# BOOK_ARGS (the same for stage "book", e.g. "--book-models qwen3"), GPU_CHECK_STAGES
 # (default "versions ceilings tests bench"; e.g. "versions tests" with TESTS_TIMEOUT=500 gives
 # the compiled test suite a whole device call when compiling every test shape takes longer),
 # TEST_WORKERS (default 8: pytest-xdist processes for the tests stage when xdist is importable,
@@ -34,6 +49,8 @@ PY=${PYTHON:-python3}
 BUDGET=${GPU_CHECK_BUDGET:-540}
 TESTS_TIMEOUT=${TESTS_TIMEOUT:-240}
 BENCH_ARGS=${BENCH_ARGS:-}
+BOOK_TIMEOUT=${BOOK_TIMEOUT:-540}
+BOOK_ARGS=${BOOK_ARGS:-}
 TEST_WORKERS=${TEST_WORKERS:-8}
 STAGES=" ${GPU_CHECK_STAGES:-versions ceilings tests bench} "
 wanted() { [[ "$STAGES" == *" $1 "* ]]; }
@@ -42,6 +59,16 @@ main() {
     local start status=0 summary=""
     start=$(date +%s)
     left() { echo $(( BUDGET - ($(date +%s) - start) )); }
+    # Seconds a stage before the benchmark may take: what is left, less the benchmark's
+    # reserve (200 s when it is to run, else 10), capped at CAP and at least FLOOR.
+    limit_before_bench() {  # CAP FLOOR
+        local reserve=10 limit
+        wanted bench && reserve=200
+        limit=$(( $(left) - reserve ))
+        [ "$limit" -gt "$1" ] && limit=$1
+        [ "$limit" -lt "$2" ] && limit=$2
+        echo "$limit"
+    }
     stage() {  # stage NAME LIMIT_S CMD...: run under timeout, record rc and seconds
         local name=$1 limit=$2 t0 rc
         shift 2
@@ -69,11 +96,8 @@ print(\"device\", torch.cuda.get_device_name() if torch.cuda.is_available() else
     wanted ceilings && stage "ceilings" 90 "$PY" -m benchmarks.ceilings --out "$OUTDIR/ceilings.json"
 
     if wanted tests; then
-        local reserve=10
-        wanted bench && reserve=200
-        local tests_limit=$(( $(left) - reserve ))
-        [ $tests_limit -gt "$TESTS_TIMEOUT" ] && tests_limit=$TESTS_TIMEOUT
-        [ $tests_limit -lt 30 ] && tests_limit=30
+        local tests_limit
+        tests_limit=$(limit_before_bench "$TESTS_TIMEOUT" 30)
         local xdist_args=""
         if [ "$TEST_WORKERS" -gt 0 ] 2>/dev/null && "$PY" -c "import xdist" 2>/dev/null; then
             xdist_args="-n $TEST_WORKERS"
@@ -81,6 +105,15 @@ print(\"device\", torch.cuda.get_device_name() if torch.cuda.is_available() else
         # shellcheck disable=SC2086
         stage "tests (GPU)" "$tests_limit" "$PY" -m pytest tests -q -x -p no:cacheprovider \
             $xdist_args --durations=15 --junitxml "$OUTDIR/junit.xml"
+    fi
+    if wanted book; then
+        local book_limit
+        book_limit=$(limit_before_bench "$BOOK_TIMEOUT" 60)
+        # --book-models last, so that BOOK_ARGS may name families (--book-models qwen3).
+        # shellcheck disable=SC2086
+        stage "book models" "$book_limit" "$PY" -m benchmarks --out-dir "$OUTDIR/book" \
+            --no-plots --skip-parity --no-modules --no-sweep --no-features \
+            --time-budget $(( book_limit - 30 )) --book-models $BOOK_ARGS
     fi
     if ! wanted bench; then
         echo; echo "=== summary ($(( $(date +%s) - start ))s in all) ==="; printf "%s" "$summary"

@@ -15,6 +15,10 @@ Protocol for every row (same for all providers):
    to None before each call) on GPU; a few wall-clock runs on CPU: at most ``cpu_reps``, and
    none starts once ``cpu_max_s`` seconds have passed since the warm-up call began (at least
    one), so a call that takes seconds in Triton's interpreter is run twice in all, not 4 times.
+   ``gpu_wall_reps=N`` (calls that take seconds on a GPU, e.g. a whole generation loop, where
+   do_bench's 5 estimate + warm-up + timed calls would cost 8 or more calls): after the warm-up,
+   N wall-clock runs, each ended by a synchronize, and ``peak_mem_bytes`` taken over those runs
+   instead of in a call of its own (no L2 flush: it is negligible at that length).
 """
 import time
 import warnings
@@ -79,7 +83,7 @@ def classify_failure(exc, caught_warnings=(), unsupported_reason=None):
 
 
 def measure(make, device, *, grads=(), warmup_ms=25, rep_ms=100, cpu_reps=3, cpu_max_s=2.0,
-            unsupported_reason=None):
+            unsupported_reason=None, gpu_wall_reps=None):
     """Run the protocol in this module's docstring; return a dict with MEASURE_KEYS."""
     result = dict.fromkeys(MEASURE_KEYS)
     cuda = torch.device(device).type == "cuda"
@@ -101,6 +105,15 @@ def measure(make, device, *, grads=(), warmup_ms=25, rep_ms=100, cpu_reps=3, cpu
             except Exception as exc:  # classified below, never re-raised
                 status = classify_failure(exc, caught, unsupported_reason)
             result["first_call_s"] = round(time.perf_counter() - t0, 3)
+        if status is None and cuda and gpu_wall_reps:
+            def synced():
+                clear_grads()
+                fn()
+                synchronize(device)
+            with PeakMemory(device) as pm:
+                ms, p20, p80 = time_cpu(synced, reps=gpu_wall_reps, max_s=float("inf"))
+            result.update(ms=ms, ms_p20=p20, ms_p80=p80, peak_mem_bytes=pm.extra_bytes)
+            status = "ok"
         if status is None and cuda:
             clear_grads()
             fn = None  # frees the warm-up's graph and outputs (no cycles: no gc needed)

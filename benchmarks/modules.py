@@ -106,10 +106,36 @@ def _measure_module(module, case, mode, emb, device, opts):
     return measure(make, device, grads=grads, **_timing_kwargs(opts))
 
 
-def gpt_rows(device, dtype, opts, deadline=float("inf"), progress=None, quick=False):
-    """Rows for one GPT training step without and with kernels.fuse_attention."""
+def train_step(model, idx, autocast_dtype=None, lr=1e-4):
+    """The timed training step of a causal LM (``model(tokens)`` -> logits) on ``idx`` (batch,
+    seq + 1): zero_grad, forward on ``idx[:, :-1]`` (under ``torch.autocast`` in
+    ``autocast_dtype`` when given), cross-entropy against ``idx[:, 1:]`` in fp32, backward,
+    AdamW step (its state is created at the first call)."""
     import torch.nn.functional as F
 
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    inp, tgt = idx[:, :-1], idx[:, 1:]
+    ctx = (lambda: torch.autocast(idx.device.type, dtype=autocast_dtype)) if autocast_dtype else (
+        contextlib.nullcontext)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with ctx():
+            logits = model(inp)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), tgt.flatten())
+        loss.backward()
+        opt.step()
+    return step
+
+
+def linear_weights(model):
+    """Number of nn.Linear weights of ``model`` (the ``linear_params`` of
+    flops.gpt_step_flops)."""
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def gpt_rows(device, dtype, opts, deadline=float("inf"), progress=None, quick=False):
+    """Rows for one GPT training step without and with kernels.fuse_attention."""
     import kernels
     import reference
 
@@ -148,22 +174,9 @@ def gpt_rows(device, dtype, opts, deadline=float("inf"), progress=None, quick=Fa
         else:
             try:
                 model = models[name][0].to(device).train()
-                opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-                inp, tgt = idx[:, :-1].to(device), idx[:, 1:].to(device)
-                ctx = (lambda: torch.autocast("cuda", dtype=dtype)) if use_autocast else (
-                    contextlib.nullcontext)
-
-                def step(model=model, opt=opt, inp=inp, tgt=tgt, ctx=ctx):
-                    opt.zero_grad(set_to_none=True)
-                    with ctx():
-                        logits = model(inp)
-                    loss = F.cross_entropy(logits.flatten(0, 1).float(), tgt.flatten())
-                    loss.backward()
-                    opt.step()
-
+                step = train_step(model, idx.to(device), dtype if use_autocast else None)
                 row.update(measure(lambda: step, device, **_timing_kwargs(opts)))
-                linear = sum(m.weight.numel() for m in model.modules()
-                             if isinstance(m, torch.nn.Linear))
+                linear = linear_weights(model)
                 if row["status"] == "ok":
                     row["tflops"] = tflops(gpt_step_flops(linear, cfg["n_layers"], batch, seq,
                                                           cfg["emb_dim"], cfg["n_heads"]),
@@ -171,7 +184,7 @@ def gpt_rows(device, dtype, opts, deadline=float("inf"), progress=None, quick=Fa
                     row["tokens_per_s"] = batch * seq / (row["ms"] * 1e-3)
             except Exception as exc:
                 row["status"] = classify_failure(exc)
-            model = opt = None
+            model = step = None
             models.pop(name, None)
             free_memory(device)
         rows.append(row)

@@ -19,12 +19,20 @@ SMEM_BUDGET_BYTES = 200 * 1024
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages)
 # The first entry that survives pruning is also the fixed choice under KERNELS_AUTOTUNE=0:
-# (128, 64, 8 warps) for head_dim <= 128, its two-stage twin at 256 (a 128 x 256 fp32
-# accumulator needs 8 warps' registers).
+# forward (128, 64, 8 warps) for head_dim <= 128, (64, 64, 8 warps) at 256. Chosen from what
+# ptxas makes of each on sm_90 (../shared/tools/sm90_static.py with triton 3.6; the tables are
+# in benchmarks/NOTES.md): every listed config that survives pruning compiles to wgmma (no
+# Ampere mma.sync), without serialized wgmma (C7515), and without register spills at
+# head_dim 64 and 128 for bf16/fp16, causal or not, with or without dropout.
 _FWD = [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3), (128, 32, 4, 4),
         (64, 64, 4, 3), (64, 128, 4, 3), (64, 32, 4, 4), (128, 128, 8, 2), (64, 64, 8, 2)]
-_BWD = [(64, 64, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2), (32, 64, 4, 2),
-        (64, 32, 4, 3), (32, 128, 4, 2), (128, 128, 8, 1), (32, 32, 4, 1)]
+# dK/dV: BLOCK_N keys stay resident, BLOCK_M query rows stream. The resident side must be >= 64
+# (32-key blocks compile to mma.sync on sm_90), 4 warps spill at head_dim 128 in every tile,
+# and a third pipeline stage brings C7515 back, hence 8 warps and 2 stages throughout. Same
+# 32 x 128 tile as the Triton tutorial's dK/dV.
+_BWD_DKDV = [(32, 128, 8, 2), (32, 64, 8, 2), (64, 64, 8, 2), (16, 128, 8, 2), (16, 64, 8, 2)]
+# dQ: BLOCK_M query rows resident (>= 64 for wgmma), BLOCK_N keys stream.
+_BWD_DQ = [(64, 64, 8, 2), (128, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 3), (64, 64, 8, 3)]
 _INTERPRET = triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=1, num_stages=1)
 
 
@@ -38,9 +46,17 @@ def fwd_configs(interpret: bool = False):
     return [_INTERPRET] if interpret else _configs(_FWD)
 
 
-def bwd_configs(interpret: bool = False):
-    """Candidate configs for the backward kernels (dK/dV per key block, dQ per query block)."""
-    return [_INTERPRET] if interpret else _configs(_BWD)
+def bwd_configs(interpret: bool = False, kernel: str = "both"):
+    """Candidate configs of the backward kernels: ``kernel="dkdv"`` (BLOCK_N keys per program,
+    BLOCK_M query rows per step), ``"dq"`` (the converse) or ``"both"`` (the union, in order:
+    what the tests force on both kernels at once)."""
+    if interpret:
+        return [_INTERPRET]
+    tables = {"dkdv": _BWD_DKDV, "dq": _BWD_DQ,
+              "both": list(dict.fromkeys(_BWD_DKDV + _BWD_DQ))}
+    if kernel not in tables:
+        raise ValueError(f"kernel must be one of {sorted(tables)}, got {kernel!r}")
+    return _configs(tables[kernel])
 
 
 def autotune_enabled() -> bool:
@@ -61,12 +77,44 @@ def smem_bytes(config, block_d: int, elem_bytes: int) -> int:
     return (bm + 2 * max(config.num_stages, 1) * bn) * block_d * elem_bytes
 
 
+# Per-thread register budgets of the forward (fp32 values), from the sm_90 compile check
+# (../shared/tools/sm90_static.py, triton 3.6, benchmarks/NOTES.md): every config over them
+# spilled, every kept one compiles spill-free at head_dim 64 and 128, bf16/fp16, causal or not,
+# with or without dropout. The accumulator is BLOCK_M x BLOCK_D, the score tile BLOCK_M x
+# BLOCK_N; dropout's Philox words and keep mask live beside the score tile, halving its room.
+_FWD_ACC_REGS = 64
+_FWD_TILE_REGS = 64
+_FWD_TILE_REGS_DROPOUT = 32
+
+
+# Sliding windows add a masked loop in front of the unmasked one; with more than two pipeline
+# stages ptxas then serialized the wgmma (C7515) of every forward and dQ config on sm_90.
+_WINDOW_MAX_STAGES = 2
+
+
+def _stages_ok(config, kwargs) -> bool:
+    return not kwargs.get("WINDOW", False) or config.num_stages <= _WINDOW_MAX_STAGES
+
+
+def _fwd_fits_registers(config, block_d: int, dropout: bool) -> bool:
+    threads = 32 * config.num_warps
+    bm, bn = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
+    tile_budget = _FWD_TILE_REGS_DROPOUT if dropout else _FWD_TILE_REGS
+    return bm * block_d <= _FWD_ACC_REGS * threads and bm * bn <= tile_budget * threads
+
+
 def prune_configs(configs, named_args, **kwargs):
-    """Triton `early_config_prune` hook: drop configs whose tiles cannot fit shared memory at
-    this head_dim (head_dim 256 with 128x128 tiles and 3 stages would fail to launch)."""
+    """Triton `early_config_prune` hook of the forward: drop configs whose tiles cannot fit
+    shared memory at this head_dim (head_dim 256 with 128x128 tiles and 3 stages would fail to
+    launch) or would spill registers (e.g. 128x64 with 4 warps at head_dim 128)."""
     block_d = kwargs.get("BLOCK_D", 64)
     elem_bytes = named_args["Q"].element_size() if "Q" in named_args else 2
     fitting = [c for c in configs if smem_bytes(c, block_d, elem_bytes) <= SMEM_BUDGET_BYTES]
+    dropout = bool(kwargs.get("DROPOUT", False))
+    in_registers = [c for c in fitting if _fwd_fits_registers(c, block_d, dropout)
+                    and _stages_ok(c, kwargs)]
+    if in_registers:
+        return in_registers
     if fitting:
         return fitting
     # None fits (fp32 with head_dim > 128): the smallest tiles with fewer pipeline stages. As
@@ -84,6 +132,12 @@ def prune_configs(configs, named_args, **kwargs):
 _BWD_SMEM_BUDGET = 160 * 1024
 _BWD_ACC_REGS = 128      # fp32 accumulator values per thread (dK+dV, or dQ)
 _BWD_TILE_REGS = 64      # fp32 values per thread of one (BLOCK_M, BLOCK_N) score tile
+# dK/dV streams (BLOCK_M, head_dim) tiles of Q and dO: at 64 x 128 every config spilled on sm_90,
+# at 32 x 128 and 64 x 64 none did (benchmarks/NOTES.md).
+_DKDV_STREAM_ELEMS = 64 * 64
+# dQ with dropout: accumulator + score tile, fp32 values per thread. 128 x 64 at head_dim 128
+# (64 + 32) spilled with dropout on sm_90; 64 x 64 and 128 x 32 (<= 80) did not.
+_DQ_DROPOUT_REGS = 80
 
 
 def prune_bwd_configs(configs, named_args, **kwargs):
@@ -100,6 +154,7 @@ def prune_bwd_configs(configs, named_args, **kwargs):
     width = max(16, triton.next_power_of_2(int(args["HEAD_DIM"])))
     elem = args["Q"].element_size() if isinstance(args.get("Q"), torch.Tensor) else 2
     dkdv = "DK" in args
+    dropout = bool(args.get("DROPOUT", False))
 
     def fits(cfg):
         bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
@@ -108,7 +163,11 @@ def prune_bwd_configs(configs, named_args, **kwargs):
         smem = elem * width * (2 * resident + 2 * streamed * max(cfg.num_stages, 1))
         return (smem <= _BWD_SMEM_BUDGET
                 and n_acc * resident * width <= _BWD_ACC_REGS * threads
-                and bm * bn <= _BWD_TILE_REGS * threads)
+                and bm * bn <= _BWD_TILE_REGS * threads
+                and (not dkdv or bm * width <= _DKDV_STREAM_ELEMS)
+                and (dkdv or not dropout
+                     or (bm * width + bm * bn) <= _DQ_DROPOUT_REGS * threads)
+                and _stages_ok(cfg, args))
 
     kept = [cfg for cfg in configs if fits(cfg)]
     if kept:

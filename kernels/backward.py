@@ -218,6 +218,18 @@ def _bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, CU_Q, CU_K,
     lo, full_lo, full_hi, hi = query_range(start_n, q_len, k_len, window, CAUSAL, WINDOW,
                                            BLOCK_M, BLOCK_N)
 
+    # The first query tiles run before the pipelined loop: the causal diagonal, or without a
+    # causal mask (no diagonal) the first unmasked tile, peeled off. A pipelined loop that
+    # starts from the zeroed accumulators makes ptxas serialize this kernel's wgmma on sm_90
+    # (C7515; seen with dropout, benchmarks/NOTES.md).
+    if CAUSAL:
+        diag_hi = full_lo
+        diag_mask: tl.constexpr = True
+    else:
+        diag_hi = tl.minimum(full_lo + BLOCK_M, full_hi)
+        diag_mask: tl.constexpr = False
+    unmasked_lo = tl.maximum(full_lo, diag_hi)
+
     for g in range(0, GROUP):
         h = kv_h * GROUP + g
         Q_h = Q + off_b * stride_qb + h.to(tl.int64) * stride_qh + q_rows * stride_qm
@@ -226,15 +238,16 @@ def _bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, CU_Q, CU_K,
         drop_base = off_b * stride_db + h.to(tl.int64) * stride_dh + q_rows + drop_row
         LSE_h = LSE + row_base
         Delta_h = Delta + row_base
-        for start_m in range(lo, full_lo, BLOCK_M):
+        for start_m in range(lo, diag_hi, BLOCK_M):
             dk, dv = _bwd_dkdv_step(dk, dv, k, v, Q_h, DO_h, LSE_h, Delta_h, start_m, start_n,
                                     offs_n, offs_d, stride_qm, stride_dom, drop_base, drop_col,
                                     q_len, k_len, window, qk_scale, seed, drop_groups,
-                                    dropout_threshold, dropout_scale, HEAD_DIM, True, CAUSAL,
-                                    WINDOW, DROPOUT, DOT_PRECISION, WIDEN, BLOCK_M, BLOCK_N)
+                                    dropout_threshold, dropout_scale, HEAD_DIM, diag_mask,
+                                    CAUSAL, WINDOW, DROPOUT, DOT_PRECISION, WIDEN, BLOCK_M,
+                                    BLOCK_N)
         # Key columns past k_len need no mask here: they only reach dK/dV rows that are not
         # stored.
-        for start_m in range(full_lo, full_hi, BLOCK_M):
+        for start_m in range(unmasked_lo, full_hi, BLOCK_M):
             dk, dv = _bwd_dkdv_step(dk, dv, k, v, Q_h, DO_h, LSE_h, Delta_h, start_m, start_n,
                                     offs_n, offs_d, stride_qm, stride_dom, drop_base, drop_col,
                                     q_len, k_len, window, qk_scale, seed, drop_groups,
@@ -363,6 +376,8 @@ def _bwd_dq(Q, K, V, DO, LSE, Delta, DQ, CU_Q, CU_K,
     # [full_lo, full_hi) unmasked, [full_hi, hi) the diagonal / k_len edge.
     lo, full_lo, full_hi, hi = key_range(start_m, start_m + BLOCK_M, q_len, k_len, window,
                                          CAUSAL, WINDOW, BLOCK_N)
+    # As in the forward, the diagonal loop after the unmasked one runs unpipelined: pipelined,
+    # ptxas serializes the kernel's wgmma on sm_90 (C7515; benchmarks/NOTES.md).
     if WINDOW:
         for start_n in range(lo, full_lo, BLOCK_N):
             dq = _bwd_dq_step(dq, q, do, lse, delta, K, V, start_m, start_n, offs_m, offs_d,
@@ -376,7 +391,7 @@ def _bwd_dq(Q, K, V, DO, LSE, Delta, DQ, CU_Q, CU_K,
                           qk_scale, seed, drop_groups, dropout_threshold, dropout_scale,
                           HEAD_DIM, False, CAUSAL, WINDOW, DROPOUT, DOT_PRECISION, WIDEN,
                           BLOCK_M, BLOCK_N)
-    for start_n in range(full_hi, hi, BLOCK_N):
+    for start_n in tl.range(full_hi, hi, BLOCK_N, num_stages=1):
         dq = _bwd_dq_step(dq, q, do, lse, delta, K, V, start_m, start_n, offs_m, offs_d,
                           stride_kn, stride_vn, drop_base, drop_col, q_len, k_len, window,
                           qk_scale, seed, drop_groups, dropout_threshold, dropout_scale,
@@ -395,10 +410,10 @@ def _bwd_dq(Q, K, V, DO, LSE, Delta, DQ, CU_Q, CU_K,
 # accumulates into them), so re-running a config while tuning is harmless: no reset_to_zero.
 _TUNE_KEY = ["Q_BUCKET", "K_BUCKET", "HEAD_DIM", "CAUSAL", "WINDOW", "VARLEN", "DROPOUT",
              "DOT_PRECISION"]
-_bwd_dkdv_tuned = triton.autotune(configs=bwd_configs(), key=_TUNE_KEY,
+_bwd_dkdv_tuned = triton.autotune(configs=bwd_configs(kernel="dkdv"), key=_TUNE_KEY,
                                   prune_configs_by={"early_config_prune": prune_bwd_configs}
                                   )(_bwd_dkdv)
-_bwd_dq_tuned = triton.autotune(configs=bwd_configs(), key=_TUNE_KEY,
+_bwd_dq_tuned = triton.autotune(configs=bwd_configs(kernel="dq"), key=_TUNE_KEY,
                                 prune_configs_by={"early_config_prune": prune_bwd_configs}
                                 )(_bwd_dq)
 
@@ -489,9 +504,10 @@ def attention_backward(do, q, k, v, o, lse, *, causal, softmax_scale, dropout_p=
         # Under the interpreter autotuning would time every config in Python: one fixed config.
         config_dkdv = config_dq = bwd_configs(interpret=True)[0]
     else:  # KERNELS_AUTOTUNE=0: the first config each kernel's pruning keeps
-        config_dkdv = fixed_config(bwd_configs(), prune_bwd_configs, {"Q": q, "DK": dk},
-                                   **consts)
-        config_dq = fixed_config(bwd_configs(), prune_bwd_configs, {"Q": q, "DQ": dq}, **consts)
+        config_dkdv = fixed_config(bwd_configs(kernel="dkdv"), prune_bwd_configs,
+                                   {"Q": q, "DK": dk}, **consts)
+        config_dq = fixed_config(bwd_configs(kernel="dq"), prune_bwd_configs,
+                                 {"Q": q, "DQ": dq}, **consts)
 
     def launch(kernel, cfg, n_rows, block, heads, args):
         kernel[(triton.cdiv(n_rows, cfg.kwargs[block]), heads, pb.batch)](

@@ -49,16 +49,17 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
                     DROPOUT: tl.constexpr, EVEN_D: tl.constexpr, WIDEN: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr):
+                    DOT_PRECISION: tl.constexpr, PIPELINED: tl.constexpr):
     """Stream key tiles [lo, hi) into the running (acc, l_i, m_i) of one query block.
 
     MASKED=False is the hot loop over tiles every row of the block fully sees: no causal,
     window or bounds masks. MASKED=True handles the diagonal band, the window's edge and the
-    ragged last tile (kernels/_tiles.py says which tiles are which).
+    ragged last tile (kernels/_tiles.py says which tiles are which). PIPELINED=False runs the
+    loop without software pipelining (num_stages=1).
     """
     offs_n0 = tl.arange(0, BLOCK_N)
     diag = k_len - q_len
-    for start_n in range(lo, hi, BLOCK_N):
+    for start_n in tl.range(lo, hi, BLOCK_N, num_stages=None if PIPELINED else 1):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + offs_n0
         # 64-bit tile base so huge (batch·seq·heads·dim > 2**31) tensors never wrap.
@@ -201,22 +202,27 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K, K_LENS, O_PART, LSE_PART,
         full_lo = tl.minimum(tl.maximum(full_lo, c0), c1)
         full_hi = tl.minimum(tl.maximum(full_hi, c0), c1)
         hi = c1
+    # Software pipelining (the config's num_stages) for the loops before the diagonal only:
+    # a pipelined loop after the unmasked one, or an unpipelined one before it, makes ptxas
+    # serialize every wgmma of the kernel on sm_90 (warning C7515), which forfeits Hopper's
+    # tensor-core overlap (benchmarks/NOTES.md). The diagonal loop is a few tiles long.
     if WINDOW:
         acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
                                         offs_m, offs_d, lo, full_lo, q_len, k_len, window,
                                         qk_scale, seed, drop_base, drop_col, drop_groups,
                                         drop_threshold, HEAD_DIM, BLOCK_M, BLOCK_N, True,
-                                        CAUSAL, WINDOW, DROPOUT, EVEN_D, WIDEN, DOT_PRECISION)
+                                        CAUSAL, WINDOW, DROPOUT, EVEN_D, WIDEN, DOT_PRECISION,
+                                        True)
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
                                     offs_m, offs_d, full_lo, full_hi, q_len, k_len, window,
                                     qk_scale, seed, drop_base, drop_col, drop_groups,
                                     drop_threshold, HEAD_DIM, BLOCK_M, BLOCK_N, False, CAUSAL,
-                                    WINDOW, DROPOUT, EVEN_D, WIDEN, DOT_PRECISION)
+                                    WINDOW, DROPOUT, EVEN_D, WIDEN, DOT_PRECISION, True)
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
                                     offs_m, offs_d, full_hi, hi, q_len, k_len, window,
                                     qk_scale, seed, drop_base, drop_col, drop_groups,
                                     drop_threshold, HEAD_DIM, BLOCK_M, BLOCK_N, True, CAUSAL,
-                                    WINDOW, DROPOUT, EVEN_D, WIDEN, DOT_PRECISION)
+                                    WINDOW, DROPOUT, EVEN_D, WIDEN, DOT_PRECISION, False)
 
     # Rows that saw no key (causal with q_len > k_len, empty sequences, a split without keys
     # for them) have l_i = 0: output 0, lse -inf.

@@ -4,8 +4,9 @@
 
 Recognised (by class or by duck typing, so user copies of the book's classes work too):
 
-* MultiHeadAttention-like: ``W_query``, ``W_key``, ``W_value`` and ``out_proj`` are nn.Linear,
-  has ``num_heads``, ``head_dim``, ``d_out``, ``dropout`` (with ``.p``) and a causal ``mask``
+* MultiHeadAttention-like: ``W_query``, ``W_key``, ``W_value`` and ``out_proj`` are modules
+  (see projections below), has ``num_heads``, ``head_dim``, ``d_out``, ``dropout`` (with
+  ``.p``) and a causal ``mask``
   -> :class:`~kernels.modules.FusedMultiHeadAttention`;
 * CausalAttention-like: the same without ``out_proj``
   -> :class:`~kernels.modules.FusedCausalAttention`;
@@ -21,6 +22,18 @@ causal pattern, already fused modules, modules whose ``forward`` takes more than
 pass a numerical check against the twin (another scale, rotary embeddings, ...).
 ``fuse_attention(model, verbose=True)`` says what was swapped and why the rest was not;
 ``strict=True`` makes anything left alone an error.
+
+Projections (``W_query``, ``W_key``, ``W_value``, ``out_proj``) may be any module: the twins
+hold and call the very same modules, so LoRA applied before fusing (the book's appendix-E
+``replace_linear_with_lora``) keeps training, and LoRA applied after fusing wraps the twins'
+projections just as it would the originals'. Known projections are ``nn.Linear`` and the
+package's ``llms_from_scratch.appendix_e.LinearWithLoRA`` around one (by class, its forward
+the package's). Any other projection is an unknown module (a user's LoRA copy, a Linear
+followed by tanh, ...): the module is then swapped only after the numerical check, even when
+its own forward is the book's, and left alone if the check fails or cannot run (e.g. the input
+width cannot be found). The package classes of :mod:`kernels.book`, recognised by class, call
+their projections exactly as the package does (same modules, same order): any projection
+module works there unchecked.
 """
 import contextlib
 import copy
@@ -36,6 +49,8 @@ from .modules import (
     FusedMultiHeadAttention,
     FusedMultiHeadAttentionWrapper,
     _context_length_of,
+    _features,
+    _input_width,
 )
 from .book import BookTwin, _book_class, book_twin
 
@@ -59,7 +74,8 @@ def _has_causal_mask(module):
 
 
 def _has_qkv(module):
-    return all(isinstance(getattr(module, name, None), nn.Linear)
+    """Projections W_query, W_key, W_value are modules (nn.Linear, LoRA wrappers, any)."""
+    return all(isinstance(getattr(module, name, None), nn.Module)
                for name in ("W_query", "W_key", "W_value"))
 
 
@@ -76,14 +92,16 @@ def _is_causal_attention(module):
 
 def _is_multi_head_attention(module):
     """reference.MultiHeadAttention or a look-alike (out_proj + head bookkeeping)."""
-    if not (_has_qkv(module) and isinstance(getattr(module, "out_proj", None), nn.Linear)
+    if not (_has_qkv(module) and isinstance(getattr(module, "out_proj", None), nn.Module)
             and _has_dropout(module) and _has_causal_mask(module)):
         return False
     try:
         num_heads, head_dim, d_out = int(module.num_heads), int(module.head_dim), int(module.d_out)
     except (AttributeError, TypeError, ValueError):
         return False
-    return num_heads >= 1 and num_heads * head_dim == d_out == module.W_query.out_features
+    out_features = _features(module.W_query)[1]   # None for an unknown projection
+    return num_heads >= 1 and num_heads * head_dim == d_out and \
+        out_features in (None, d_out)
 
 
 def _is_wrapper(module):
@@ -115,6 +133,39 @@ def _has_known_forward(module):
             if cls is not None and getattr(cls, "forward", None) is fwd:
                 return True
     return False
+
+
+#: Projection wrappers whose forward is known (``linear(x) + lora(x)``), by "module.Class";
+#: looked up in ``sys.modules`` only, never imported.
+_KNOWN_LORA = ("llms_from_scratch.appendix_e", "LinearWithLoRA", "LoRALayer")
+
+
+def _is_plain_linear(proj):
+    return isinstance(proj, nn.Linear) and type(proj).forward is nn.Linear.forward
+
+
+def _known_projection(proj):
+    """True if ``proj`` is an nn.Linear (its forward) or the package's LinearWithLoRA, with the
+    package's forward and LoRALayer, around one."""
+    if _is_plain_linear(proj):
+        return True
+    mod = sys.modules.get(_KNOWN_LORA[0])
+    wrapper, layer = (getattr(mod, name, None) if mod is not None else None
+                      for name in _KNOWN_LORA[1:])
+    if wrapper is None or layer is None:
+        return False
+    return (isinstance(proj, wrapper) and type(proj).forward is wrapper.forward
+            and _is_plain_linear(getattr(proj, "linear", None))
+            and isinstance(getattr(proj, "lora", None), layer)
+            and type(proj.lora).forward is layer.forward)
+
+
+def _projections_known(module):
+    """True if every projection of ``module`` (each head's, for a wrapper) is known."""
+    mods = list(module.heads) if hasattr(module, "heads") else [module]
+    names = ("W_query", "W_key", "W_value", "out_proj")
+    return all(_known_projection(getattr(m, name)) for m in mods for name in names
+               if getattr(m, name, None) is not None)
 
 
 def _takes_only_x(module):
@@ -153,11 +204,16 @@ def _first_param(module):
 
 
 def _in_features(module):
+    """Input width for the numerical check: the projections' own (``_input_width``), else the
+    first ``in_features`` among W_query's submodules (a guess: if wrong, the check fails and the
+    module is left alone)."""
     first = module.heads[0] if hasattr(module, "heads") else module
-    proj = first.W_query
-    d_in = getattr(proj, "in_features", None)
+    d_in = _input_width(first)
     if d_in is None:
-        d_in = getattr(getattr(proj, "linear", None), "in_features", None)
+        d_in = next((m.in_features for m in first.W_query.modules()
+                     if isinstance(getattr(m, "in_features", None), int)), None)
+    if d_in is None:
+        raise ValueError("unknown input width")
     return int(d_in)
 
 
@@ -254,7 +310,8 @@ def _classify(module):
         twin = build(module)
     except (AttributeError, TypeError, ValueError) as e:
         return None, f"cannot build the fused twin ({e})"
-    if not known:
+    # An unknown projection module is checked too, whatever the module's own forward.
+    if not (known and _projections_known(module)):
         why = _numerical_check(module, twin)
         if why is not None:
             return None, why
@@ -279,6 +336,9 @@ def fuse_attention(model, verbose=False, strict=False):
     :mod:`kernels.book`), or, for a look-alike or a subclass overriding ``forward``, if its
     forward takes only ``x`` and passes a numerical check against the twin (see
     ``_numerical_check``). Package classes whose ``forward`` is overridden are left alone.
+    Projections may be any module (LoRA before or after fusing); a chapter-3 module whose
+    projections are neither nn.Linear nor the package's ``LinearWithLoRA`` is swapped only
+    after the numerical check.
 
     Args:
         model: any nn.Module (a GPTModel, a single attention module, ...). Tensor shapes are

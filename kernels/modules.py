@@ -17,6 +17,12 @@ indices. For checkpoint compatibility ``state_dict()`` still emits a ``mask`` en
 CPU at save time, and ``load_state_dict`` accepts one, checks it is the causal pattern and drops
 it (see :class:`_StatelessCausalMask`).
 
+Projections may be any module, not only ``nn.Linear`` (e.g. the book's appendix-E
+``LinearWithLoRA``, applied before or after the swap): the fused modules call ``W_query``,
+``W_key``, ``W_value`` and ``out_proj`` as the book does (keys, queries, values, in that order),
+so whatever those modules compute, and their gradients, take part. The input width ``d_in`` is
+kept from construction, never read back from a projection.
+
 Shapes: ``b`` batch, ``n`` tokens (``n <= context_length``), ``d_in`` input width, ``d_out``
 output width, ``H`` heads, ``hd`` head width.
 """
@@ -46,14 +52,17 @@ def _check_head_split(d_out, num_heads):
 
 
 def _check_input(module, x, d_in, context_length):
-    """Validate x (b, n, d_in) with n <= context_length; return (b, n)."""
+    """Validate x (b, n, d_in) with n <= context_length; return (b, n).
+
+    ``d_in`` None (a projection of unknown input width): the width is left to the projection.
+    """
     name = type(module).__name__
     if x.dim() != 3:
         raise ValueError(
             f"{name} expected a 3-d input (batch, num_tokens, d_in={d_in}); "
             f"got a {x.dim()}-d tensor of shape {tuple(x.shape)}")
     b, n, features = x.shape
-    if features != d_in:
+    if d_in is not None and features != d_in:
         raise ValueError(
             f"{name} expected d_in={d_in} features in the last dimension; "
             f"got {features} (input shape {tuple(x.shape)})")
@@ -98,6 +107,71 @@ def _context_length_of(module):
     return int(ctx)
 
 
+def _linear_of(proj):
+    """The ``nn.Linear`` that ``proj`` is, or wraps as ``proj.linear`` (the book's
+    ``LinearWithLoRA`` and its copies, possibly nested), else None."""
+    for _ in range(8):
+        if isinstance(proj, nn.Linear):
+            return proj
+        proj = getattr(proj, "linear", None)
+        if not isinstance(proj, nn.Module):
+            return None
+    return None
+
+
+def _features(proj):
+    """(in_features, out_features) of a projection module, each None where unknown.
+
+    Read from ``proj`` itself when it declares them as ints (``nn.Linear``, many adapters),
+    else from the Linear it wraps as ``.linear`` (LoRA wrappers add a term of the same
+    width). Never guessed from other submodules: a wrong width would reject valid inputs.
+    """
+    out = []
+    for name in ("in_features", "out_features"):
+        value = getattr(proj, name, None)
+        if not isinstance(value, int):
+            lin = _linear_of(proj)
+            value = getattr(lin, name, None) if lin is not None else None
+        out.append(value if isinstance(value, int) else None)
+    return tuple(out)
+
+
+def _input_width(module):
+    """d_in of an attention module: the first known ``in_features`` of its W_query, W_key,
+    W_value projections (see :func:`_features`), else None."""
+    for name in ("W_query", "W_key", "W_value"):
+        d_in = _features(getattr(module, name))[0]
+        if d_in is not None:
+            return d_in
+    return None
+
+
+def _twin_sizes(module):
+    """(context_length, d_in, d_out) of a chapter-3 attention ``module`` about to be fused;
+    d_in None where no projection declares it. Raises ValueError if ``module.mask`` is not the
+    causal mask or d_out is unknown (no ``d_out`` attribute, no ``out_features`` on W_query)."""
+    ctx = _context_length_of(module)
+    if hasattr(module, "mask"):
+        _check_causal_mask(module.mask, ctx, name=f"{type(module).__name__}.mask")
+    d_out = getattr(module, "d_out", None)
+    if d_out is None:
+        d_out = _features(module.W_query)[1]
+    if d_out is None:
+        raise ValueError(f"{type(module).__name__}: unknown d_out (no d_out attribute and "
+                         f"W_query has no out_features)")
+    return ctx, _input_width(module), d_out
+
+
+def _project_qkv(module, x):
+    """q, k, v (b, n, width) from ``module``'s projection modules, called in the book's order
+    (keys, queries, values); k and v in q's dtype (they may differ under autocast or with mixed
+    parameter dtypes; the kernel needs one, and it is a no-op in the usual case)."""
+    k = module.W_key(x)
+    q = module.W_query(x)
+    v = module.W_value(x)
+    return q, k.to(q.dtype), v.to(q.dtype)
+
+
 def _copied_dropout(dropout):
     """A new nn.Dropout with ``dropout``'s rate and train/eval mode."""
     new = nn.Dropout(float(dropout.p))
@@ -117,16 +191,17 @@ class _StatelessCausalMask(nn.Module):
     signatures in all torch 2.x; BatchNorm overrides the latter the same way). Unlike the hook
     APIs they keep the reference's key order: a module's own entries come before its children's.
 
-    Subclasses set ``self.context_length`` and have a ``W_query`` projection (for the dtype).
+    Subclasses set ``self.context_length`` and have a ``W_query`` projection module (its first
+    floating-point parameter gives the dtype).
     """
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         # Built only now, on the CPU, so no O(ctx^2) memory is held between saves. Its dtype is
         # the parameters', as the reference's buffer follows module.to(dtype) / .half().
-        weight = getattr(self.W_query, "weight", None)
-        dtype = weight.dtype if isinstance(weight, torch.Tensor) else torch.get_default_dtype()
-        if not dtype.is_floating_point:  # e.g. a quantized projection
-            dtype = torch.get_default_dtype()
+        # Any projection module (a LoRA wrapper has no ``weight`` of its own): its first
+        # floating-point parameter, e.g. the wrapped Linear's weight.
+        weight = next((p for p in self.W_query.parameters() if p.is_floating_point()), None)
+        dtype = weight.dtype if weight is not None else torch.get_default_dtype()
         destination[prefix + "mask"] = _causal_pattern(self.context_length).to(dtype)
         super()._save_to_state_dict(destination, prefix, keep_vars)
 
@@ -166,10 +241,14 @@ class FusedCausalAttention(_StatelessCausalMask):
             W_key=nn.Linear(d_in, d_out, bias=qkv_bias),
             W_value=nn.Linear(d_in, d_out, bias=qkv_bias),
             dropout=nn.Dropout(dropout),
-            context_length=context_length)
+            context_length=context_length,
+            d_in=d_in, d_out=d_out)
 
-    def _setup(self, W_query, W_key, W_value, dropout, context_length):
-        self.d_out = W_query.out_features
+    def _setup(self, W_query, W_key, W_value, dropout, context_length, d_in, d_out):
+        # d_in / d_out are kept, not read from the projections: they may be replaced later
+        # (LoRA after fusing) by modules without ``in_features``. d_in None: unknown.
+        self.d_in = None if d_in is None else int(d_in)
+        self.d_out = int(d_out)
         self.num_heads = 1
         self.head_dim = self.d_out
         self.context_length = int(context_length)
@@ -186,28 +265,28 @@ class FusedCausalAttention(_StatelessCausalMask):
         optimizer over ``module.parameters()`` keeps working), device and dtype, and copies the
         dropout rate and train/eval mode. Raises ValueError if ``module.mask`` is not causal.
         """
-        ctx = _context_length_of(module)
-        if hasattr(module, "mask"):
-            _check_causal_mask(module.mask, ctx, name=f"{type(module).__name__}.mask")
+        ctx, d_in, d_out = _twin_sizes(module)
         fused = cls.__new__(cls)
         nn.Module.__init__(fused)
         fused._setup(module.W_query, module.W_key, module.W_value,
-                     _copied_dropout(module.dropout), ctx)
+                     _copied_dropout(module.dropout), ctx, d_in, d_out)
         fused.training = module.training
         return fused
 
+    def _project(self, x):
+        """q, k, v (b, n, d_out): see :func:`_project_qkv`."""
+        return _project_qkv(self, x)
+
+    def _attend(self, q, k, v):
+        """One head: q, k, v (b, n, d) -> (b, n, d), one kernel call on (b, 1, n, d) views."""
+        o = _ops.attention(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), causal=True,
+                           dropout_p=self._dropout_p())     # (b, 1, n, d)
+        return o.squeeze(1)
+
     def forward(self, x):
         """x (b, n, d_in) -> context vectors (b, n, d_out)."""
-        b, n = _check_input(self, x, self.W_query.in_features, self.context_length)
-        q = self.W_query(x)                                 # (b, n, d_out)
-        # Under autocast or with mixed parameter dtypes the projections may disagree; the kernel
-        # needs one dtype, q's (a no-op in the usual case).
-        k = self.W_key(x).to(q.dtype)
-        v = self.W_value(x).to(q.dtype)
-        # One head: (b, n, d_out) -> (b, 1, n, d_out) views.
-        o = _ops.attention(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), causal=True,
-                           dropout_p=self._dropout_p())     # (b, 1, n, d_out)
-        return o.squeeze(1)                                 # (b, n, d_out)
+        _check_input(self, x, self.d_in, self.context_length)
+        return self._attend(*self._project(x))
 
     def _dropout_p(self):
         """Dropout rate for this call: the module's in training mode, 0 in eval mode."""
@@ -225,6 +304,9 @@ class FusedMultiHeadAttentionWrapper(nn.Module):
     :class:`FusedCausalAttention` (each still usable alone). ``forward`` stacks the heads'
     weights into one (num_heads * d_out, d_in) projection per q/k/v and runs all heads as the H
     axis of a single ``kernels.attention`` call (the reference runs one head after another).
+    Projections that are not plain ``nn.Linear`` (LoRA wrappers, any module) are called head by
+    head instead, their outputs concatenated for the same single call; heads that cannot share
+    one call (different dropout rates or modes, or output widths) run one by one.
 
     Attributes: ``num_heads``; ``head_dim`` (= the per-head ``d_out`` argument); ``d_out``
     (= num_heads * head_dim, the output width); ``context_length``.
@@ -261,19 +343,24 @@ class FusedMultiHeadAttentionWrapper(nn.Module):
         fused.training = module.training
         return fused
 
-    def _stackable(self):
-        """Whether all heads can share one launch: same rate/mode, plain Linears, same layout."""
-        heads = list(self.heads)
-        first = heads[0]
-        for h in heads:
-            for name in ("W_query", "W_key", "W_value"):
+    def _same_launch(self):
+        """Whether all heads can share one kernel launch: same dropout rate/mode and context."""
+        first = self.heads[0]
+        return all(h._dropout_p() == first._dropout_p()
+                   and h.context_length == first.context_length for h in self.heads)
+
+    def _plain_linears(self):
+        """Whether every head's q/k/v projection is a plain nn.Linear of the same layout (their
+        weights can be stacked into one GEMM per projection)."""
+        first = self.heads[0]
+        for h in self.heads:
+            for name in ("W_key", "W_query", "W_value"):
                 lin, ref = getattr(h, name), getattr(first, name)
-                if not isinstance(lin, nn.Linear) or (lin.bias is None) != (ref.bias is None):
+                # Linear subclasses with their own forward are called, not stacked.
+                if not (isinstance(lin, nn.Linear) and type(lin).forward is nn.Linear.forward):
                     return False
-                if lin.weight.shape != ref.weight.shape:
+                if (lin.bias is None) != (ref.bias is None) or lin.weight.shape != ref.weight.shape:
                     return False
-            if h._dropout_p() != first._dropout_p() or h.context_length != first.context_length:
-                return False
         return True
 
     def _stacked_linear(self, x, name):
@@ -289,16 +376,31 @@ class FusedMultiHeadAttentionWrapper(nn.Module):
     def forward(self, x):
         """x (b, n, d_in) -> (b, n, num_heads * d_out): head i's output in columns
         [i * d_out, (i + 1) * d_out), as the reference's torch.cat."""
-        if not self._stackable():
-            # Heads changed after construction (different rates, custom projections): run them
-            # one by one, which is still correct.
-            return torch.cat([head(x) for head in self.heads], dim=-1)
-        first = self.heads[0]
-        b, n = _check_input(self, x, first.W_query.in_features, self.context_length)
-        H, hd = self.num_heads, self.head_dim
-        q = self._stacked_linear(x, "W_query")                    # (b, n, H * hd)
-        k = self._stacked_linear(x, "W_key").to(q.dtype)
-        v = self._stacked_linear(x, "W_value").to(q.dtype)
+        heads = list(self.heads)
+        if not self._same_launch():
+            # Heads changed after construction (different rates or modes): one by one.
+            return torch.cat([head(x) for head in heads], dim=-1)
+        first = heads[0]
+        b, n = _check_input(self, x, first.d_in, self.context_length)
+        H = self.num_heads
+        if self._plain_linears():
+            k = self._stacked_linear(x, "W_key")                  # (b, n, H * hd)
+            q = self._stacked_linear(x, "W_query")
+            v = self._stacked_linear(x, "W_value")
+            k, v = k.to(q.dtype), v.to(q.dtype)
+            hd = self.head_dim
+        else:
+            # Any projection modules (LoRA wrappers, ...): each head's own, called as the
+            # reference does (head by head: keys, queries, values).
+            qkv = [h._project(x) for h in heads]
+            shapes = {t.shape for head in qkv for t in head}
+            dtypes = {head[0].dtype for head in qkv}
+            if len(shapes) != 1 or len(dtypes) != 1 or next(iter(shapes))[:2] != (b, n) \
+                    or len(next(iter(shapes))) != 3:
+                # Heads of different widths or dtypes cannot share one launch.
+                return torch.cat([h._attend(*t) for h, t in zip(heads, qkv)], dim=-1)
+            hd = next(iter(shapes))[-1]
+            q, k, v = (torch.cat([head[i] for head in qkv], dim=-1) for i in range(3))
         # Zero-copy head split: (b, n, H * hd) -> (b, n, H, hd) -> (b, H, n, hd) strided views.
         q = q.view(b, n, H, hd).transpose(1, 2)
         k = k.view(b, n, H, hd).transpose(1, 2)
@@ -333,11 +435,16 @@ class FusedMultiHeadAttention(_StatelessCausalMask):
             out_proj=nn.Linear(d_out, d_out),
             dropout=nn.Dropout(dropout),
             context_length=context_length,
-            num_heads=num_heads)
+            num_heads=num_heads,
+            d_in=d_in, d_out=d_out)
 
-    def _setup(self, W_query, W_key, W_value, out_proj, dropout, context_length, num_heads):
-        d_out = W_query.out_features
+    def _setup(self, W_query, W_key, W_value, out_proj, dropout, context_length, num_heads,
+               d_in, d_out):
+        # d_in / d_out are kept, not read from the projections: they may be replaced later
+        # (LoRA after fusing) by modules without ``in_features``. d_in None: unknown.
+        d_out = int(d_out)
         _check_head_split(d_out, num_heads)
+        self.d_in = None if d_in is None else int(d_in)
         self.d_out = d_out
         self.num_heads = int(num_heads)
         self.head_dim = d_out // self.num_heads
@@ -358,25 +465,19 @@ class FusedMultiHeadAttention(_StatelessCausalMask):
         and train/eval mode. Raises ValueError if ``module.mask`` is not causal or the heads do
         not split ``d_out``.
         """
-        ctx = _context_length_of(module)
-        if hasattr(module, "mask"):
-            _check_causal_mask(module.mask, ctx, name=f"{type(module).__name__}.mask")
+        ctx, d_in, d_out = _twin_sizes(module)
         fused = cls.__new__(cls)
         nn.Module.__init__(fused)
         fused._setup(module.W_query, module.W_key, module.W_value, module.out_proj,
-                     _copied_dropout(module.dropout), ctx, module.num_heads)
+                     _copied_dropout(module.dropout), ctx, module.num_heads, d_in, d_out)
         fused.training = module.training
         return fused
 
     def forward(self, x):
         """x (b, n, d_in) -> (b, n, d_out)."""
-        b, n = _check_input(self, x, self.W_query.in_features, self.context_length)
+        b, n = _check_input(self, x, self.d_in, self.context_length)
         H, hd = self.num_heads, self.head_dim
-        q = self.W_query(x)                                   # (b, n, d_out)
-        # Under autocast or with mixed parameter dtypes the projections may disagree; the kernel
-        # needs one dtype, q's (a no-op in the usual case).
-        k = self.W_key(x).to(q.dtype)
-        v = self.W_value(x).to(q.dtype)
+        q, k, v = _project_qkv(self, x)                      # (b, n, d_out) each
         # Zero-copy head split: (b, n, d_out) -> (b, n, H, hd) -> (b, H, n, hd) strided views
         # that the kernel reads in place (the book's transposes, minus any copy).
         q = q.view(b, n, H, hd).transpose(1, 2)

@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.book_models import (BOOK_SHAPES, FAMILIES, book_rows, family_config,
+                                    format_book, package_reason)
 from benchmarks.cpu_fallback import compare as fallback_compare
 from benchmarks.features import (HF_SHAPES, SDPA_IMPL_SHAPES, SHAPES, decode_compare,
                                  decode_targets, feature_rows, hf_reason, mixed_lengths,
@@ -185,6 +187,82 @@ def test_integration_rows_cpu():
                and r.get("target_met") is None for r in impl)
     assert "CUDA-only" in sdpa_impl_reason("cpu") or "registry" in sdpa_impl_reason("cpu")
     assert "x sdpa" in format_features(rows) or hf_reason()
+
+
+def test_book_model_rows_cpu():
+    """Issue 11 on CPU: each llms-from-scratch family (tiny one-layer configs) runs its
+    training step and batch-2 greedy generation, original vs fused; ratios from the rows' own
+    medians, no target judged; GPT-2 KV's own cached decoding fails with the package's error,
+    recorded as such. No assertion on speed (one warm-up and one timed call per row)."""
+    pytest.importorskip("llms_from_scratch", reason="llms-from-scratch is not installed "
+                        "(pip install --no-deps llms-from-scratch==1.0.19)")
+    reason = _interpreter_unusable()
+    if reason:
+        pytest.skip(reason)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the CLI runs PyTorch on CPU (--cpu-threads): tiny ops
+    try:
+        rows = book_rows("cpu", torch.bfloat16)
+    finally:
+        torch.set_num_threads(threads)
+    sh = BOOK_SHAPES["cpu"]
+    want = []
+    for fam in FAMILIES:
+        want += [(fam, "train_step", sh["train_batch"], p) for p in ("original", "fused")]
+        gen = (("original", "original_uncached", "fused") if fam == "gpt2_kv"
+               else ("original", "fused"))
+        want += [(fam, "generate", b, p) for b in sh["batches"] for p in gen]
+    assert [(r["family"], r["mode"], r["batch"], r["provider"]) for r in rows] == want
+    for r in rows:
+        assert set(ROW_KEYS) <= set(r) and r["bench"] == "book"
+        if package_reason(r["family"]):
+            assert r["status"] == f"skipped: {package_reason(r['family'])}" and r["ms"] is None
+            continue
+        if (r["family"], r["mode"], r["provider"]) == ("gpt2_kv", "generate", "original"):
+            assert r["status"].startswith("unsupported: llms-from-scratch 1.0.19 kv_cache.gpt2")
+            continue
+        assert r["status"] == "ok", r
+        n = sh["new_tokens"] if r["mode"] == "generate" else r["seq_len"]
+        assert r["tokens_per_s"] == pytest.approx(r["batch"] * n / (r["ms"] * 1e-3))
+        assert (r["tflops"] > 0 if r["mode"] == "train_step" else r["tflops"] is None)
+        if r["provider"] == "fused":
+            assert r["fused_modules"] == r["layers"] == 1 and r["target_met"] is None
+    by = {(r["family"], r["mode"], r["batch"], r["provider"]): r for r in rows}
+    for (fam, mode, batch, prov), mine in by.items():
+        if prov != "fused" or mine["status"] != "ok":
+            continue
+        base = by[fam, mode, batch, "original"]
+        if base["status"] == "ok":
+            assert mine["speedup_vs_original"] == pytest.approx(base["ms"] / mine["ms"])
+        else:  # gpt2_kv generation: compared with the package's uncached generation instead
+            assert mine["speedup_vs_original"] is None
+            assert mine["speedup_vs_original_uncached"] == pytest.approx(
+                by[fam, mode, batch, "original_uncached"]["ms"] / mine["ms"])
+    assert "book models" in format_book(rows) and "target not judged" in format_book(rows)
+
+
+def test_book_model_rows_budget_and_configs():
+    """A deadline already past: every book row is written, none measured; the GPU configs
+    are the package's Qwen 3 0.6B / Llama 3.2 1B constants (when it is installed), cut to
+    --book-layers when asked and saying so."""
+    rows = book_rows("cpu", torch.bfloat16, deadline=float("-inf"))
+    gen = len(BOOK_SHAPES["cpu"]["batches"])
+    assert len(rows) == len(FAMILIES) * (2 + 2 * gen) + gen  # + gpt2_kv's original_uncached
+    assert all(r["ms"] is None for r in rows)
+    assert all(r["status"] == "skipped: time budget"
+               or r["status"] == f"skipped: {package_reason(r['family'])}" for r in rows)
+    cfg, text = family_config("qwen3", "cuda", layers=4)
+    assert cfg["n_layers"] == 4 and "4 of its 28 layers" in text
+    assert (cfg["emb_dim"], cfg["n_heads"], cfg["n_kv_groups"], cfg["head_dim"],
+            cfg["vocab_size"]) == (1024, 16, 8, 128, 151936)
+    if package_reason("qwen3") is None:
+        from llms_from_scratch.qwen3 import QWEN_CONFIG_06_B
+
+        assert family_config("qwen3", "cuda")[0] == QWEN_CONFIG_06_B
+    if package_reason("llama3") is None:
+        from llms_from_scratch.llama3 import LLAMA32_CONFIG_1B
+
+        assert family_config("llama3", "cuda")[0] == LLAMA32_CONFIG_1B
 
 
 def _check_feature_rows(rows, csv_path):

@@ -23,6 +23,7 @@ from helpers import DEVICE, GRAD_FACTOR, assert_parity, randn
 pytest.importorskip("llms_from_scratch", reason="llms-from-scratch is not installed "
                     "(pip install --no-deps llms-from-scratch==1.0.19)")
 
+from benchmarks.book_models import gpt2_kv_generate  # noqa: E402
 from kernels import book, fuse_attention  # noqa: E402
 from llms_from_scratch.ch04 import generate_text_simple  # noqa: E402
 
@@ -316,21 +317,6 @@ def model_pair(name):
     return unfused, fused
 
 
-def gpt2_cached_decode(model, idx, new_tokens):
-    """Greedy decoding through kv_cache.gpt2's own cache protocol (KVCache, use_cache=True,
-    model.current_pos): the package's kv_cache.generate needs model.cfg / reset_kv_cache."""
-    cache = package("kv_cache.gpt2").KVCache(n_layers=len(model.trf_blocks))
-    model.current_pos = 0
-    with torch.no_grad():
-        logits = model(idx, use_cache=True, cache=cache)
-        for step in range(new_tokens):
-            nxt = logits[:, -1].argmax(dim=-1, keepdim=True)
-            idx = torch.cat([idx, nxt], dim=1)
-            if step + 1 < new_tokens:
-                logits = model(nxt, use_cache=True, cache=cache)
-    return idx
-
-
 def recorded(model, generate):
     """(tokens, last-position logits of every forward) of ``generate()`` run on ``model``."""
     rows = []
@@ -371,9 +357,9 @@ def test_fused_model_generates_the_same_tokens(name):
     want = generate_text_simple(unfused, prompt, NEW_TOKENS, ctx)
     runs = {"no cache": lambda: generate_text_simple(fused, prompt, NEW_TOKENS, ctx)}
     if name == "gpt2_kv":
-        runs["cache"] = lambda: gpt2_cached_decode(fused, prompt, NEW_TOKENS)
+        runs["cache"] = lambda: gpt2_kv_generate(fused, prompt, NEW_TOKENS)
         try:   # 1.0.19's own cached decoding fails at its second step (see the module)
-            assert torch.equal(gpt2_cached_decode(unfused, prompt, NEW_TOKENS), want)
+            assert torch.equal(gpt2_kv_generate(unfused, prompt, NEW_TOKENS), want)
         except RuntimeError:
             pass
     elif gen_mod is not None:

@@ -73,3 +73,21 @@ def test_fixed_config_fits_shared_memory(d):
     assert smem_bytes(cfg, block_d(d), 2) <= SMEM_BUDGET_BYTES
     if d <= 128:
         assert cfg is fwd_configs()[0] or cfg.kwargs == fwd_configs()[0].kwargs
+
+
+def test_config_lists_keep_hopper_tiles():
+    """What the sm_90 compile check found (benchmarks/NOTES.md), kept true by the lists: the
+    resident side of each backward kernel is >= 64 rows (32 compiles to Ampere mma.sync), and
+    the forward's register pruning drops the tiles that spilled (128-row blocks on 4 warps at
+    head_dim 128; 64-wide score tiles per thread with dropout)."""
+    assert all(c.kwargs["BLOCK_N"] >= 64 for c in bwd_configs(kernel="dkdv"))
+    assert all(c.kwargs["BLOCK_M"] >= 64 for c in bwd_configs(kernel="dq"))
+    q = torch.empty(1, dtype=torch.bfloat16)
+
+    def kept(d, dropout):
+        return [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps)
+                for c in prune_configs(fwd_configs(), {"Q": q}, BLOCK_D=d, DROPOUT=dropout)]
+
+    assert (128, 64, 4) in kept(64, False) and (128, 64, 4) not in kept(128, False)
+    assert (128, 128, 8) in kept(128, False) and (128, 128, 8) not in kept(128, True)
+    assert kept(128, True)[0] == (128, 64, 8)

@@ -67,9 +67,10 @@ class FusedMultiHeadAttentionKV(BookTwin):
     def forward(self, x, use_cache=False, start_pos=0, cache=None):
         b, n, _ = x.shape
         shape = (b, n, self.num_heads, self.head_dim)
-        q = self.W_query(x).view(shape).transpose(1, 2)     # (b, H, n, hd) views
-        k = self.W_key(x).view(shape).transpose(1, 2)
+        # The projection modules (nn.Linear, LoRA wrappers, ...) in the package's order.
+        k = self.W_key(x).view(shape).transpose(1, 2)       # (b, H, n, hd) views
         v = self.W_value(x).view(shape).transpose(1, 2)
+        q = self.W_query(x).view(shape).transpose(1, 2)
         if use_cache:
             if cache is not None:
                 k = torch.cat([cache[0], k], dim=2)
