@@ -270,8 +270,21 @@ def _launch(tmp, world, spec, *, interpret=False, timeout=60, expect_ok=True):
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
-    _worker(sys.argv[2], sys.argv[3])
-    sys.exit(0)
+    # The worker leaves through os._exit, skipping interpreter finalization: gloo's worker
+    # threads may still be releasing a finished collective's tensors, and a thread that takes
+    # the GIL while the interpreter finalizes aborts the process ("terminate called without an
+    # active exception", SIGABRT; ~1 launch in 10 of the w3 launch on 2 cores, torch 2.13;
+    # pytorch/pytorch#190489). destroy_process_group() does not join those threads.
+    code = 0
+    try:
+        _worker(sys.argv[2], sys.argv[3])
+    except BaseException:  # noqa: BLE001 -- an uncaught error must still fail the rank
+        import traceback
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 import pytest  # noqa: E402
 from helpers import GRAD_FACTOR, assert_parity, fa2_oracle  # noqa: E402
