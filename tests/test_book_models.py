@@ -10,7 +10,6 @@ downloaded. The Llama 3 modules import ``tiktoken`` at module level: their tests
 it.
 """
 import copy
-import importlib
 import subprocess
 import sys
 
@@ -24,6 +23,7 @@ pytest.importorskip("llms_from_scratch", reason="llms-from-scratch is not instal
                     "(pip install --no-deps llms-from-scratch==1.0.19)")
 
 from benchmarks.book_models import gpt2_kv_generate  # noqa: E402
+from book_helpers import assert_steps_match_package, package, recorded  # noqa: E402
 from kernels import book, fuse_attention  # noqa: E402
 from llms_from_scratch.ch04 import generate_text_simple  # noqa: E402
 
@@ -40,14 +40,6 @@ LLAMA = {"vocab_size": 64, "context_length": 32, "emb_dim": 32, "hidden_dim": 48
 GPT = {"vocab_size": 64, "context_length": 32, "emb_dim": 32, "n_heads": 2, "n_layers": 1,
        "drop_rate": 0.0, "qkv_bias": True}
 NEW_TOKENS = 16
-
-
-def package(name):
-    """llms_from_scratch.<name>; the Llama 3 modules skip without tiktoken."""
-    if "llama3" in name:
-        pytest.importorskip("tiktoken", reason="llms_from_scratch's llama3 modules import "
-                            "tiktoken at module level (pip install tiktoken)")
-    return importlib.import_module(f"llms_from_scratch.{name}")
 
 
 def rope_tables(family, cfg, dtype=torch.float64):
@@ -317,33 +309,6 @@ def model_pair(name):
     return unfused, fused
 
 
-def recorded(model, generate):
-    """(tokens, last-position logits of every forward) of ``generate()`` run on ``model``."""
-    rows = []
-    handle = model.register_forward_hook(lambda m, args, out: rows.append(out[:, -1].detach()))
-    try:
-        tokens = generate()
-    finally:
-        handle.remove()
-    return tokens, torch.stack(rows[:NEW_TOKENS], dim=1)
-
-
-def assert_steps_match_package(steps, tokens, unfused, prompt_len, name):
-    """Every decoding step's logits vs the package's model run once, uncached, on the
-    generated tokens (logits at position p predict token p + 1): float64 oracle, the package
-    in float32 as the baseline. Stricter than equal tokens, which a tiny random model can keep
-    through a wrong position or mask."""
-    oracle = copy.deepcopy(unfused).double()
-    if hasattr(oracle, "cfg"):
-        oracle.cfg = dict(oracle.cfg, dtype=torch.float64)
-    for m in (unfused, oracle):
-        if isinstance(getattr(m, "current_pos", None), int):
-            m.current_pos = 0           # kv_cache.gpt2 adds it to positions even uncached
-    with torch.no_grad():
-        want, base = (m(tokens[:, :-1])[:, prompt_len - 1:] for m in (oracle, unfused))
-    assert_parity(steps, want, base, name=f"{name}: logits of the decoding steps")
-
-
 @pytest.mark.parametrize("name", tuple(MODELS))
 def test_fused_model_generates_the_same_tokens(name):
     """Greedy tokens of the fused model == the package's model, cache on and off, with the
@@ -369,7 +334,7 @@ def test_fused_model_generates_the_same_tokens(name):
                 for c in (True, False)}
     assert batch == 1 or not torch.equal(want[0], want[1])
     for how, run in runs.items():
-        tokens, steps = recorded(fused, run)
+        tokens, steps = recorded(fused, run, NEW_TOKENS)
         assert torch.equal(tokens, want), f"{name}, {how}: {tokens.tolist()} != {want.tolist()}"
         assert_steps_match_package(steps, tokens, unfused, prompt.shape[1], f"{name}, {how}")
 
