@@ -51,6 +51,7 @@ from .modules import (
     _context_length_of,
     _features,
     _input_width,
+    _is_plain_linear,
 )
 from .book import BookTwin, _book_class, book_twin
 
@@ -138,10 +139,6 @@ def _has_known_forward(module):
 #: Projection wrappers whose forward is known (``linear(x) + lora(x)``), by "module.Class";
 #: looked up in ``sys.modules`` only, never imported.
 _KNOWN_LORA = ("llms_from_scratch.appendix_e", "LinearWithLoRA", "LoRALayer")
-
-
-def _is_plain_linear(proj):
-    return isinstance(proj, nn.Linear) and type(proj).forward is nn.Linear.forward
 
 
 def _known_projection(proj):

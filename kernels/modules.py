@@ -162,14 +162,25 @@ def _twin_sizes(module):
     return ctx, _input_width(module), d_out
 
 
-def _project_qkv(module, x):
-    """q, k, v (b, n, width) from ``module``'s projection modules, called in the book's order
-    (keys, queries, values); k and v in q's dtype (they may differ under autocast or with mixed
-    parameter dtypes; the kernel needs one, and it is a no-op in the usual case)."""
-    k = module.W_key(x)
-    q = module.W_query(x)
-    v = module.W_value(x)
+def _is_plain_linear(proj):
+    """True for an nn.Linear whose forward is nn.Linear's (a subclass with its own forward, a
+    LoRA-style Linear, is not plain: it must be called, not stacked or assumed)."""
+    return isinstance(proj, nn.Linear) and type(proj).forward is nn.Linear.forward
+
+
+def _qkv_in_book_order(project):
+    """q, k, v from ``project(name)`` for "W_key", "W_query", "W_value", called in the book's
+    order (keys, queries, values); k and v in q's dtype (they may differ under autocast or with
+    mixed parameter dtypes; the kernel needs one, and it is a no-op in the usual case)."""
+    k = project("W_key")
+    q = project("W_query")
+    v = project("W_value")
     return q, k.to(q.dtype), v.to(q.dtype)
+
+
+def _project_qkv(module, x):
+    """q, k, v (b, n, width) from ``module``'s own projection modules (any modules)."""
+    return _qkv_in_book_order(lambda name: getattr(module, name)(x))
 
 
 def _copied_dropout(dropout):
@@ -273,10 +284,6 @@ class FusedCausalAttention(_StatelessCausalMask):
         fused.training = module.training
         return fused
 
-    def _project(self, x):
-        """q, k, v (b, n, d_out): see :func:`_project_qkv`."""
-        return _project_qkv(self, x)
-
     def _attend(self, q, k, v):
         """One head: q, k, v (b, n, d) -> (b, n, d), one kernel call on (b, 1, n, d) views."""
         o = _ops.attention(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), causal=True,
@@ -286,7 +293,7 @@ class FusedCausalAttention(_StatelessCausalMask):
     def forward(self, x):
         """x (b, n, d_in) -> context vectors (b, n, d_out)."""
         _check_input(self, x, self.d_in, self.context_length)
-        return self._attend(*self._project(x))
+        return self._attend(*_project_qkv(self, x))
 
     def _dropout_p(self):
         """Dropout rate for this call: the module's in training mode, 0 in eval mode."""
@@ -356,8 +363,7 @@ class FusedMultiHeadAttentionWrapper(nn.Module):
         for h in self.heads:
             for name in ("W_key", "W_query", "W_value"):
                 lin, ref = getattr(h, name), getattr(first, name)
-                # Linear subclasses with their own forward are called, not stacked.
-                if not (isinstance(lin, nn.Linear) and type(lin).forward is nn.Linear.forward):
+                if not _is_plain_linear(lin):
                     return False
                 if (lin.bias is None) != (ref.bias is None) or lin.weight.shape != ref.weight.shape:
                     return False
@@ -384,15 +390,12 @@ class FusedMultiHeadAttentionWrapper(nn.Module):
         b, n = _check_input(self, x, first.d_in, self.context_length)
         H = self.num_heads
         if self._plain_linears():
-            k = self._stacked_linear(x, "W_key")                  # (b, n, H * hd)
-            q = self._stacked_linear(x, "W_query")
-            v = self._stacked_linear(x, "W_value")
-            k, v = k.to(q.dtype), v.to(q.dtype)
-            hd = self.head_dim
+            q, k, v = _qkv_in_book_order(lambda name: self._stacked_linear(x, name))
+            hd = self.head_dim                                  # q, k, v: (b, n, H * hd)
         else:
             # Any projection modules (LoRA wrappers, ...): each head's own, called as the
             # reference does (head by head: keys, queries, values).
-            qkv = [h._project(x) for h in heads]
+            qkv = [_project_qkv(h, x) for h in heads]
             shapes = {t.shape for head in qkv for t in head}
             dtypes = {head[0].dtype for head in qkv}
             if len(shapes) != 1 or len(dtypes) != 1 or next(iter(shapes))[:2] != (b, n) \
