@@ -1,5 +1,5 @@
 """The CPU fallback row (issue 15), opt-in with ``--fallback-row``: ``kernels.attention`` on CPU
-tensors with Triton's interpreter off (the PyTorch fallback, kernels/fallback.py) against
+tensors with Triton's interpreter off (the PyTorch fallback, kernels/core/fallback.py) against
 ``torch.nn.functional.scaled_dot_product_attention(is_causal=True)``, batch 1, 2 heads,
 head_dim 64, fp32, seq 16384 (``--fallback-seq``), fwd and fwd_bwd: time and peak extra memory.
 

@@ -56,7 +56,7 @@ def measure(mode, warm, inputs, run, args):
     or the first call and the timed calls (``--what time``)."""
     import torch
 
-    from kernels import fallback
+    from kernels.core import fallback
 
     run(mode, *inputs(warm, mode))
     q, k, v, do = inputs(args.seq, mode)
@@ -111,7 +111,7 @@ def main(argv=None):
     import torch.nn.functional as F
 
     import kernels
-    from kernels._common import interpreter_active
+    from kernels.core.common import interpreter_active
 
     if interpreter_active():
         print(json.dumps({"error": "TRITON_INTERPRET is set: the kernel would run in Triton's "

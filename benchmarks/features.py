@@ -72,7 +72,7 @@ once), ``gbps`` = kv_bytes / median time, ``copy_gbps`` (the card's device-to-de
 rate, bytes read + written, measured once in the run by ceilings.copy_gbps; None on CPU)
 and ``bw_fraction`` = gbps / copy_gbps. Ours' rows: ``num_splits`` (the split count the
 launch used), ``num_splits_arg`` (what was passed) and ``num_splits_how`` (``heuristic``:
-kernels.combine.num_splits_heuristic of the launch's nominal_tiles, reproduced here as
+kernels.core.splitkv.num_splits_heuristic of the launch's nominal_tiles, reproduced here as
 forward.py computes it; ``forced``; ``none``). The kernels row: ``speedup_vs_unsplit`` =
 kernels_unsplit ms / kernels ms, ``speedup_vs_best_sdpa``, and the targets where the issue sets
 one (:func:`decode_targets`: batch 1, bw_fraction >= 0.7 at cache >= 32k, >= 0.5 at 8k;
@@ -489,12 +489,12 @@ def decode_target_text(targets):
 
 def splits_used(device, batch, heads, heads_kv, q_len, cache_len, num_splits, sm_count=None):
     """(split count, how) of a decode launch with ``num_splits`` passed, as
-    kernels/forward.py computes it: 0 = ``num_splits_heuristic`` over the launch's nominal
+    kernels/core/forward.py computes it: 0 = ``num_splits_heuristic`` over the launch's nominal
     64 x 64 tiles (one program per kv group when query heads are packed: grouped heads and
     q_len <= PACK_GQA_MAX_Q_LEN), then ``clamp_splits``. ``how``: "heuristic", "none"
     (num_splits=1) or "forced". ``sm_count``: the heuristic's SM count (None: the device's;
     CPU / interpreter: no split), e.g. 132 for what an H100 SXM would choose."""
-    from kernels.combine import (PACK_GQA_MAX_Q_LEN, clamp_splits, nominal_tiles,
+    from kernels.core.splitkv import (PACK_GQA_MAX_Q_LEN, clamp_splits, nominal_tiles,
                                  num_splits_heuristic)
 
     if num_splits == 0:

@@ -290,7 +290,7 @@ def format_decode(rows, metric="gbps"):
                 f" ({mine['target']})")
         out.append(line)
     out.append("splits: the split count of ours' split row (heuristic = "
-               "kernels.combine.num_splits_heuristic, forced = passed); %copy, x unspl, x sdpa "
+               "kernels.core.splitkv.num_splits_heuristic, forced = passed); %copy, x unspl, x sdpa "
                "and the target are on that row" + ("" if copy else
                                                    "; target not judged without a GPU"))
     return "\n".join(out)

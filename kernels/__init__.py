@@ -1,21 +1,39 @@
 """Fused causal attention in Triton: functional API, drop-in modules and model rewriting.
 
+Layout (each layer imports only the ones below it)::
+
+    kernels/                 the public functions (ops.py) and their argument checks
+    kernels/core/            Triton kernels, launchers, configs, the PyTorch CPU fallback
+    kernels/integrations/    modules, fuse_attention, the book's models, SDPA, transformers,
+                             ring attention: built on the public functions only
+
+The integrations keep their short import paths (``kernels.hf``, ``kernels.sdpa``,
+``kernels.distributed``, ``kernels.book``, ``kernels.modules``, ``kernels.fuse``), and the
+launchers theirs (``kernels.forward``, ``kernels.backward``: what the static compile tools
+import): they are registered as aliases of the subpackages' modules below.
+
 Note: the import name ``kernels`` clashes with the unrelated ``kernels`` package on PyPI; do
 not install both in one environment.
 """
-from .ops import attention, attention_varlen, attention_with_kvcache
+import sys as _sys
 
-__all__ = ["attention", "attention_varlen", "attention_with_kvcache"]
-from .fuse import fuse_attention  # noqa: E402
-from .modules import (  # noqa: E402
+from .ops import attention, attention_varlen, attention_with_kvcache
+from .core import backward as _backward, forward as _forward
+from .integrations import book, distributed, fuse, hf, modules, sdpa
+from .integrations.fuse import fuse_attention
+from .integrations.modules import (
     FusedCausalAttention,
     FusedMultiHeadAttention,
     FusedMultiHeadAttentionWrapper,
 )
 
-# Twins of llms-from-scratch's classes (the package itself is imported only when needed), and
-# context-parallel ring attention (torch.distributed, which ``import torch`` loads already).
-from . import book, distributed  # noqa: E402
+for _name, _module in (("forward", _forward), ("backward", _backward), ("book", book),
+                       ("distributed", distributed), ("fuse", fuse), ("hf", hf),
+                       ("modules", modules), ("sdpa", sdpa)):
+    _sys.modules[f"{__name__}.{_name}"] = _module
+    globals()[_name] = _module
+del _name, _module
 
-__all__ += ["FusedCausalAttention", "FusedMultiHeadAttentionWrapper", "FusedMultiHeadAttention",
-            "fuse_attention", "book", "distributed"]
+__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "FusedCausalAttention",
+           "FusedMultiHeadAttentionWrapper", "FusedMultiHeadAttention", "fuse_attention",
+           "book", "distributed"]

@@ -7,7 +7,7 @@ Layers, each with one job:
 * ``fused_attention::fwd`` / ``fused_attention::bwd``: PyTorch custom ops with fake (meta)
   implementations and a registered autograd formula, so ``torch.compile(fullgraph=True)`` sees
   one opaque node instead of breaking the graph at a Triton launch.
-* ``attention_forward`` / ``attention_backward`` (kernels/forward.py, kernels/backward.py): the
+* ``attention_forward`` / ``attention_backward`` (kernels/core/forward.py, kernels/core/backward.py): the
   Triton launchers. On CPU tensors they run in Triton's interpreter when TRITON_INTERPRET=1;
   otherwise CPU tensors take a PyTorch fallback with the same semantics and dropout mask.
 """
@@ -17,11 +17,11 @@ from typing import Optional
 
 import torch
 
-from . import fallback
-from ._common import check_interpreter_setting, interpreter_active
-from .backward import attention_backward
-from .forward import attention_forward
-from .kvcache import kvcache_forward
+from .core import fallback
+from .core.common import check_interpreter_setting, interpreter_active
+from .core.backward import attention_backward
+from .core.forward import attention_forward
+from .core.kvcache import kvcache_forward
 from .validation import (SEED_LIMIT, check_cu_seqlens, check_drop_layout, check_kvcache,
                          check_num_splits, validate_attention)
 
@@ -231,8 +231,8 @@ def attention(q, k, v, *, causal=True, dropout_p=0.0, softmax_scale=None, seed=N
             outside the band are never visited.
         num_splits: split-KV for launches too small to fill the GPU (decoding: few query rows,
             many keys): each query block's keys are shared among ``num_splits`` programs whose
-            partial results are merged by their log-sum-exp (kernels/combine.py). 0 (default)
-            lets ``kernels.combine.num_splits_heuristic`` choose from the shapes and the
+            partial results are merged by their log-sum-exp (kernels/core/splitkv.py). 0 (default)
+            lets ``kernels.core.splitkv.num_splits_heuristic`` choose from the shapes and the
             device's SM count (1 on CPU); 1 never splits; a larger value forces that many
             (splits left without keys cost an empty program). Forward only; results stay
             within the parity rule and deterministic.

@@ -8,7 +8,7 @@ import numbers
 
 import torch
 
-from ._common import MAX_HEAD_DIM
+from .core.common import MAX_HEAD_DIM
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Seeds are 64-bit Philox keys; keep them non-negative so they round-trip through int64.
@@ -221,7 +221,7 @@ def check_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scal
 def check_drop_layout(drop_layout, q, k, packed):
     """``drop_layout = (q_total, k_total, row_offset, col_offset)``: this dense call is the
     block [row_offset, + q_len) x [col_offset, + k_len) of a (q_total, k_total) attention, and
-    its dropout mask is that block of the whole one (kernels/_dropout.py)."""
+    its dropout mask is that block of the whole one (kernels/core/dropout.py)."""
     if drop_layout is None:
         return None
     values = list(drop_layout)

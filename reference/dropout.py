@@ -1,6 +1,6 @@
 """The fused kernel's dropout mask, recomputed in plain PyTorch, bit for bit.
 
-Definition (shared with ``kernels/_dropout.py``; change both or neither). The mask is a pure
+Definition (shared with ``kernels/core/dropout.py``; change both or neither). The mask is a pure
 function of (seed, row id, key column), never of the kernel's block sizes.
 
 * Each query row has a **row id** ``r`` (the index of its entry in the lse tensor) and a
@@ -40,7 +40,7 @@ _PHILOX_ROUND_A = 0xD2511F53
 _PHILOX_ROUND_B = 0xCD9E8D57
 _N_ROUNDS = 10
 
-# Mirrors kernels/_dropout.py (DROPOUT_BITS, dropout_threshold); the reference deliberately
+# Mirrors kernels/core/dropout.py (DROPOUT_BITS, dropout_threshold); the reference deliberately
 # does not import the kernels package, so an error there cannot hide here.
 _DROPOUT_BITS = 24
 

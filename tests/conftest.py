@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 else:
     # Correctness, not speed: one fitting config per launch instead of autotuning every small
-    # test shape (tests/test_configs.py forces each config once). Override with
+    # test shape (tests/core/test_configs.py forces each config once). Override with
     # KERNELS_AUTOTUNE=1 to test the autotuned path.
     os.environ.setdefault("KERNELS_AUTOTUNE", "0")
 

@@ -421,7 +421,7 @@ def test_decode_bandwidth_speedup_and_targets():
 
 
 def test_decode_splits_follow_the_heuristic():
-    """The split count recorded on ours' rows is kernels.combine's heuristic over the launch's
+    """The split count recorded on ours' rows is kernels.core.splitkv's heuristic over the launch's
     nominal tiles (packed GQA: one program per kv group): on an H100's 132 SMs the GPU shapes
     get 14-16 splits at batch 1 and 2 at batch 8 (benchmarks/NOTES.md); none on CPU."""
     sh = SHAPES["cuda"]["decode"]

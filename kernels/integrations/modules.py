@@ -1,0 +1,501 @@
+"""Drop-in fused replacements for the book's causal attention modules (reference/modules.py).
+
+Each class has the reference's constructor signature, parameter names and shapes, parameter
+creation order (so ``torch.manual_seed`` gives the same initial weights) and ``state_dict`` keys,
+so checkpoints load both ways with ``strict=True``. What changes is the middle of ``forward``:
+scores, causal mask, softmax, dropout and the weighted sum of values run as ONE call of the fused
+kernel (``kernels.attention``), which never materialises the (num_tokens, num_tokens) weights.
+
+* :class:`FusedCausalAttention`: one head (book 3.5.3).
+* :class:`FusedMultiHeadAttentionWrapper`: ``num_heads`` independent heads, concatenated
+  (book 3.6.1); all heads run in one kernel launch.
+* :class:`FusedMultiHeadAttention`: split heads + output projection (book 3.6.2, the GPT one).
+
+The causal mask is not stored: the reference's ``mask`` buffer costs
+``4 * context_length**2`` bytes (64 GiB at 131072 tokens) and the kernel computes causality from
+indices. For checkpoint compatibility ``state_dict()`` still emits a ``mask`` entry, built on the
+CPU at save time, and ``load_state_dict`` accepts one, checks it is the causal pattern and drops
+it (see :class:`_StatelessCausalMask`).
+
+Projections may be any module, not only ``nn.Linear`` (e.g. the book's appendix-E
+``LinearWithLoRA``, applied before or after the swap): the fused modules call ``W_query``,
+``W_key``, ``W_value`` and ``out_proj`` as the book does (keys, queries, values, in that order),
+so whatever those modules compute, and their gradients, take part. The input width ``d_in`` is
+kept from construction, never read back from a projection.
+
+Shapes: ``b`` batch, ``n`` tokens (``n <= context_length``), ``d_in`` input width, ``d_out``
+output width, ``H`` heads, ``hd`` head width.
+"""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .. import ops as _ops
+
+__all__ = [
+    "FusedCausalAttention",
+    "FusedMultiHeadAttentionWrapper",
+    "FusedMultiHeadAttention",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation helpers: every error says what was expected and what was given.
+# ---------------------------------------------------------------------------------------------
+
+def _check_head_split(d_out, num_heads):
+    """ValueError unless ``d_out`` splits into ``num_heads`` equal heads."""
+    if num_heads < 1 or d_out % num_heads != 0:
+        raise ValueError(
+            f"d_out must be divisible by num_heads: got d_out={d_out}, num_heads={num_heads} "
+            f"(d_out % num_heads = {d_out % num_heads if num_heads >= 1 else 'undefined'})")
+
+
+def _check_input(module, x, d_in, context_length):
+    """Validate x (b, n, d_in) with n <= context_length; return (b, n).
+
+    ``d_in`` None (a projection of unknown input width): the width is left to the projection.
+    """
+    name = type(module).__name__
+    if x.dim() != 3:
+        raise ValueError(
+            f"{name} expected a 3-d input (batch, num_tokens, d_in={d_in}); "
+            f"got a {x.dim()}-d tensor of shape {tuple(x.shape)}")
+    b, n, features = x.shape
+    if d_in is not None and features != d_in:
+        raise ValueError(
+            f"{name} expected d_in={d_in} features in the last dimension; "
+            f"got {features} (input shape {tuple(x.shape)})")
+    if n > context_length:
+        raise ValueError(
+            f"{name} got {n} tokens but its context_length is {context_length}: "
+            f"crop the input to the last {context_length} tokens")
+    return b, n
+
+
+def _causal_pattern(context_length, device=None):
+    """bool (ctx, ctx), True strictly above the diagonal: the positions the book masks."""
+    return torch.ones(context_length, context_length, dtype=torch.bool, device=device).triu_(1)
+
+
+def _check_causal_mask(mask, context_length, name="mask"):
+    """ValueError unless ``mask`` is the book's causal mask for ``context_length``.
+
+    The book masks where ``mask.bool()`` is True, so any non-zero value above the diagonal and
+    zeros elsewhere is the same pattern (float 0/1 as saved by the reference, or bool).
+    """
+    if not isinstance(mask, torch.Tensor):
+        raise ValueError(f"{name}: expected a tensor, got {type(mask).__name__}")
+    expected = (context_length, context_length)
+    if tuple(mask.shape) != expected:
+        raise ValueError(
+            f"{name}: expected the causal mask of shape {expected} (context_length="
+            f"{context_length}); got shape {tuple(mask.shape)}")
+    if mask.is_meta:  # no values to check (e.g. a checkpoint loaded on the meta device)
+        return
+    if not torch.equal(mask.bool(), _causal_pattern(context_length, mask.device)):
+        raise ValueError(
+            f"{name}: not the causal pattern triu(ones({context_length}, {context_length}), "
+            f"diagonal=1); the fused modules only implement causal attention")
+
+
+def _context_length_of(module):
+    """context_length of a reference (or look-alike) module: its attribute, else its mask's."""
+    ctx = getattr(module, "context_length", None)
+    if ctx is None:
+        ctx = module.mask.shape[-1]
+    return int(ctx)
+
+
+def _linear_of(proj):
+    """The ``nn.Linear`` that ``proj`` is, or wraps as ``proj.linear`` (the book's
+    ``LinearWithLoRA`` and its copies, possibly nested), else None."""
+    for _ in range(8):
+        if isinstance(proj, nn.Linear):
+            return proj
+        proj = getattr(proj, "linear", None)
+        if not isinstance(proj, nn.Module):
+            return None
+    return None
+
+
+def _features(proj):
+    """(in_features, out_features) of a projection module, each None where unknown.
+
+    Read from ``proj`` itself when it declares them as ints (``nn.Linear``, many adapters),
+    else from the Linear it wraps as ``.linear`` (LoRA wrappers add a term of the same
+    width). Never guessed from other submodules: a wrong width would reject valid inputs.
+    """
+    out = []
+    for name in ("in_features", "out_features"):
+        value = getattr(proj, name, None)
+        if not isinstance(value, int):
+            lin = _linear_of(proj)
+            value = getattr(lin, name, None) if lin is not None else None
+        out.append(value if isinstance(value, int) else None)
+    return tuple(out)
+
+
+def _input_width(module):
+    """d_in of an attention module: the first known ``in_features`` of its W_query, W_key,
+    W_value projections (see :func:`_features`), else None."""
+    for name in ("W_query", "W_key", "W_value"):
+        d_in = _features(getattr(module, name))[0]
+        if d_in is not None:
+            return d_in
+    return None
+
+
+def _twin_sizes(module):
+    """(context_length, d_in, d_out) of a chapter-3 attention ``module`` about to be fused;
+    d_in None where no projection declares it. Raises ValueError if ``module.mask`` is not the
+    causal mask or d_out is unknown (no ``d_out`` attribute, no ``out_features`` on W_query)."""
+    ctx = _context_length_of(module)
+    if hasattr(module, "mask"):
+        _check_causal_mask(module.mask, ctx, name=f"{type(module).__name__}.mask")
+    d_out = getattr(module, "d_out", None)
+    if d_out is None:
+        d_out = _features(module.W_query)[1]
+    if d_out is None:
+        raise ValueError(f"{type(module).__name__}: unknown d_out (no d_out attribute and "
+                         f"W_query has no out_features)")
+    return ctx, _input_width(module), d_out
+
+
+def _is_plain_linear(proj):
+    """True for an nn.Linear whose forward is nn.Linear's (a subclass with its own forward, a
+    LoRA-style Linear, is not plain: it must be called, not stacked or assumed)."""
+    return isinstance(proj, nn.Linear) and type(proj).forward is nn.Linear.forward
+
+
+def _qkv_in_book_order(project):
+    """q, k, v from ``project(name)`` for "W_key", "W_query", "W_value", called in the book's
+    order (keys, queries, values); k and v in q's dtype (they may differ under autocast or with
+    mixed parameter dtypes; the kernel needs one, and it is a no-op in the usual case)."""
+    k = project("W_key")
+    q = project("W_query")
+    v = project("W_value")
+    return q, k.to(q.dtype), v.to(q.dtype)
+
+
+def _project_qkv(module, x):
+    """q, k, v (b, n, width) from ``module``'s own projection modules (any modules)."""
+    return _qkv_in_book_order(lambda name: getattr(module, name)(x))
+
+
+def _copied_dropout(dropout):
+    """A new nn.Dropout with ``dropout``'s rate and train/eval mode."""
+    new = nn.Dropout(float(dropout.p))
+    new.train(dropout.training)
+    return new
+
+
+# ---------------------------------------------------------------------------------------------
+# The state_dict shim for the mask the fused modules do not store.
+# ---------------------------------------------------------------------------------------------
+
+class _StatelessCausalMask(nn.Module):
+    """Base class: state_dict() emits the reference's ``mask`` entry, load_state_dict eats it.
+
+    It overrides ``_save_to_state_dict`` / ``_load_from_state_dict``, the per-module methods
+    ``nn.Module.state_dict`` / ``load_state_dict`` call on every submodule (present with these
+    signatures in all torch 2.x; BatchNorm overrides the latter the same way). Unlike the hook
+    APIs they keep the reference's key order: a module's own entries come before its children's.
+
+    Subclasses set ``self.context_length`` and have a ``W_query`` projection module (its first
+    floating-point parameter gives the dtype).
+    """
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        # Built only now, on the CPU, so no O(ctx^2) memory is held between saves. Its dtype is
+        # the parameters', as the reference's buffer follows module.to(dtype) / .half().
+        # Any projection module (a LoRA wrapper has no ``weight`` of its own): its first
+        # floating-point parameter, e.g. the wrapped Linear's weight.
+        weight = next((p for p in self.W_query.parameters() if p.is_floating_point()), None)
+        dtype = weight.dtype if weight is not None else torch.get_default_dtype()
+        destination[prefix + "mask"] = _causal_pattern(self.context_length).to(dtype)
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        # ``state_dict`` is load_state_dict's private copy, so popping is safe; a ``mask`` left
+        # in it would be reported as an unexpected key.
+        key = prefix + "mask"
+        if key in state_dict:
+            _check_causal_mask(state_dict.pop(key), self.context_length, name=key)
+        elif strict:
+            # Same contract as the reference, whose buffer is a required key.
+            missing_keys.append(key)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Modules
+# ---------------------------------------------------------------------------------------------
+
+class FusedCausalAttention(_StatelessCausalMask):
+    """Single-head causal self-attention (book 3.5.3) running as one fused kernel call.
+
+    Same constructor, parameters (``W_query``, ``W_key``, ``W_value``: Linear(d_in, d_out)),
+    ``dropout`` (nn.Dropout) and state_dict keys (including ``mask``) as
+    ``reference.CausalAttention``. Scale ``1 / sqrt(d_out)``, as the book's ``keys.shape[-1]``.
+
+    ``forward(x)``: x (b, n, d_in) -> (b, n, d_out), n <= context_length.
+    """
+
+    def __init__(self, d_in, d_out, context_length, dropout, qkv_bias=False):
+        super().__init__()
+        # Creation order as in the reference: the same seed gives the same initial weights.
+        self._setup(
+            W_query=nn.Linear(d_in, d_out, bias=qkv_bias),
+            W_key=nn.Linear(d_in, d_out, bias=qkv_bias),
+            W_value=nn.Linear(d_in, d_out, bias=qkv_bias),
+            dropout=nn.Dropout(dropout),
+            context_length=context_length,
+            d_in=d_in, d_out=d_out)
+
+    def _setup(self, W_query, W_key, W_value, dropout, context_length, d_in, d_out):
+        # d_in / d_out are kept, not read from the projections: they may be replaced later
+        # (LoRA after fusing) by modules without ``in_features``. d_in None: unknown.
+        self.d_in = None if d_in is None else int(d_in)
+        self.d_out = int(d_out)
+        self.num_heads = 1
+        self.head_dim = self.d_out
+        self.context_length = int(context_length)
+        self.W_query = W_query
+        self.W_key = W_key
+        self.W_value = W_value
+        self.dropout = dropout
+
+    @classmethod
+    def from_module(cls, module):
+        """Fused twin of a ``reference.CausalAttention`` (or look-alike) ``module``.
+
+        The twin holds the very same projection modules, hence the same Parameter objects (an
+        optimizer over ``module.parameters()`` keeps working), device and dtype, and copies the
+        dropout rate and train/eval mode. Raises ValueError if ``module.mask`` is not causal.
+        """
+        ctx, d_in, d_out = _twin_sizes(module)
+        fused = cls.__new__(cls)
+        nn.Module.__init__(fused)
+        fused._setup(module.W_query, module.W_key, module.W_value,
+                     _copied_dropout(module.dropout), ctx, d_in, d_out)
+        fused.training = module.training
+        return fused
+
+    def _attend(self, q, k, v):
+        """One head: q, k, v (b, n, d) -> (b, n, d), one kernel call on (b, 1, n, d) views."""
+        o = _ops.attention(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), causal=True,
+                           dropout_p=self._dropout_p())     # (b, 1, n, d)
+        return o.squeeze(1)
+
+    def forward(self, x):
+        """x (b, n, d_in) -> context vectors (b, n, d_out)."""
+        _check_input(self, x, self.d_in, self.context_length)
+        return self._attend(*_project_qkv(self, x))
+
+    def _dropout_p(self):
+        """Dropout rate for this call: the module's in training mode, 0 in eval mode."""
+        return float(self.dropout.p) if self.training else 0.0
+
+    def extra_repr(self):
+        return f"context_length={self.context_length}"
+
+
+class FusedMultiHeadAttentionWrapper(nn.Module):
+    """``num_heads`` independent causal heads, concatenated (book 3.6.1), in ONE kernel launch.
+
+    Same constructor and state_dict keys (``heads.{i}.W_query.weight``, ``heads.{i}.mask``, ...)
+    as ``reference.MultiHeadAttentionWrapper``: ``heads`` is a ModuleList of
+    :class:`FusedCausalAttention` (each still usable alone). ``forward`` stacks the heads'
+    weights into one (num_heads * d_out, d_in) projection per q/k/v and runs all heads as the H
+    axis of a single ``kernels.attention`` call (the reference runs one head after another).
+    Projections that are not plain ``nn.Linear`` (LoRA wrappers, any module) are called head by
+    head instead, their outputs concatenated for the same single call; heads that cannot share
+    one call (different dropout rates or modes, or output widths) run one by one.
+
+    Attributes: ``num_heads``; ``head_dim`` (= the per-head ``d_out`` argument); ``d_out``
+    (= num_heads * head_dim, the output width); ``context_length``.
+
+    ``forward(x)``: x (b, n, d_in) -> (b, n, num_heads * d_out), n <= context_length.
+    """
+
+    def __init__(self, d_in, d_out, context_length, dropout, num_heads, qkv_bias=False):
+        super().__init__()
+        if num_heads < 1:
+            raise ValueError(f"num_heads must be >= 1; got {num_heads}")
+        self._setup(nn.ModuleList(
+            [FusedCausalAttention(d_in, d_out, context_length, dropout, qkv_bias)
+             for _ in range(num_heads)]))
+
+    def _setup(self, heads):
+        self.heads = heads
+        self.num_heads = len(heads)
+        self.head_dim = heads[0].d_out
+        self.d_out = self.num_heads * self.head_dim
+        self.context_length = heads[0].context_length
+
+    @classmethod
+    def from_module(cls, module):
+        """Fused twin of a ``reference.MultiHeadAttentionWrapper`` (or look-alike): each head
+        via :meth:`FusedCausalAttention.from_module` (same Parameter objects, device, dtype,
+        dropout rate, mode)."""
+        heads = list(module.heads)
+        if not heads:
+            raise ValueError(f"{type(module).__name__} has no heads")
+        fused = cls.__new__(cls)
+        nn.Module.__init__(fused)
+        fused._setup(nn.ModuleList([FusedCausalAttention.from_module(h) for h in heads]))
+        fused.training = module.training
+        return fused
+
+    def _same_launch(self):
+        """Whether all heads can share one kernel launch: same dropout rate/mode and context."""
+        first = self.heads[0]
+        return all(h._dropout_p() == first._dropout_p()
+                   and h.context_length == first.context_length for h in self.heads)
+
+    def _plain_linears(self):
+        """Whether every head's q/k/v projection is a plain nn.Linear of the same layout (their
+        weights can be stacked into one GEMM per projection)."""
+        first = self.heads[0]
+        for h in self.heads:
+            for name in ("W_key", "W_query", "W_value"):
+                lin, ref = getattr(h, name), getattr(first, name)
+                if not _is_plain_linear(lin):
+                    return False
+                if (lin.bias is None) != (ref.bias is None) or lin.weight.shape != ref.weight.shape:
+                    return False
+        return True
+
+    def _stacked_linear(self, x, name):
+        """x (b, n, d_in) -> (b, n, H * d_out): head i's projection ``name`` in columns
+        [i * d_out, (i + 1) * d_out), i.e. what torch.cat of the per-head outputs would give."""
+        linears = [getattr(h, name) for h in self.heads]
+        # A (H * d_out, d_in) copy of small weights buys one GEMM instead of H; autograd routes
+        # each slice's gradient back to its head's Parameter.
+        weight = torch.cat([lin.weight for lin in linears], dim=0)
+        bias = None if linears[0].bias is None else torch.cat([lin.bias for lin in linears])
+        return F.linear(x, weight, bias)
+
+    def forward(self, x):
+        """x (b, n, d_in) -> (b, n, num_heads * d_out): head i's output in columns
+        [i * d_out, (i + 1) * d_out), as the reference's torch.cat."""
+        heads = list(self.heads)
+        if not self._same_launch():
+            # Heads changed after construction (different rates or modes): one by one.
+            return torch.cat([head(x) for head in heads], dim=-1)
+        first = heads[0]
+        b, n = _check_input(self, x, first.d_in, self.context_length)
+        H = self.num_heads
+        if self._plain_linears():
+            q, k, v = _qkv_in_book_order(lambda name: self._stacked_linear(x, name))
+            hd = self.head_dim                                  # q, k, v: (b, n, H * hd)
+        else:
+            # Any projection modules (LoRA wrappers, ...): each head's own, called as the
+            # reference does (head by head: keys, queries, values).
+            qkv = [_project_qkv(h, x) for h in heads]
+            shapes = {t.shape for head in qkv for t in head}
+            dtypes = {head[0].dtype for head in qkv}
+            if len(shapes) != 1 or len(dtypes) != 1 or next(iter(shapes))[:2] != (b, n) \
+                    or len(next(iter(shapes))) != 3:
+                # Heads of different widths or dtypes cannot share one launch.
+                return torch.cat([h._attend(*t) for h, t in zip(heads, qkv)], dim=-1)
+            hd = next(iter(shapes))[-1]
+            q, k, v = (torch.cat([head[i] for head in qkv], dim=-1) for i in range(3))
+        # Zero-copy head split: (b, n, H * hd) -> (b, n, H, hd) -> (b, H, n, hd) strided views.
+        q = q.view(b, n, H, hd).transpose(1, 2)
+        k = k.view(b, n, H, hd).transpose(1, 2)
+        v = v.view(b, n, H, hd).transpose(1, 2)
+        o = _ops.attention(q, k, v, causal=True, dropout_p=first._dropout_p())  # (b, H, n, hd)
+        # The kernel writes o in q's memory layout, (b, n, H, hd): merging is a free view.
+        return o.transpose(1, 2).reshape(b, n, H * hd)
+
+    def extra_repr(self):
+        return f"num_heads={self.num_heads}, head_dim={self.head_dim}"
+
+
+class FusedMultiHeadAttention(_StatelessCausalMask):
+    """Multi-head causal self-attention (book 3.6.2, GPT's) with the fused kernel in the middle.
+
+    Same constructor, parameters (``W_query``, ``W_key``, ``W_value``: Linear(d_in, d_out);
+    ``out_proj``: Linear(d_out, d_out)), attributes (``d_out``, ``num_heads``, ``head_dim``,
+    ``dropout``) and state_dict keys (including ``mask``) as ``reference.MultiHeadAttention``,
+    plus ``context_length``. Raises ValueError if ``d_out % num_heads != 0``.
+
+    ``forward(x)``: x (b, n, d_in) -> (b, n, d_out), n <= context_length.
+    """
+
+    def __init__(self, d_in, d_out, context_length, dropout, num_heads, qkv_bias=False):
+        super().__init__()
+        _check_head_split(d_out, num_heads)
+        # Creation order as in the reference: the same seed gives the same initial weights.
+        self._setup(
+            W_query=nn.Linear(d_in, d_out, bias=qkv_bias),
+            W_key=nn.Linear(d_in, d_out, bias=qkv_bias),
+            W_value=nn.Linear(d_in, d_out, bias=qkv_bias),
+            out_proj=nn.Linear(d_out, d_out),
+            dropout=nn.Dropout(dropout),
+            context_length=context_length,
+            num_heads=num_heads,
+            d_in=d_in, d_out=d_out)
+
+    def _setup(self, W_query, W_key, W_value, out_proj, dropout, context_length, num_heads,
+               d_in, d_out):
+        # d_in / d_out are kept, not read from the projections: they may be replaced later
+        # (LoRA after fusing) by modules without ``in_features``. d_in None: unknown.
+        d_out = int(d_out)
+        _check_head_split(d_out, num_heads)
+        self.d_in = None if d_in is None else int(d_in)
+        self.d_out = d_out
+        self.num_heads = int(num_heads)
+        self.head_dim = d_out // self.num_heads
+        self.context_length = int(context_length)
+        self.W_query = W_query
+        self.W_key = W_key
+        self.W_value = W_value
+        self.out_proj = out_proj
+        self.dropout = dropout
+
+    @classmethod
+    def from_module(cls, module):
+        """Fused twin of a ``reference.MultiHeadAttention`` (or look-alike) ``module``.
+
+        The twin holds the very same projection modules (``W_query``, ``W_key``, ``W_value``,
+        ``out_proj``), hence the same Parameter objects (an optimizer over
+        ``module.parameters()`` keeps working), device and dtype, and copies the dropout rate
+        and train/eval mode. Raises ValueError if ``module.mask`` is not causal or the heads do
+        not split ``d_out``.
+        """
+        ctx, d_in, d_out = _twin_sizes(module)
+        fused = cls.__new__(cls)
+        nn.Module.__init__(fused)
+        fused._setup(module.W_query, module.W_key, module.W_value, module.out_proj,
+                     _copied_dropout(module.dropout), ctx, module.num_heads, d_in, d_out)
+        fused.training = module.training
+        return fused
+
+    def forward(self, x):
+        """x (b, n, d_in) -> (b, n, d_out)."""
+        b, n = _check_input(self, x, self.d_in, self.context_length)
+        H, hd = self.num_heads, self.head_dim
+        q, k, v = _project_qkv(self, x)                      # (b, n, d_out) each
+        # Zero-copy head split: (b, n, d_out) -> (b, n, H, hd) -> (b, H, n, hd) strided views
+        # that the kernel reads in place (the book's transposes, minus any copy).
+        q = q.view(b, n, H, hd).transpose(1, 2)
+        k = k.view(b, n, H, hd).transpose(1, 2)
+        v = v.view(b, n, H, hd).transpose(1, 2)
+        o = _ops.attention(q, k, v, causal=True, dropout_p=self._dropout_p())  # (b, H, n, hd)
+        # The kernel writes o in q's memory layout, (b, n, H, hd): this merge is a free view
+        # where the book needs .contiguous() (a copy).
+        o = o.transpose(1, 2).reshape(b, n, self.d_out)      # (b, n, d_out)
+        return self.out_proj(o)
+
+    def _dropout_p(self):
+        """Dropout rate for this call: the module's in training mode, 0 in eval mode."""
+        return float(self.dropout.p) if self.training else 0.0
+
+    def extra_repr(self):
+        return (f"num_heads={self.num_heads}, head_dim={self.head_dim}, "
+                f"context_length={self.context_length}")

@@ -1,0 +1,218 @@
+"""Our kernel as PyTorch SDPA's flash-attention implementation (torch >= 2.10).
+
+::
+
+    import kernels.sdpa, torch
+    kernels.sdpa.register()                                            # once; activates nothing
+    torch.nn.attention.activate_flash_attention_impl("triton_fused")   # opt in
+    ...  # F.scaled_dot_product_attention on CUDA, flash backend -> our kernel, fwd and bwd
+    torch.nn.attention.restore_flash_attention_impl()                  # back to PyTorch's own
+
+Activation overrides the CUDA kernels of PyTorch's flash ops (as torch's own FA4 provider,
+``torch/nn/attention/_fa4.py``, does): ``aten::_scaled_dot_product_flash_attention`` and its
+backward (what ``F.scaled_dot_product_attention`` calls), and ``aten::_flash_attention_forward``
+/ ``_backward`` (dense (batch, seq, heads, dim) or packed with ``cum_seq_q/k``, with FA2's
+``window_size_left/right``). Semantics are those of the ops being replaced:
+
+* ``is_causal`` with q_len != k_len is aligned **bottom-right** in these ops (PyTorch's
+  vendored FlashAttention-2 masks key ``j > i + k_len - q_len``; SDPA itself never sends a
+  non-square causal call to flash), which is our kernel's alignment.
+* ``scale``; grouped-query k/v (``enable_gqa``) natively; dropout with SDPA's RNG contract:
+  the forward draws a Philox seed from PyTorch's default generator (``torch.manual_seed``
+  makes runs reproducible) and returns it as ``rng_state = [seed, 0]`` (uint64); the backward
+  regenerates the identical mask from it.
+* ``window_size_left = L``, ``window_size_right = 0`` (or ``is_causal``) is our causal
+  ``window = L + 1``.
+
+Anything else raises ``RuntimeError`` naming what is unsupported (once the CUDA kernel is
+overridden there is no public way back to PyTorch's for one call): ``return_debug_mask``,
+ALiBi slopes, ``seqused_k``, paged KV (``block_table``), ``num_splits > 1``, windows that look
+ahead (``window_size_right > 0``) or bidirectional local windows. Rows that see no key return
+zeros with lse ``-inf`` (FlashAttention-2 reports ``+inf`` there; the lse only feeds our own
+backward).
+"""
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .. import ops
+
+NAME = "triton_fused"
+MIN_TORCH = (2, 10)
+# The ops we override, if this torch has them (their schemas grow between versions; extra
+# keyword arguments are accepted and checked below).
+_OPS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+        "_flash_attention_forward", "_flash_attention_backward")
+
+
+def _torch_version():
+    return tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+
+
+def register(name: str = NAME) -> None:
+    """Register our implementation with ``torch.nn.attention.register_flash_attention_impl``
+    under ``name``; the user activates it with ``activate_flash_attention_impl(name)``.
+    Raises RuntimeError on a torch without the registry (before 2.10)."""
+    try:
+        from torch.nn.attention import register_flash_attention_impl
+    except ImportError:
+        raise RuntimeError(
+            f"kernels.sdpa.register() needs torch >= {MIN_TORCH[0]}.{MIN_TORCH[1]} "
+            f"(torch.nn.attention.register_flash_attention_impl); this is torch "
+            f"{torch.__version__}. Call kernels.attention directly instead.") from None
+    register_flash_attention_impl(name, register_fn=_install)
+
+
+@dataclass
+class _Handle:
+    """What the registry keeps while we are active; ``remove`` restores PyTorch's kernels."""
+    library: Optional[torch.library.Library]
+
+    def remove(self) -> None:
+        if self.library is not None:
+            self.library._destroy()
+            self.library = None
+
+
+def _install() -> _Handle:
+    lib = torch.library.Library("aten", "IMPL", "CUDA")
+    impls = {"_scaled_dot_product_flash_attention": sdpa_flash_forward,
+             "_scaled_dot_product_flash_attention_backward": sdpa_flash_backward,
+             "_flash_attention_forward": flash_forward,
+             "_flash_attention_backward": flash_backward}
+    for op in _OPS:
+        if hasattr(torch.ops.aten, op):
+            lib.impl(op, impls[op], "CUDA")
+    return _Handle(lib)
+
+
+def overridden_ops():
+    """The aten ops that have a CUDA kernel now (ours while active, on a CUDA build also
+    PyTorch's own otherwise)."""
+    return [op for op in _OPS if hasattr(torch.ops.aten, op) and
+            torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{op}", "CUDA")]
+
+
+# --------------------------------------------------------------------------------------------
+# Argument translation
+# --------------------------------------------------------------------------------------------
+def _unsupported(what):
+    return RuntimeError(f"kernels.sdpa ({NAME} flash attention): {what} is not supported")
+
+
+def _check_extras(return_debug_mask=False, alibi_slopes=None, seqused_k=None,
+                  block_table=None, num_splits=None, **unknown):
+    if return_debug_mask:
+        raise _unsupported("return_debug_mask=True")
+    for name, value in (("alibi_slopes", alibi_slopes), ("seqused_k", seqused_k),
+                        ("block_table (paged KV)", block_table)):
+        if value is not None:
+            raise _unsupported(name)
+    if num_splits is not None and num_splits > 1:
+        raise _unsupported(f"num_splits={num_splits}")
+    extra = {k: v for k, v in unknown.items() if v is not None}
+    if extra:
+        raise _unsupported(f"argument(s) {sorted(extra)}")
+
+
+def _causal_window(is_causal, window_size_left, window_size_right):
+    """FA2's (is_causal, window_size_left, window_size_right) -> our (causal, window)."""
+    left = -1 if window_size_left is None else int(window_size_left)
+    right = -1 if window_size_right is None else int(window_size_right)
+    if is_causal:
+        right = 0
+    if right == 0:
+        return True, (left + 1 if left >= 0 else None)
+    if right < 0 and left < 0:
+        return False, None
+    raise _unsupported(f"window_size_left={left}, window_size_right={right} (only causal "
+                       f"windows: window_size_right=0)")
+
+
+def _new_seed(dropout_p):
+    """SDPA's RNG contract: a fresh Philox seed from PyTorch's default generator."""
+    if dropout_p == 0.0:
+        return 0
+    return int(torch.randint(0, ops.SEED_LIMIT - 1, (), dtype=torch.int64).item())
+
+
+def _rng_tensors(seed, device):
+    """(rng_state (2,) uint64 = [seed, offset 0], unused () uint64), as the flash ops return."""
+    return (torch.tensor([seed, 0], dtype=torch.uint64, device=device),
+            torch.zeros((), dtype=torch.uint64, device=device))
+
+
+def _seed_of(rng_state):
+    return int(rng_state.reshape(-1)[0].item()) if rng_state is not None and \
+        rng_state.numel() else 0
+
+
+def _bshd(*tensors):
+    return tuple(None if t is None else t.transpose(1, 2) for t in tensors)
+
+
+# --------------------------------------------------------------------------------------------
+# The implementations (each takes the aten op's arguments)
+# --------------------------------------------------------------------------------------------
+def sdpa_flash_forward(query, key, value, dropout_p=0.0, is_causal=False,
+                       return_debug_mask=False, *, scale=None):
+    """``aten::_scaled_dot_product_flash_attention``: q (B, H, L, D), k/v (B, H_kv, S, D).
+    Returns (out, logsumexp (B, H, L) fp32, None, None, L, S, rng_state, unused, debug mask)."""
+    _check_extras(return_debug_mask=return_debug_mask)
+    seed = _new_seed(dropout_p)
+    out, lse = ops.forward_with_lse(query, key, value, causal=bool(is_causal),
+                                    dropout_p=float(dropout_p), softmax_scale=scale, seed=seed)
+    rng_state, unused = _rng_tensors(seed, query.device)
+    return (out, lse, None, None, query.shape[2], key.shape[2], rng_state, unused,
+            torch.empty(0, dtype=query.dtype, device=query.device))
+
+
+def sdpa_flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k,
+                        max_q, max_k, dropout_p, is_causal, philox_seed, philox_offset, *,
+                        scale=None):
+    """``aten::_scaled_dot_product_flash_attention_backward``: (dq, dk, dv) in (B, H, seq, D)."""
+    return ops.backward(grad_out, query, key, value, out, logsumexp, causal=bool(is_causal),
+                        dropout_p=float(dropout_p), softmax_scale=scale,
+                        seed=_seed_of(philox_seed))
+
+
+def flash_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
+                  return_debug_mask, *, scale=None, window_size_left=None,
+                  window_size_right=None, **extra):
+    """``aten::_flash_attention_forward``: dense q (B, L, H, D), k/v (B, S, H_kv, D), or packed
+    (total, H, D) with int32 ``cum_seq_q/k``. Returns (out, logsumexp, rng_state, unused,
+    debug mask); logsumexp (B, H, L) or (H, total_q)."""
+    _check_extras(return_debug_mask=return_debug_mask, **extra)
+    causal, window = _causal_window(is_causal, window_size_left, window_size_right)
+    seed = _new_seed(dropout_p)
+    packed = cum_seq_q is not None
+    if (cum_seq_k is not None) != packed:
+        raise _unsupported("cum_seq_q without cum_seq_k (or the reverse)")
+    q, k, v = (query, key, value) if packed else _bshd(query, key, value)
+    out, lse = ops.forward_with_lse(
+        q, k, v, causal=causal, dropout_p=float(dropout_p), softmax_scale=scale, seed=seed,
+        window=window, cu_seqlens_q=cum_seq_q, cu_seqlens_k=cum_seq_k,
+        max_seqlen_q=int(max_q) if packed else None, max_seqlen_k=int(max_k) if packed else None)
+    rng_state, unused = _rng_tensors(seed, query.device)
+    return (out if packed else out.transpose(1, 2), lse, rng_state, unused,
+            torch.empty(0, dtype=query.dtype, device=query.device))
+
+
+def flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q,
+                   max_k, dropout_p, is_causal, rng_state, unused, *, scale=None,
+                   window_size_left=None, window_size_right=None):
+    """``aten::_flash_attention_backward``: (dq, dk, dv) in the inputs' layout."""
+    causal, window = _causal_window(is_causal, window_size_left, window_size_right)
+    packed = cum_seq_q is not None and cum_seq_q.numel() > 0
+    if packed:
+        tensors = (grad_out, query, key, value, out)
+    else:
+        tensors = _bshd(grad_out, query, key, value, out)
+        cum_seq_q = cum_seq_k = None
+    grads = ops.backward(*tensors, logsumexp, causal=causal, dropout_p=float(dropout_p),
+                         softmax_scale=scale, seed=_seed_of(rng_state), window=window,
+                         cu_seqlens_q=cum_seq_q, cu_seqlens_k=cum_seq_k,
+                         max_seqlen_q=int(max_q) if packed else None,
+                         max_seqlen_k=int(max_k) if packed else None)
+    return grads if packed else _bshd(*grads)

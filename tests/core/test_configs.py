@@ -1,0 +1,93 @@
+"""Every launch config of kernels/core/configs.py gives the right answer.
+
+The interpreter's default config has BLOCK_M == BLOCK_N == 16; the GPU configs have
+BLOCK_M != BLOCK_N and 32..128-wide tiles, which move the causal band, the ragged last tiles
+and the dropout tiles. Forcing each config here covers that logic on CPU too (and on a GPU,
+where KERNELS_AUTOTUNE=0 would otherwise run only the first config).
+"""
+import pytest
+import torch
+from helpers import GRAD_FACTOR, assert_parity, randn
+
+import reference
+from kernels.core.configs import bwd_configs, fixed_config, fwd_configs, prune_configs
+from kernels.core.backward import attention_backward
+from kernels.core.forward import attention_forward
+
+# (q_len, k_len, causal, window, kv heads for 2 query heads): the last one moves the window's
+# left edge across the unequal tiles, with grouped-query heads.
+SHAPES = [(150, 200, True, None, 2), (200, 150, True, None, 2), (77, 77, False, None, 2),
+          (150, 200, True, 37, 1)]
+
+
+def _id(cfg):
+    return "M{BLOCK_M}-N{BLOCK_N}".format(**cfg.kwargs) + f"-w{cfg.num_warps}-s{cfg.num_stages}"
+
+
+def _inputs(q_len, k_len, heads_kv=2, dtype=torch.float16):
+    return (randn(1, 2, q_len, 40, dtype=dtype), randn(1, heads_kv, k_len, 40, dtype=dtype),
+            randn(1, heads_kv, k_len, 40, dtype=dtype))
+
+
+@pytest.mark.parametrize("q_len,k_len,causal,window,heads_kv", SHAPES)
+@pytest.mark.parametrize("config", fwd_configs(), ids=_id)
+def test_forward_config(config, q_len, k_len, causal, window, heads_kv):
+    q, k, v = _inputs(q_len, k_len, heads_kv)
+    keep = reference.dropout_keep_mask(5, 1, 2, q_len, k_len, 0.2, device=q.device)
+    out, _ = attention_forward(q, k, v, causal=causal, softmax_scale=0.15, dropout_p=0.2,
+                               seed=5, window=window, config=config)
+    kw = dict(causal=causal, softmax_scale=0.15, dropout_p=0.2, keep_mask=keep, window=window)
+    assert_parity(out, reference.attention(q, k, v, **kw),
+                  reference.attention(q, k, v, upcast=False, **kw))
+
+
+@pytest.mark.parametrize("q_len,k_len,causal,window,heads_kv", SHAPES)
+@pytest.mark.parametrize("config", bwd_configs(), ids=_id)
+def test_backward_config(config, q_len, k_len, causal, window, heads_kv):
+    q, k, v = _inputs(q_len, k_len, heads_kv)
+    do = randn(*q.shape, dtype=q.dtype)
+    keep = reference.dropout_keep_mask(9, 1, 2, q_len, k_len, 0.2, device=q.device)
+    kw = dict(causal=causal, softmax_scale=0.15, dropout_p=0.2, keep_mask=keep, window=window)
+    o, lse = attention_forward(q, k, v, causal=causal, softmax_scale=0.15, dropout_p=0.2, seed=9,
+                               window=window)
+    grads = attention_backward(do, q, k, v, o, lse, causal=causal, softmax_scale=0.15,
+                               dropout_p=0.2, seed=9, window=window, config=config)
+
+    def ref_grads(upcast):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = reference.attention(*leaves, upcast=upcast, **kw)
+        return torch.autograd.grad(out, leaves, do.to(out.dtype))
+
+    for name, g, r, lo in zip(("dq", "dk", "dv"), grads, ref_grads(True), ref_grads(False)):
+        assert_parity(g, r, lo, factor=GRAD_FACTOR, name=name)
+
+
+@pytest.mark.parametrize("d", [16, 64, 128, 256])
+def test_fixed_config_fits_shared_memory(d):
+    """Without autotuning the first config that fits is used; head_dim 256 must skip the
+    128x64 three-stage tiles that would not fit."""
+    from kernels.core.common import block_d
+    from kernels.core.configs import SMEM_BUDGET_BYTES, smem_bytes
+    q = torch.empty(1, dtype=torch.bfloat16)
+    cfg = fixed_config(fwd_configs(), prune_configs, {"Q": q}, BLOCK_D=block_d(d))
+    assert smem_bytes(cfg, block_d(d), 2) <= SMEM_BUDGET_BYTES
+    if d <= 128:
+        assert cfg is fwd_configs()[0] or cfg.kwargs == fwd_configs()[0].kwargs
+
+
+def test_config_lists_keep_hopper_tiles():
+    """What the sm_90 compile check found (benchmarks/NOTES.md), kept true by the lists: the
+    resident side of each backward kernel is >= 64 rows (32 compiles to Ampere mma.sync), and
+    the forward's register pruning drops the tiles that spilled (128-row blocks on 4 warps at
+    head_dim 128; 64-wide score tiles per thread with dropout)."""
+    assert all(c.kwargs["BLOCK_N"] >= 64 for c in bwd_configs(kernel="dkdv"))
+    assert all(c.kwargs["BLOCK_M"] >= 64 for c in bwd_configs(kernel="dq"))
+    q = torch.empty(1, dtype=torch.bfloat16)
+
+    def kept(d, dropout):
+        return [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps)
+                for c in prune_configs(fwd_configs(), {"Q": q}, BLOCK_D=d, DROPOUT=dropout)]
+
+    assert (128, 64, 4) in kept(64, False) and (128, 64, 4) not in kept(128, False)
+    assert (128, 128, 8) in kept(128, False) and (128, 128, 8) not in kept(128, True)
+    assert kept(128, True)[0] == (128, 64, 8)
