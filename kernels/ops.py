@@ -7,17 +7,19 @@ Layers, each with one job:
 * ``fused_attention::fwd`` / ``fused_attention::bwd``: PyTorch custom ops with fake (meta)
   implementations and a registered autograd formula, so ``torch.compile(fullgraph=True)`` sees
   one opaque node instead of breaking the graph at a Triton launch.
-* ``attention_forward`` / ``attention_backward`` (kernels/core/forward.py, kernels/core/backward.py): the
-  Triton launchers. On CPU tensors they run in Triton's interpreter when TRITON_INTERPRET=1;
-  otherwise CPU tensors take a PyTorch fallback with the same semantics and dropout mask.
+* ``attention_forward`` / ``attention_backward`` (kernels/core/forward.py,
+  kernels/core/backward.py): the Triton launchers, given one ``AttentionCall``
+  (kernels/core/call.py) that describes the call. On CPU tensors they run in Triton's
+  interpreter when TRITON_INTERPRET=1; otherwise CPU tensors take a PyTorch fallback
+  (kernels/core/fallback.py) with the same semantics and dropout mask.
 """
-import math
 import warnings
 from typing import Optional
 
 import torch
 
 from .core import fallback
+from .core.call import AttentionCall, default_softmax_scale, lse_shape
 from .core.common import check_interpreter_setting, interpreter_active
 from .core.backward import attention_backward
 from .core.forward import attention_forward
@@ -70,34 +72,27 @@ def _longest(cu, hint):
     return int((cu[1:] - cu[:-1]).max().item()) if cu.numel() > 1 else 0
 
 
-def _lse_shape(q, cu_seqlens_q):
-    return (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else tuple(q.shape[:3])
-
-
 @torch.library.custom_op("fused_attention::fwd", mutates_args=())
 def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
             max_seqlen_q: int, max_seqlen_k: int, causal: bool, dropout_p: float,
             softmax_scale: float, seed: torch.Tensor, window: int, num_splits: int,
             drop_layout: Optional[list[int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    seed_int = int(seed.item())
-    win = window if window > 0 else None
+    call = AttentionCall.from_op(causal, softmax_scale, dropout_p, seed, window, drop_layout)
     o = _like(q)
     if _use_fallback(q):
-        return fallback.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, win,
-                                softmax_scale, dropout_p, seed_int, o, drop_layout)
-    return attention_forward(_unit_last(q), _unit_last(k), _unit_last(v), causal=causal,
-                             softmax_scale=softmax_scale, dropout_p=dropout_p, seed=seed_int,
-                             window=win, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        return fallback.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, call, o)
+    return attention_forward(_unit_last(q), _unit_last(k), _unit_last(v), call,
+                             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                              max_seqlen_q=_longest(cu_seqlens_q, max_seqlen_q),
                              max_seqlen_k=_longest(cu_seqlens_k, max_seqlen_k),
-                             num_splits=num_splits, drop_layout=drop_layout, out=o)
+                             num_splits=num_splits, out=o)
 
 
 @_fwd_op.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, dropout_p,
       softmax_scale, seed, window, num_splits, drop_layout=None):
-    return _like(q), q.new_empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32)
+    return _like(q), q.new_empty(lse_shape(q, cu_seqlens_q is not None), dtype=torch.float32)
 
 
 @torch.library.custom_op("fused_attention::bwd", mutates_args=())
@@ -108,19 +103,15 @@ def _bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             softmax_scale: float, seed: torch.Tensor, window: int,
             drop_layout: Optional[list[int]] = None
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    seed_int = int(seed.item())
-    win = window if window > 0 else None
+    call = AttentionCall.from_op(causal, softmax_scale, dropout_p, seed, window, drop_layout)
     if _use_fallback(q):
-        return fallback.backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, causal, win,
-                                 softmax_scale, dropout_p, seed_int, _like(q), _like(k),
-                                 _like(v), drop_layout)
+        return fallback.backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, call,
+                                 _like(q), _like(k), _like(v))
     return attention_backward(_unit_last(do), _unit_last(q), _unit_last(k), _unit_last(v),
-                              _unit_last(o), lse, causal=causal, softmax_scale=softmax_scale,
-                              dropout_p=dropout_p, seed=seed_int, window=win,
-                              cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                              _unit_last(o), lse, call, cu_seqlens_q=cu_seqlens_q,
+                              cu_seqlens_k=cu_seqlens_k,
                               max_seqlen_q=_longest(cu_seqlens_q, max_seqlen_q),
-                              max_seqlen_k=_longest(cu_seqlens_k, max_seqlen_k),
-                              drop_layout=drop_layout)
+                              max_seqlen_k=_longest(cu_seqlens_k, max_seqlen_k))
 
 
 @_bwd_op.register_fake
@@ -232,7 +223,7 @@ def attention(q, k, v, *, causal=True, dropout_p=0.0, softmax_scale=None, seed=N
         num_splits: split-KV for launches too small to fill the GPU (decoding: few query rows,
             many keys): each query block's keys are shared among ``num_splits`` programs whose
             partial results are merged by their log-sum-exp (kernels/core/splitkv.py). 0 (default)
-            lets ``kernels.core.splitkv.num_splits_heuristic`` choose from the shapes and the
+            lets ``kernels.core.configs.num_splits_heuristic`` choose from the shapes and the
             device's SM count (1 on CPU); 1 never splits; a larger value forces that many
             (splits left without keys cost an empty program). Forward only; results stay
             within the parity rule and deterministic.
@@ -249,7 +240,7 @@ def attention(q, k, v, *, causal=True, dropout_p=0.0, softmax_scale=None, seed=N
     check_num_splits(num_splits)
     dropout_p = float(dropout_p)
     if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+        softmax_scale = default_softmax_scale(q.shape[-1])
     out, lse = _fwd_op(q, k, v, None, None, -1, -1, causal, dropout_p, float(softmax_scale),
                        _seed_tensor(dropout_p, seed), int(window or 0), int(num_splits))
     return (out, lse) if return_lse else out
@@ -303,7 +294,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
                                                   max_seqlen_q, max_seqlen_k)
     dropout_p = float(dropout_p)
     if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+        softmax_scale = default_softmax_scale(q.shape[-1])
     out, lse = _fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                        dropout_p, float(softmax_scale), _seed_tensor(dropout_p, seed),
                        int(window or 0), 0)
@@ -315,14 +306,13 @@ def _kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 cache_seqlens: torch.Tensor, k: Optional[torch.Tensor],
                 v: Optional[torch.Tensor], causal: bool, softmax_scale: float, window: int,
                 num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    win = window if window > 0 else None
+    call = AttentionCall.from_op(causal, softmax_scale, 0.0, 0, window)
     if _use_fallback(q):
-        return fallback.kvcache_forward(q, k_cache, v_cache, cache_seqlens, k, v, causal, win,
-                                        softmax_scale, _like(q))
+        return fallback.kvcache_forward(q, k_cache, v_cache, cache_seqlens, k, v, call,
+                                        _like(q))
     return kvcache_forward(_unit_last(q), k_cache, v_cache, cache_seqlens,
                            None if k is None else _unit_last(k),
-                           None if v is None else _unit_last(v), causal=causal,
-                           softmax_scale=softmax_scale, window=win, num_splits=num_splits)
+                           None if v is None else _unit_last(v), call, num_splits=num_splits)
 
 
 @_kvcache_op.register_fake
@@ -367,7 +357,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, *
             raise ValueError(f"{name} must have a unit stride in head_dim (it is written in "
                              f"place), got strides {t.stride()}")
     if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+        softmax_scale = default_softmax_scale(q.shape[-1])
     out, lse = _kvcache_op(q, k_cache, v_cache, cache_seqlens, k, v, causal,
                            float(softmax_scale), int(window or 0), int(num_splits))
     return (out, lse) if return_lse else out
@@ -388,7 +378,7 @@ def _integration_args(q, k, v, causal, dropout_p, softmax_scale, seed, window, c
         max_seqlen_q, max_seqlen_k = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k,
                                                       max_seqlen_q, max_seqlen_k)
     if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+        softmax_scale = default_softmax_scale(q.shape[-1])
     seed_t = _NO_SEED if float(dropout_p) == 0.0 else torch.tensor(int(seed), dtype=torch.int64)
     return (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, float(dropout_p),
             float(softmax_scale), seed_t, int(window or 0))
@@ -419,11 +409,19 @@ def backward(do, q, k, v, out, lse, *, causal=True, dropout_p=0.0, softmax_scale
     (cu_q, cu_k, max_q, max_k, causal, dropout_p, scale, seed_t,
      window) = _integration_args(q, k, v, causal, dropout_p, softmax_scale, seed, window,
                                  cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    if do.shape != q.shape or out.shape != q.shape or lse.shape != _lse_shape(q, cu_q):
+    if do.shape != q.shape or out.shape != q.shape or lse.shape != lse_shape(q, cu_q is not None):
         raise ValueError(f"do and out must have q's shape {tuple(q.shape)} and lse "
-                         f"{_lse_shape(q, cu_q)}, got do {tuple(do.shape)}, out "
+                         f"{lse_shape(q, cu_q is not None)}, got do {tuple(do.shape)}, out "
                          f"{tuple(out.shape)}, lse {tuple(lse.shape)}")
     layout = check_drop_layout(drop_layout, q, k, cu_q is not None)
     with torch.no_grad():
         return _bwd_op(do, q, k, v, out, lse.float().contiguous(), cu_q, cu_k, max_q, max_k,
                        causal, dropout_p, scale, seed_t, window, layout)
+
+
+def visible_mask(q_len, k_len, *, causal=True, window=None, device=None):
+    """bool (q_len, k_len): True where query i sees key j under the kernels' rule (bottom-right
+    causal ``j <= i + k_len - q_len``, and with ``window`` also ``j > i + k_len - q_len -
+    window``; everything without causal). For integrations that must check that a model's own
+    mask is the pattern the kernels compute; never used to compute attention."""
+    return fallback.block_visible(0, q_len, 0, k_len, q_len, k_len, causal, window, device)

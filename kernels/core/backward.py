@@ -31,21 +31,24 @@ Three launches, none with atomics, so the result is bit-reproducible:
    the visible key blocks. P and dP are recomputed here rather than shared with (2): sharing
    would need atomic dQ updates (FlashAttention-2's default), i.e. a non-deterministic sum.
 
-Each inner loop is split in two: tiles that straddle the causal diagonal or the k_len edge
-apply a mask (``MASK=True``), the others (most of them, for long sequences) skip it.
-Out-of-range rows and head-dim padding need no mask on P: their loads give zeros (and
-lse = +inf, so P = 0), which add nothing to any dot product.
+Each kernel visits its tiles in up to three ranges (kernels/core/tiles.py): tiles that
+straddle the causal diagonal, the window's edge or the k_len edge apply the mask
+(``MASKED``), the others (most of them, for long sequences) skip it. Every score tile goes
+through the one score pipeline (kernels/core/score.py), as in the forward. Out-of-range rows
+and head-dim padding need no mask on P: their loads give zeros (and lse = +inf, so P = 0),
+which add nothing to any dot product.
 """
 import torch
 import triton
 import triton.language as tl
 
+from .call import AttentionCall, make_problem, packed_view, score_args
 from .common import (LOG2E, block_d, dot_operand, dot_precision, interpreter_active,
-                      round_for_store, widen, widen_bf16)
-from .dropout import dropout_keep_tile, dropout_threshold
-from .layout import dense_problem, packed_view, varlen_problem
-from .tiles import key_range, query_range, seq_bounds, visible
-from .configs import autotune_enabled, bwd_configs, fixed_config, prune_bwd_configs
+                     round_for_store, widen, widen_bf16)
+from .configs import (BWD_TUNE_KEY, autotune_enabled, bwd_configs, fixed_config,
+                      prune_bwd_configs)
+from .score import dropout_keep, probs_from_lse, scaled_scores, score_grad
+from .tiles import key_range, query_range, seq_bounds
 
 _LOG2E = tl.constexpr(LOG2E)
 # Rows per program of the (memory-bound) delta pre-pass; independent of the autotuned blocks.
@@ -53,42 +56,41 @@ _PRE_BLOCK_M = 64
 
 
 @triton.jit
-def _bwd_preprocess(O, DO, Delta, CU_Q,
-                    stride_ob, stride_oh, stride_om,
-                    stride_dob, stride_doh, stride_dom,
-                    stride_lb, stride_lh, q_len,
+def _bwd_preprocess(O, DO, Delta, stride_o, stride_do, stride_lse, seq,
                     HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_D: tl.constexpr):
     """delta[b, h, i] = sum_d dO[b, h, i, d] * O[b, h, i, d] in fp32.
 
     O, DO: (B, heads_q, q_len, HEAD_DIM), unit stride on the last dim (VARLEN: packed, rows of
-    sequence b from CU_Q). Delta: fp32 in the lse layout (b * stride_lb + h * stride_lh + row).
-    Grid: (cdiv(q_len or max_seqlen_q, BLOCK_M), heads_q, batch or number of sequences).
+    sequence b from seq.cu_q). Delta: fp32 in the lse layout (b * stride_lse[0] +
+    h * stride_lse[1] + row). Grid: (cdiv(q_len or max_seqlen_q, BLOCK_M), heads_q, batch or
+    number of sequences).
     """
     pid_m = tl.program_id(0)
     # Heads and batch on grid axes 1 and 2 (65535 each), not one B*H axis.
     h = tl.program_id(1)
     b = tl.program_id(2)
-    q_start, q_len, _, _ = seq_bounds(b, q_len, q_len, CU_Q, CU_Q, CU_Q, VARLEN, False)
+    q_start, q_len, _, _ = seq_bounds(b, seq, VARLEN, False)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_m[:, None] < q_len) & (offs_d[None, :] < HEAD_DIM)
     rows = (q_start + offs_m)[:, None].to(tl.int64)
-    o_ptrs = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh \
-        + rows * stride_om + offs_d[None, :]
-    do_ptrs = DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh \
-        + rows * stride_dom + offs_d[None, :]
+    o_ptrs = O + b.to(tl.int64) * stride_o[0] + h.to(tl.int64) * stride_o[1] \
+        + rows * stride_o[2] + offs_d[None, :]
+    do_ptrs = DO + b.to(tl.int64) * stride_do[0] + h.to(tl.int64) * stride_do[1] \
+        + rows * stride_do[2] + offs_d[None, :]
     # Casting straight to fp32 is right for bf16 under the interpreter too (what `widen` does).
     o = tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)
     do = tl.load(do_ptrs, mask=mask, other=0.0).to(tl.float32)
     delta = tl.sum(o * do, axis=1)
-    row_base = b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + q_start
+    row_base = b.to(tl.int64) * stride_lse[0] + h.to(tl.int64) * stride_lse[1] + q_start
     tl.store(Delta + row_base + offs_m, delta, mask=offs_m < q_len)
 
 
 @triton.jit
 def _load_row_stats(LSE, Delta, offs_m, q_len):
-    """lse and delta of rows ``offs_m`` (pointers already at the head's row 0).
+    """(lse2, delta) of rows ``offs_m`` (pointers already at the head's row 0), with
+    lse2 = lse · log2(e), what the score pipeline's base-2 ``probs_from_lse`` subtracts.
 
     Out-of-range rows get lse = +inf, so their P is exactly 0 without a mask. Rows that see no
     key (lse = -inf) only occur in masked tiles, which zero their P anyway; mapping -inf to +inf
@@ -98,76 +100,13 @@ def _load_row_stats(LSE, Delta, offs_m, q_len):
     lse = tl.load(LSE + offs_m, mask=row_ok, other=float("inf"))
     lse = tl.where(lse == float("-inf"), float("inf"), lse)
     delta = tl.load(Delta + offs_m, mask=row_ok, other=0.0)
-    return lse, delta
+    return lse * _LOG2E, delta
 
 
 @triton.jit
-def _bwd_dkdv_step(dk, dv, k, v, Q, DO, LSE, Delta,
-                   start_m, start_n, offs_n, offs_d,
-                   stride_qm, stride_dom,
-                   drop_base, drop_col, q_len, k_len, window, qk_scale,
-                   seed, drop_groups, dropout_threshold, dropout_scale,
-                   HEAD_DIM: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-                   WINDOW: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   WIDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Add one query block's contribution to dk, dv (both (BLOCK_N, BLOCK_D) fp32).
-
-    Works in the transposed orientation (keys x queries) so that every dot takes a loaded tile
-    or a freshly computed one as is: Q is loaded as Q^T, and only loaded tiles get tl.trans.
-    Q, DO, LSE, Delta point at row 0 of the query head's sequence.
-    """
-    rows = tl.arange(0, BLOCK_M)
-    offs_m = start_m + rows
-    row_ok = offs_m < q_len
-    d_ok = offs_d < HEAD_DIM
-    # 64-bit tile bases: seq_len * row stride can pass 2**31 (e.g. 1M tokens x 16 heads x 128).
-    Q += tl.cast(start_m, tl.int64) * stride_qm
-    DO += tl.cast(start_m, tl.int64) * stride_dom
-    qT = tl.load(Q + rows[None, :] * stride_qm + offs_d[:, None],
-                 mask=row_ok[None, :] & d_ok[:, None], other=0.0)           # (BLOCK_D, BLOCK_M)
-    qT = widen(qT, WIDEN)
-    do = tl.load(DO + rows[:, None] * stride_dom + offs_d[None, :],
-                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)           # (BLOCK_M, BLOCK_D)
-    do = widen(do, WIDEN)
-    lse, delta = _load_row_stats(LSE, Delta, offs_m, q_len)
-
-    sT = tl.dot(k, qT, input_precision=DOT_PRECISION)                       # (BLOCK_N, BLOCK_M)
-    pT = tl.math.exp2(sT * qk_scale - lse[None, :] * _LOG2E)
-    if MASK:
-        # Only tiles on the causal diagonal, the window's edge or the k_len edge pay for this.
-        pT = tl.where(visible(offs_m[None, :], offs_n[:, None], k_len, k_len - q_len, window,
-                              CAUSAL, WINDOW), pT, 0.0)
-
-    dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)            # dPd^T = V dO^T
-    if DROPOUT:
-        # Same bits as the forward: the mask depends only on (seed, row id, j), not on blocks.
-        # It is generated (queries x keys) and transposed as a byte tile rather than i1: the
-        # conservative element type for a layout change through shared memory.
-        keep = dropout_keep_tile(seed, drop_base, offs_m, start_n, drop_groups,
-                                 dropout_threshold, BLOCK_M, BLOCK_N, drop_col)
-        keepT = tl.trans(keep.to(tl.int8)) != 0
-        pdT = tl.where(keepT, pT * dropout_scale, 0.0)
-        dpT = tl.where(keepT, dpT * dropout_scale, 0.0)
-    else:
-        pdT = pT
-    dv = tl.dot(dot_operand(pdT, do, WIDEN), do, dv, input_precision=DOT_PRECISION)
-    dsT = pT * (dpT - delta[None, :])
-    dk = tl.dot(dot_operand(dsT, qT, WIDEN), tl.trans(qT), dk, input_precision=DOT_PRECISION)
-    return dk, dv
-
-
-@triton.jit
-def _bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, CU_Q, CU_K,
-              stride_qb, stride_qh, stride_qm,
-              stride_kb, stride_kh, stride_kn,
-              stride_vb, stride_vh, stride_vn,
-              stride_dob, stride_doh, stride_dom,
-              stride_dkb, stride_dkh, stride_dkn,
-              stride_dvb, stride_dvh, stride_dvn,
-              stride_lb, stride_lh,
-              GROUP, q_len, k_len, window, softmax_scale,
-              seed, dropout_threshold, dropout_scale, drop_groups,
-              stride_db, stride_dh, drop_row, drop_col,
+def _bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV,
+              stride_q, stride_k, stride_v, stride_do, stride_dk, stride_dv, stride_lse,
+              seq, score, drop,
               Q_BUCKET, K_BUCKET,  # autotune key only (power-of-two buckets of q_len/k_len)
               HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
               VARLEN: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -176,19 +115,22 @@ def _bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, CU_Q, CU_K,
     """dK, dV for one block of BLOCK_N keys of one (batch or packed sequence, kv head).
 
     Q, DO: (B, heads_q, q_len, HEAD_DIM); K, V, DK, DV: (B, heads_kv, k_len, HEAD_DIM), with
-    heads_q = GROUP * heads_kv; any strides with a unit last one (VARLEN: packed as in the
-    forward). LSE (natural log, -inf for rows that see no key) and Delta: fp32 in the lse layout.
-    Grid: (cdiv(k_len or max_seqlen_k, BLOCK_N), heads_kv, batch or number of sequences).
+    heads_q = seq.group * heads_kv; any strides with a unit last one, ``stride_x`` = x's
+    (batch, head, row) strides (VARLEN: packed as in the forward). LSE (natural log, -inf for
+    rows that see no key) and Delta: fp32 in the lse layout. ``seq``, ``score``, ``drop``: as in
+    the forward. Grid: (cdiv(k_len or max_seqlen_k, BLOCK_N), heads_kv, batch or number of
+    sequences).
 
-    The GROUP query heads that share this kv head are summed here, one after another in a fixed
-    order: no atomics, so dK and dV are bit-reproducible with grouped-query heads too.
+    The group of query heads that share this kv head are summed here, one after another in a
+    fixed order: no atomics, so dK and dV are bit-reproducible with grouped-query heads too.
+    Works in the transposed orientation (keys x queries) so that every dot takes a loaded tile
+    or a freshly computed one as is: Q is loaded as Q^T, and only loaded tiles get tl.trans.
     """
     pid_n = tl.program_id(0)
     # Heads and batch on grid axes 1 and 2 (65535 each), not one B*H axis.
     kv_h = tl.program_id(1)
     b = tl.program_id(2)
-    q_start, q_len, k_start, k_len = seq_bounds(b, q_len, k_len, CU_Q, CU_K, CU_K, VARLEN,
-                                                False)
+    q_start, q_len, k_start, k_len = seq_bounds(b, seq, VARLEN, False)
     start_n = pid_n * BLOCK_N
     if VARLEN:
         # The grid covers the longest sequence; shorter ones leave programs with no keys.
@@ -198,24 +140,25 @@ def _bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, CU_Q, CU_K,
     off_b = b.to(tl.int64)
     q_rows = tl.cast(q_start, tl.int64)
     k_rows = tl.cast(k_start, tl.int64) + start_n
-    K += off_b * stride_kb + kv_h.to(tl.int64) * stride_kh + k_rows * stride_kn
-    V += off_b * stride_vb + kv_h.to(tl.int64) * stride_vh + k_rows * stride_vn
-    DK += off_b * stride_dkb + kv_h.to(tl.int64) * stride_dkh + k_rows * stride_dkn
-    DV += off_b * stride_dvb + kv_h.to(tl.int64) * stride_dvh + k_rows * stride_dvn
+    K += off_b * stride_k[0] + kv_h.to(tl.int64) * stride_k[1] + k_rows * stride_k[2]
+    V += off_b * stride_v[0] + kv_h.to(tl.int64) * stride_v[1] + k_rows * stride_v[2]
+    DK += off_b * stride_dk[0] + kv_h.to(tl.int64) * stride_dk[1] + k_rows * stride_dk[2]
+    DV += off_b * stride_dv[0] + kv_h.to(tl.int64) * stride_dv[1] + k_rows * stride_dv[2]
 
     cols = tl.arange(0, BLOCK_N)
     offs_n = start_n + cols
     offs_d = tl.arange(0, BLOCK_D)
-    kv_mask = (offs_n[:, None] < k_len) & (offs_d[None, :] < HEAD_DIM)
-    k = widen(tl.load(K + cols[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0),
-              WIDEN)                                                        # (BLOCK_N, BLOCK_D)
-    v = widen(tl.load(V + cols[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0),
-              WIDEN)
+    d_ok = offs_d < HEAD_DIM
+    kv_mask = (offs_n[:, None] < k_len) & d_ok[None, :]
+    k = widen(tl.load(K + cols[:, None] * stride_k[2] + offs_d[None, :], mask=kv_mask,
+                      other=0.0), WIDEN)                                    # (BLOCK_N, BLOCK_D)
+    v = widen(tl.load(V + cols[:, None] * stride_v[2] + offs_d[None, :], mask=kv_mask,
+                      other=0.0), WIDEN)
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
-    # exp(x) = exp2(x * log2 e): fold log2 e into the scale once.
-    qk_scale = softmax_scale * _LOG2E
-    lo, full_lo, full_hi, hi = query_range(start_n, q_len, k_len, window, CAUSAL, WINDOW,
+    diag = k_len - q_len
+    rows0 = tl.arange(0, BLOCK_M)
+    lo, full_lo, full_hi, hi = query_range(start_n, q_len, k_len, score.window, CAUSAL, WINDOW,
                                            BLOCK_M, BLOCK_N)
 
     # The first query tiles run before the pipelined loop: the causal diagonal, or without a
@@ -224,107 +167,75 @@ def _bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, CU_Q, CU_K,
     # (C7515; seen with dropout, benchmarks/NOTES.md).
     if CAUSAL:
         diag_hi = full_lo
-        diag_mask: tl.constexpr = True
     else:
         diag_hi = tl.minimum(full_lo + BLOCK_M, full_hi)
-        diag_mask: tl.constexpr = False
     unmasked_lo = tl.maximum(full_lo, diag_hi)
+    MASKED: tl.constexpr = (CAUSAL, False, True)
 
-    for g in range(0, GROUP):
-        h = kv_h * GROUP + g
-        Q_h = Q + off_b * stride_qb + h.to(tl.int64) * stride_qh + q_rows * stride_qm
-        DO_h = DO + off_b * stride_dob + h.to(tl.int64) * stride_doh + q_rows * stride_dom
-        row_base = off_b * stride_lb + h.to(tl.int64) * stride_lh + q_rows
-        drop_base = off_b * stride_db + h.to(tl.int64) * stride_dh + q_rows + drop_row
-        LSE_h = LSE + row_base
-        Delta_h = Delta + row_base
-        for start_m in range(lo, diag_hi, BLOCK_M):
-            dk, dv = _bwd_dkdv_step(dk, dv, k, v, Q_h, DO_h, LSE_h, Delta_h, start_m, start_n,
-                                    offs_n, offs_d, stride_qm, stride_dom, drop_base, drop_col,
-                                    q_len, k_len, window, qk_scale, seed, drop_groups,
-                                    dropout_threshold, dropout_scale, HEAD_DIM, diag_mask,
-                                    CAUSAL, WINDOW, DROPOUT, DOT_PRECISION, WIDEN, BLOCK_M,
-                                    BLOCK_N)
-        # Key columns past k_len need no mask here: they only reach dK/dV rows that are not
-        # stored.
-        for start_m in range(unmasked_lo, full_hi, BLOCK_M):
-            dk, dv = _bwd_dkdv_step(dk, dv, k, v, Q_h, DO_h, LSE_h, Delta_h, start_m, start_n,
-                                    offs_n, offs_d, stride_qm, stride_dom, drop_base, drop_col,
-                                    q_len, k_len, window, qk_scale, seed, drop_groups,
-                                    dropout_threshold, dropout_scale, HEAD_DIM, False, CAUSAL,
-                                    WINDOW, DROPOUT, DOT_PRECISION, WIDEN, BLOCK_M, BLOCK_N)
-        if WINDOW:
-            for start_m in range(full_hi, hi, BLOCK_M):
-                dk, dv = _bwd_dkdv_step(dk, dv, k, v, Q_h, DO_h, LSE_h, Delta_h, start_m,
-                                        start_n, offs_n, offs_d, stride_qm, stride_dom,
-                                        drop_base, drop_col, q_len, k_len, window, qk_scale,
-                                        seed, drop_groups, dropout_threshold, dropout_scale,
-                                        HEAD_DIM, True, CAUSAL, WINDOW, DROPOUT,
-                                        DOT_PRECISION, WIDEN, BLOCK_M, BLOCK_N)
+    for g in range(0, seq.group):
+        h = (kv_h * seq.group + g).to(tl.int64)
+        Q_h = Q + off_b * stride_q[0] + h * stride_q[1] + q_rows * stride_q[2]
+        DO_h = DO + off_b * stride_do[0] + h * stride_do[1] + q_rows * stride_do[2]
+        row_base = off_b * stride_lse[0] + h * stride_lse[1] + q_rows
+        drop_rows = off_b * drop.row_stride_b + h * drop.row_stride_h + q_rows + drop.row0
+        # Query tiles in up to three ranges: RANGE 0 the causal diagonal (masked; without
+        # causal, the peeled first tile, unmasked), RANGE 1 the rows that see every key of the
+        # block (unmasked), RANGE 2 the window's far edge (masked; only with WINDOW). Key
+        # columns past k_len need no mask: they only reach dK/dV rows that are not stored.
+        for RANGE in tl.static_range(0, 3 if WINDOW else 2):
+            if RANGE == 0:
+                range_lo, range_hi = lo, diag_hi
+            elif RANGE == 1:
+                range_lo, range_hi = unmasked_lo, full_hi
+            else:
+                range_lo, range_hi = full_hi, hi
+            for start_m in range(range_lo, range_hi, BLOCK_M):
+                offs_m = start_m + rows0
+                row_ok = offs_m < q_len
+                # 64-bit tile bases: seq_len * row stride can pass 2**31.
+                qT = tl.load(Q_h + tl.cast(start_m, tl.int64) * stride_q[2]
+                             + rows0[None, :] * stride_q[2] + offs_d[:, None],
+                             mask=row_ok[None, :] & d_ok[:, None], other=0.0)
+                qT = widen(qT, WIDEN)                                       # (BLOCK_D, BLOCK_M)
+                do = tl.load(DO_h + tl.cast(start_m, tl.int64) * stride_do[2]
+                             + rows0[:, None] * stride_do[2] + offs_d[None, :],
+                             mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+                do = widen(do, WIDEN)                                       # (BLOCK_M, BLOCK_D)
+                lse2, delta = _load_row_stats(LSE + row_base, Delta + row_base, offs_m, q_len)
+
+                qkT = tl.dot(k, qT, input_precision=DOT_PRECISION)          # (BLOCK_N, BLOCK_M)
+                pT = probs_from_lse(scaled_scores(qkT, score), lse2[None, :], offs_m[None, :],
+                                    offs_n[:, None], k_len, diag, score, MASKED[RANGE], CAUSAL,
+                                    WINDOW)
+                dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # dPd^T = V dO^T
+                if DROPOUT:
+                    # The forward's bits: the mask depends on (seed, row id, j), not on blocks.
+                    # Generated (queries x keys) and transposed as a byte tile rather than i1:
+                    # the conservative element type for a layout change through shared memory.
+                    keep = dropout_keep(drop, drop_rows, offs_m, start_n, BLOCK_M, BLOCK_N)
+                    keepT = tl.trans(keep.to(tl.int8)) != 0
+                    pdT = tl.where(keepT, pT * drop.scale, 0.0)
+                    dpT = tl.where(keepT, dpT * drop.scale, 0.0)
+                else:
+                    pdT = pT
+                dv = tl.dot(dot_operand(pdT, do, WIDEN), do, dv, input_precision=DOT_PRECISION)
+                dsT = score_grad(pT * (dpT - delta[None, :]), qkT, score)
+                dk = tl.dot(dot_operand(dsT, qT, WIDEN), tl.trans(qT), dk,
+                            input_precision=DOT_PRECISION)
 
     # dK = scale * dS^T Q: the scale is applied once here instead of on every tile.
-    dk = round_for_store(dk * softmax_scale, WIDEN)
+    dk = round_for_store(dk * score.softmax_scale, WIDEN)
     dv = round_for_store(dv, WIDEN)
-    tl.store(DK + cols[:, None] * stride_dkn + offs_d[None, :],
+    tl.store(DK + cols[:, None] * stride_dk[2] + offs_d[None, :],
              dk.to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + cols[:, None] * stride_dvn + offs_d[None, :],
+    tl.store(DV + cols[:, None] * stride_dv[2] + offs_d[None, :],
              dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
 @triton.jit
-def _bwd_dq_step(dq, q, do, lse, delta, K, V,
-                 start_m, start_n, offs_m, offs_d,
-                 stride_kn, stride_vn,
-                 drop_base, drop_col, q_len, k_len, window, qk_scale,
-                 seed, drop_groups, dropout_threshold, dropout_scale,
-                 HEAD_DIM: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-                 WINDOW: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 WIDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Add one key block's contribution to dq ((BLOCK_M, BLOCK_D) fp32).
-
-    K and V are loaded transposed (BLOCK_D, BLOCK_N) so S = Q K^T and dPd = dO V^T need no
-    register transpose. K, V point at row 0 of the kv head's sequence.
-    """
-    cols = tl.arange(0, BLOCK_N)
-    offs_n = start_n + cols
-    kv_mask = (offs_n[None, :] < k_len) & (offs_d[:, None] < HEAD_DIM)
-    # 64-bit tile bases, 32-bit offsets inside the tile (see _bwd_dkdv_step).
-    K += tl.cast(start_n, tl.int64) * stride_kn
-    V += tl.cast(start_n, tl.int64) * stride_vn
-    kT = widen(tl.load(K + cols[None, :] * stride_kn + offs_d[:, None], mask=kv_mask,
-                       other=0.0), WIDEN)                                   # (BLOCK_D, BLOCK_N)
-    vT = widen(tl.load(V + cols[None, :] * stride_vn + offs_d[:, None], mask=kv_mask,
-                       other=0.0), WIDEN)
-
-    s = tl.dot(q, kT, input_precision=DOT_PRECISION)                        # (BLOCK_M, BLOCK_N)
-    p = tl.math.exp2(s * qk_scale - lse[:, None] * _LOG2E)
-    if MASK:
-        # Unlike dK/dV, columns past k_len must be zeroed here: their P = exp(-lse) is
-        # meaningless (it overflows for very negative lse) and would reach every dQ row.
-        p = tl.where(visible(offs_m[:, None], offs_n[None, :], k_len, k_len - q_len, window,
-                             CAUSAL, WINDOW), p, 0.0)
-
-    dp = tl.dot(do, vT, input_precision=DOT_PRECISION)                      # dPd = dO V^T
-    if DROPOUT:
-        keep = dropout_keep_tile(seed, drop_base, offs_m, start_n, drop_groups,
-                                 dropout_threshold, BLOCK_M, BLOCK_N, drop_col)
-        dp = tl.where(keep, dp * dropout_scale, 0.0)
-    ds = p * (dp - delta[:, None])
-    dq = tl.dot(dot_operand(ds, kT, WIDEN), tl.trans(kT), dq, input_precision=DOT_PRECISION)
-    return dq
-
-
-@triton.jit
-def _bwd_dq(Q, K, V, DO, LSE, Delta, DQ, CU_Q, CU_K,
-            stride_qb, stride_qh, stride_qm,
-            stride_kb, stride_kh, stride_kn,
-            stride_vb, stride_vh, stride_vn,
-            stride_dob, stride_doh, stride_dom,
-            stride_dqb, stride_dqh, stride_dqm,
-            stride_lb, stride_lh,
-            GROUP, q_len, k_len, window, softmax_scale,
-            seed, dropout_threshold, dropout_scale, drop_groups,
-            stride_db, stride_dh, drop_row, drop_col,
+def _bwd_dq(Q, K, V, DO, LSE, Delta, DQ,
+            stride_q, stride_k, stride_v, stride_do, stride_dq, stride_lse,
+            seq, score, drop,
             Q_BUCKET, K_BUCKET,  # autotune key only (power-of-two buckets of q_len/k_len)
             HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
             VARLEN: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -332,8 +243,10 @@ def _bwd_dq(Q, K, V, DO, LSE, Delta, DQ, CU_Q, CU_K,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dQ for one block of BLOCK_M queries of one (batch or packed sequence, query head).
 
-    Shapes and strides as in ``_bwd_dkdv``; DQ like Q. Query head h reads kv head h // GROUP.
-    Grid: (cdiv(q_len or max_seqlen_q, BLOCK_M), heads_q, batch or number of sequences).
+    Shapes, strides and grouped arguments as in ``_bwd_dkdv``; DQ like Q. Query head h reads
+    kv head h // seq.group. K and V are loaded transposed (BLOCK_D, BLOCK_N) so S = Q K^T and
+    dPd = dO V^T need no register transpose. Grid: (cdiv(q_len or max_seqlen_q, BLOCK_M),
+    heads_q, batch or number of sequences).
     """
     # Causal: the last query blocks see the most keys. Blocks are issued in reverse so the
     # longest programs start first and the short ones fill the tail (less load imbalance).
@@ -341,86 +254,96 @@ def _bwd_dq(Q, K, V, DO, LSE, Delta, DQ, CU_Q, CU_K,
     # Heads and batch on grid axes 1 and 2 (65535 each), not one B*H axis.
     h = tl.program_id(1)
     b = tl.program_id(2)
-    q_start, q_len, k_start, k_len = seq_bounds(b, q_len, k_len, CU_Q, CU_K, CU_K, VARLEN,
-                                                False)
+    q_start, q_len, k_start, k_len = seq_bounds(b, seq, VARLEN, False)
     start_m = pid_m * BLOCK_M
     if VARLEN:
         if start_m >= q_len:
             return
     off_b = b.to(tl.int64)
-    kv_h = (h // GROUP).to(tl.int64)
+    kv_h = (h // seq.group).to(tl.int64)
     q_rows = tl.cast(q_start, tl.int64)
     k_rows = tl.cast(k_start, tl.int64)
-    Q += off_b * stride_qb + h.to(tl.int64) * stride_qh + q_rows * stride_qm
-    DO += off_b * stride_dob + h.to(tl.int64) * stride_doh + q_rows * stride_dom
-    DQ += off_b * stride_dqb + h.to(tl.int64) * stride_dqh + q_rows * stride_dqm
-    K += off_b * stride_kb + kv_h * stride_kh + k_rows * stride_kn
-    V += off_b * stride_vb + kv_h * stride_vh + k_rows * stride_vn
-    row_base = off_b * stride_lb + h.to(tl.int64) * stride_lh + q_rows
-    drop_base = off_b * stride_db + h.to(tl.int64) * stride_dh + q_rows + drop_row
+    Q += off_b * stride_q[0] + h.to(tl.int64) * stride_q[1] + q_rows * stride_q[2]
+    DO += off_b * stride_do[0] + h.to(tl.int64) * stride_do[1] + q_rows * stride_do[2]
+    DQ += off_b * stride_dq[0] + h.to(tl.int64) * stride_dq[1] + q_rows * stride_dq[2]
+    K += off_b * stride_k[0] + kv_h * stride_k[1] + k_rows * stride_k[2]
+    V += off_b * stride_v[0] + kv_h * stride_v[1] + k_rows * stride_v[2]
+    row_base = off_b * stride_lse[0] + h.to(tl.int64) * stride_lse[1] + q_rows
+    drop_rows = off_b * drop.row_stride_b + h.to(tl.int64) * drop.row_stride_h + q_rows \
+        + drop.row0
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     q_mask = (offs_m < q_len)[:, None] & (offs_d[None, :] < HEAD_DIM)
     # Tile pointers built from the batch/head base: 64-bit row offsets, as in the dK/dV kernel.
-    q = widen(tl.load(Q + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :],
+    q = widen(tl.load(Q + offs_m[:, None].to(tl.int64) * stride_q[2] + offs_d[None, :],
                       mask=q_mask, other=0.0), WIDEN)                       # (BLOCK_M, BLOCK_D)
-    do = widen(tl.load(DO + offs_m[:, None].to(tl.int64) * stride_dom + offs_d[None, :],
+    do = widen(tl.load(DO + offs_m[:, None].to(tl.int64) * stride_do[2] + offs_d[None, :],
                        mask=q_mask, other=0.0), WIDEN)
     # Rows that see no key get lse = +inf, P = 0, so their dQ row is 0.
-    lse, delta = _load_row_stats(LSE + row_base, Delta + row_base, offs_m, q_len)
+    lse2, delta = _load_row_stats(LSE + row_base, Delta + row_base, offs_m, q_len)
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    qk_scale = softmax_scale * _LOG2E
+    diag = k_len - q_len
+    cols0 = tl.arange(0, BLOCK_N)
 
-    # The same tile split as the forward (kernels/core/tiles.py): [lo, full_lo) the window's edge,
-    # [full_lo, full_hi) unmasked, [full_hi, hi) the diagonal / k_len edge.
-    lo, full_lo, full_hi, hi = key_range(start_m, start_m + BLOCK_M, q_len, k_len, window,
+    # The forward's three ranges of key tiles (kernels/core/tiles.py): RANGE 0 the window's
+    # edge (masked; only with WINDOW), RANGE 1 unmasked, RANGE 2 the diagonal / k_len edge
+    # (masked). As in the forward, the diagonal loop after the unmasked one runs unpipelined:
+    # pipelined, ptxas serializes the kernel's wgmma on sm_90 (C7515; benchmarks/NOTES.md).
+    lo, full_lo, full_hi, hi = key_range(start_m, start_m + BLOCK_M, q_len, k_len, score.window,
                                          CAUSAL, WINDOW, BLOCK_N)
-    # As in the forward, the diagonal loop after the unmasked one runs unpipelined: pipelined,
-    # ptxas serializes the kernel's wgmma on sm_90 (C7515; benchmarks/NOTES.md).
-    if WINDOW:
-        for start_n in range(lo, full_lo, BLOCK_N):
-            dq = _bwd_dq_step(dq, q, do, lse, delta, K, V, start_m, start_n, offs_m, offs_d,
-                              stride_kn, stride_vn, drop_base, drop_col, q_len, k_len, window,
-                              qk_scale, seed, drop_groups, dropout_threshold, dropout_scale,
-                              HEAD_DIM, True, CAUSAL, WINDOW, DROPOUT, DOT_PRECISION, WIDEN,
-                              BLOCK_M, BLOCK_N)
-    for start_n in range(full_lo, full_hi, BLOCK_N):
-        dq = _bwd_dq_step(dq, q, do, lse, delta, K, V, start_m, start_n, offs_m, offs_d,
-                          stride_kn, stride_vn, drop_base, drop_col, q_len, k_len, window,
-                          qk_scale, seed, drop_groups, dropout_threshold, dropout_scale,
-                          HEAD_DIM, False, CAUSAL, WINDOW, DROPOUT, DOT_PRECISION, WIDEN,
-                          BLOCK_M, BLOCK_N)
-    for start_n in tl.range(full_hi, hi, BLOCK_N, num_stages=1):
-        dq = _bwd_dq_step(dq, q, do, lse, delta, K, V, start_m, start_n, offs_m, offs_d,
-                          stride_kn, stride_vn, drop_base, drop_col, q_len, k_len, window,
-                          qk_scale, seed, drop_groups, dropout_threshold, dropout_scale,
-                          HEAD_DIM, True, CAUSAL, WINDOW, DROPOUT, DOT_PRECISION, WIDEN,
-                          BLOCK_M, BLOCK_N)
+    MASKED: tl.constexpr = (True, False, True)
+    for RANGE in tl.static_range(0 if WINDOW else 1, 3):
+        if RANGE == 0:
+            range_lo, range_hi = lo, full_lo
+        elif RANGE == 1:
+            range_lo, range_hi = full_lo, full_hi
+        else:
+            range_lo, range_hi = full_hi, hi
+        for start_n in tl.range(range_lo, range_hi, BLOCK_N,
+                                num_stages=1 if RANGE == 2 else None):
+            offs_n = start_n + cols0
+            kv_mask = (offs_n[None, :] < k_len) & (offs_d[:, None] < HEAD_DIM)
+            # 64-bit tile bases, 32-bit offsets inside the tile.
+            kT = widen(tl.load(K + tl.cast(start_n, tl.int64) * stride_k[2]
+                               + cols0[None, :] * stride_k[2] + offs_d[:, None],
+                               mask=kv_mask, other=0.0), WIDEN)             # (BLOCK_D, BLOCK_N)
+            vT = widen(tl.load(V + tl.cast(start_n, tl.int64) * stride_v[2]
+                               + cols0[None, :] * stride_v[2] + offs_d[:, None],
+                               mask=kv_mask, other=0.0), WIDEN)
 
-    dq = round_for_store(dq * softmax_scale, WIDEN)
-    tl.store(DQ + offs_m[:, None].to(tl.int64) * stride_dqm + offs_d[None, :],
+            qk = tl.dot(q, kT, input_precision=DOT_PRECISION)               # (BLOCK_M, BLOCK_N)
+            # Unlike dK/dV, columns past k_len must be zeroed here (MASKED[2] covers the k_len
+            # edge): their P = exp(-lse) is meaningless (it overflows for very negative lse)
+            # and would reach every dQ row.
+            p = probs_from_lse(scaled_scores(qk, score), lse2[:, None], offs_m[:, None],
+                               offs_n[None, :], k_len, diag, score, MASKED[RANGE], CAUSAL, WINDOW)
+            dp = tl.dot(do, vT, input_precision=DOT_PRECISION)              # dPd = dO V^T
+            if DROPOUT:
+                keep = dropout_keep(drop, drop_rows, offs_m, start_n, BLOCK_M, BLOCK_N)
+                dp = tl.where(keep, dp * drop.scale, 0.0)
+            ds = score_grad(p * (dp - delta[:, None]), qk, score)
+            dq = tl.dot(dot_operand(ds, kT, WIDEN), tl.trans(kT), dq,
+                        input_precision=DOT_PRECISION)
+
+    dq = round_for_store(dq * score.softmax_scale, WIDEN)
+    tl.store(DQ + offs_m[:, None].to(tl.int64) * stride_dq[2] + offs_d[None, :],
              dq.to(DQ.dtype.element_ty), mask=q_mask)
 
 
 # On a GPU each kernel is autotuned separately (dK/dV favours long key blocks, dQ long query
-# blocks). Sequence lengths enter the key as power-of-two buckets (as in the forward), so a new
-# length re-tunes only when it changes bucket; triton's Autotuner appends every tensor
-# argument's dtype to the key itself. Both kernels only store their outputs (nothing
+# blocks), keyed by configs.BWD_TUNE_KEY. Both kernels only store their outputs (nothing
 # accumulates into them), so re-running a config while tuning is harmless: no reset_to_zero.
-_TUNE_KEY = ["Q_BUCKET", "K_BUCKET", "HEAD_DIM", "CAUSAL", "WINDOW", "VARLEN", "DROPOUT",
-             "DOT_PRECISION"]
-_bwd_dkdv_tuned = triton.autotune(configs=bwd_configs(kernel="dkdv"), key=_TUNE_KEY,
+_bwd_dkdv_tuned = triton.autotune(configs=bwd_configs(kernel="dkdv"), key=BWD_TUNE_KEY,
                                   prune_configs_by={"early_config_prune": prune_bwd_configs}
                                   )(_bwd_dkdv)
-_bwd_dq_tuned = triton.autotune(configs=bwd_configs(kernel="dq"), key=_TUNE_KEY,
+_bwd_dq_tuned = triton.autotune(configs=bwd_configs(kernel="dq"), key=BWD_TUNE_KEY,
                                 prune_configs_by={"early_config_prune": prune_bwd_configs}
                                 )(_bwd_dq)
 
 
-def attention_backward(do, q, k, v, o, lse, *, causal, softmax_scale, dropout_p=0.0, seed=0,
-                       window=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-                       max_seqlen_k=None, drop_layout=None, config=None):
+def attention_backward(do, q, k, v, o, lse, call=None, *, cu_seqlens_q=None, cu_seqlens_k=None,
+                       max_seqlen_q=None, max_seqlen_k=None, config=None, **call_fields):
     """Gradients of ``o = attention(q, k, v)`` given ``do = dL/do``.
 
     Args:
@@ -432,12 +355,10 @@ def attention_backward(do, q, k, v, o, lse, *, causal, softmax_scale, dropout_p=
         o: the forward's output, shaped like q (q's dtype).
         lse: the forward's fp32 contiguous natural-log row log-sum-exp of the scaled scores,
             (B, heads_q, q_len) or (heads_q, total_q); -inf for rows that see no key.
-        causal: bottom-right causal mask (query i sees key j iff j <= i + k_len - q_len).
-        softmax_scale: the scale the forward applied to q k^T.
-        dropout_p: the forward's dropout probability in [0, 1); 0 compiles dropout out.
-        seed: the forward's dropout seed, a Python int in [0, 2**63).
-        window, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, drop_layout: as given
-            to ``attention_forward``.
+        call: the forward's ``AttentionCall`` (kernels/core/call.py), or its fields as
+            keywords (``causal=``, ``softmax_scale=``, ``dropout_p=``, ``seed=``, ...).
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: as given to
+            ``attention_forward``.
         config: a ``triton.Config`` with BLOCK_M, BLOCK_N (tests only); default: autotuned
             on a GPU, ``bwd_configs(interpret=True)[0]`` under the interpreter.
 
@@ -445,15 +366,13 @@ def attention_backward(do, q, k, v, o, lse, *, causal, softmax_scale, dropout_p=
         (dq, dk, dv), each with the shape, dtype and memory layout of q, k, v
         (``torch.empty_like``). dk, dv of a kv head sum its whole group of query heads.
     """
-    if cu_seqlens_q is None:
-        pb = dense_problem(q, k, v)
-    else:
-        pb = varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    call = call or AttentionCall(**call_fields)
+    pb = make_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     head_dim = q.shape[-1]
     assert v.shape == k.shape and do.shape == q.shape and o.shape == q.shape
     assert lse.shape == pb.lse_shape and lse.dtype == torch.float32 and lse.is_contiguous()
     assert q.dtype == k.dtype == v.dtype and 1 <= head_dim <= 256
-    assert 0.0 <= dropout_p < 1.0
+    assert 0.0 <= call.dropout_p < 1.0
 
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if pb.batch * pb.heads == 0 or pb.q.shape[2] == 0 or pb.k.shape[2] == 0:
@@ -467,35 +386,35 @@ def attention_backward(do, q, k, v, o, lse, *, causal, softmax_scale, dropout_p=
         dq4, dk4, dv4 = dq, dk, dv
 
     BLOCK_D = block_d(head_dim)
-    dropout = dropout_p > 0.0
-    consts = dict(HEAD_DIM=head_dim, CAUSAL=bool(causal), WINDOW=window is not None,
-                  VARLEN=pb.varlen, DROPOUT=dropout, DOT_PRECISION=dot_precision(q.dtype),
-                  WIDEN=widen_bf16(q.dtype), BLOCK_D=BLOCK_D)
-    drop_args = (int(seed), dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p)) if dropout \
-        else (0, 0, 1.0)
-
     # delta lives in lse's layout, so both share one offset (and the dropout row id).
     delta = torch.empty_like(lse)
-    cu_q, cu_k = pb.cu_args(lse)
+    seq = pb.seq_args(lse)
     _bwd_preprocess[(triton.cdiv(pb.q_len, _PRE_BLOCK_M), pb.heads, pb.batch)](
-        o, do, delta, cu_q, *pb.strides(o), *pb.strides(do), *pb.lse_strides, pb.q_len,
-        HEAD_DIM=head_dim, VARLEN=pb.varlen, BLOCK_M=_PRE_BLOCK_M, BLOCK_D=BLOCK_D)
+        O=o, DO=do, Delta=delta, stride_o=pb.strides(o), stride_do=pb.strides(do),
+        stride_lse=pb.lse_strides, seq=seq, HEAD_DIM=head_dim, VARLEN=pb.varlen,
+        BLOCK_M=_PRE_BLOCK_M, BLOCK_D=BLOCK_D)
 
-    common = (*pb.strides(pb.q), *pb.strides(pb.k), *pb.strides(pb.v), *pb.strides(do))
-    tail = (*pb.lse_strides, pb.group, pb.q_len, pb.k_len, window or 0, float(softmax_scale),
-            *drop_args, *pb.dropout_args(drop_layout),
-            triton.next_power_of_2(pb.q_len), triton.next_power_of_2(pb.k_len))
-    dkdv_args = (pb.q, pb.k, pb.v, do, lse, delta, dk4, dv4, cu_q, cu_k, *common,
-                 *pb.strides(dk4), *pb.strides(dv4), *tail)
-    dq_args = (pb.q, pb.k, pb.v, do, lse, delta, dq4, cu_q, cu_k, *common, *pb.strides(dq4),
-               *tail)
-    heads_kv = pb.heads // pb.group
+    common = dict(Q=pb.q, K=pb.k, V=pb.v, DO=do, LSE=lse, Delta=delta,
+                  stride_q=pb.strides(pb.q), stride_k=pb.strides(pb.k),
+                  stride_v=pb.strides(pb.v), stride_do=pb.strides(do),
+                  stride_lse=pb.lse_strides, seq=seq, score=score_args(call),
+                  drop=pb.drop_args(call), **pb.tune_buckets(),
+                  HEAD_DIM=head_dim, CAUSAL=call.causal, WINDOW=call.window is not None,
+                  VARLEN=pb.varlen, DROPOUT=call.dropout, DOT_PRECISION=dot_precision(q.dtype),
+                  WIDEN=widen_bf16(q.dtype), BLOCK_D=BLOCK_D)
+    dkdv_args = dict(common, DK=dk4, DV=dv4, stride_dk=pb.strides(dk4),
+                     stride_dv=pb.strides(dv4))
+    dq_args = dict(common, DQ=dq4, stride_dq=pb.strides(dq4))
+
+    def dkdv_grid(cfg):
+        return (triton.cdiv(pb.k_len, cfg["BLOCK_N"]), pb.heads_kv, pb.batch)
+
+    def dq_grid(cfg):
+        return (triton.cdiv(pb.q_len, cfg["BLOCK_M"]), pb.heads, pb.batch)
 
     if config is None and not interpreter_active() and autotune_enabled():
-        _bwd_dkdv_tuned[lambda meta: (triton.cdiv(pb.k_len, meta["BLOCK_N"]), heads_kv,
-                                      pb.batch)](*dkdv_args, **consts)
-        _bwd_dq_tuned[lambda meta: (triton.cdiv(pb.q_len, meta["BLOCK_M"]), pb.heads,
-                                    pb.batch)](*dq_args, **consts)
+        _bwd_dkdv_tuned[dkdv_grid](**dkdv_args)
+        _bwd_dq_tuned[dq_grid](**dq_args)
         return dq, dk, dv
 
     if config is not None:
@@ -504,15 +423,11 @@ def attention_backward(do, q, k, v, o, lse, *, causal, softmax_scale, dropout_p=
         # Under the interpreter autotuning would time every config in Python: one fixed config.
         config_dkdv = config_dq = bwd_configs(interpret=True)[0]
     else:  # KERNELS_AUTOTUNE=0: the first config each kernel's pruning keeps
-        config_dkdv = fixed_config(bwd_configs(kernel="dkdv"), prune_bwd_configs,
-                                   {"Q": q, "DK": dk}, **consts)
-        config_dq = fixed_config(bwd_configs(kernel="dq"), prune_bwd_configs,
-                                 {"Q": q, "DQ": dq}, **consts)
+        config_dkdv = fixed_config(bwd_configs(kernel="dkdv"), prune_bwd_configs, dkdv_args)
+        config_dq = fixed_config(bwd_configs(kernel="dq"), prune_bwd_configs, dq_args)
 
-    def launch(kernel, cfg, n_rows, block, heads, args):
-        kernel[(triton.cdiv(n_rows, cfg.kwargs[block]), heads, pb.batch)](
-            *args, **consts, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-
-    launch(_bwd_dkdv, config_dkdv, pb.k_len, "BLOCK_N", heads_kv, dkdv_args)
-    launch(_bwd_dq, config_dq, pb.q_len, "BLOCK_M", pb.heads, dq_args)
+    for kernel, cfg, grid, args in ((_bwd_dkdv, config_dkdv, dkdv_grid, dkdv_args),
+                                    (_bwd_dq, config_dq, dq_grid, dq_args)):
+        kernel[grid(cfg.kwargs)](**args, **cfg.kwargs, num_warps=cfg.num_warps,
+                                 num_stages=cfg.num_stages)
     return dq, dk, dv

@@ -1,17 +1,24 @@
-"""Launch configurations: the one place that lists block sizes, warps and stages.
+"""Launch configurations: the one place that lists block sizes, warps and stages, the pruning
+of each kernel's list and the autotune keys.
 
 On a GPU the kernels are autotuned over these lists, pruned per head_dim by shared-memory
-footprint; in Triton's CPU interpreter autotuning would time every config in Python, so one
-small fixed config is used. The lists are short on purpose: every config is compiled and timed
-once per (head_dim, dtype, causal, dropout, seq bucket) and a long list costs minutes.
+footprint and register estimates; in Triton's CPU interpreter autotuning would time every config
+in Python, so one small fixed config is used. The lists are short on purpose: every config is
+compiled and timed once per autotune key (``FWD_TUNE_KEY``, ``BWD_TUNE_KEY``: the power-of-two
+buckets of q_len and k_len, head_dim and each compiled feature flag; Triton adds every tensor
+argument's dtype) and a long list costs minutes.
 
 ``KERNELS_AUTOTUNE=0`` turns autotuning off on the GPU: each launch then takes the first config
 of its list that survives pruning. The GPU test suite sets it, so that its hundreds of small
 shapes do not each compile and time every config (tests/core/test_gpu.py runs every config once).
 """
+import math
 import os
 
+import torch
 import triton
+
+from .common import interpreter_active
 
 # Hopper has 228 KB of shared memory per SM (227 KB usable by one block); leave headroom for
 # the compiler's own scratch (layout conversions, reductions).
@@ -34,6 +41,13 @@ _BWD_DKDV = [(32, 128, 8, 2), (32, 64, 8, 2), (64, 64, 8, 2), (16, 128, 8, 2), (
 # dQ: BLOCK_M query rows resident (>= 64 for wgmma), BLOCK_N keys stream.
 _BWD_DQ = [(64, 64, 8, 2), (128, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 3), (64, 64, 8, 3)]
 _INTERPRET = triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=1, num_stages=1)
+
+# Autotune keys (kernel argument names). Sequence lengths enter as power-of-two buckets, so a new
+# length re-tunes only when it changes bucket.
+FWD_TUNE_KEY = ["Q_BUCKET", "K_BUCKET", "HEAD_DIM", "CAUSAL", "WINDOW", "VARLEN", "SEQUSED_K",
+                "PACK_GQA", "SPLIT", "DROPOUT", "DOT_PRECISION"]
+BWD_TUNE_KEY = ["Q_BUCKET", "K_BUCKET", "HEAD_DIM", "CAUSAL", "WINDOW", "VARLEN", "DROPOUT",
+                "DOT_PRECISION"]
 
 
 def _configs(table):
@@ -64,10 +78,10 @@ def autotune_enabled() -> bool:
     return os.environ.get("KERNELS_AUTOTUNE", "1") != "0"
 
 
-def fixed_config(configs, prune, named_args, **meta):
+def fixed_config(configs, prune, kernel_args):
     """The config a launch uses without autotuning: the first of ``configs`` that ``prune``
-    (an ``early_config_prune`` hook) keeps for these arguments."""
-    return prune(configs, named_args, **meta)[0]
+    (an ``early_config_prune`` hook) keeps for these keyword arguments of the kernel."""
+    return prune(configs, {}, **kernel_args)[0]
 
 
 def smem_bytes(config, block_d: int, elem_bytes: int) -> int:
@@ -106,13 +120,16 @@ def _fwd_fits_registers(config, block_d: int, dropout: bool) -> bool:
 def prune_configs(configs, named_args, **kwargs):
     """Triton `early_config_prune` hook of the forward: drop configs whose tiles cannot fit
     shared memory at this head_dim (head_dim 256 with 128x128 tiles and 3 stages would fail to
-    launch) or would spill registers (e.g. 128x64 with 4 warps at head_dim 128)."""
-    block_d = kwargs.get("BLOCK_D", 64)
-    elem_bytes = named_args["Q"].element_size() if "Q" in named_args else 2
+    launch) or would spill registers (e.g. 128x64 with 4 warps at head_dim 128). The kernel's
+    arguments arrive in ``named_args`` (positional) and ``kwargs`` (keywords: every launch here
+    passes them by name)."""
+    args = {**named_args, **kwargs}
+    block_d = args.get("BLOCK_D", 64)
+    elem_bytes = args["Q"].element_size() if "Q" in args else 2
     fitting = [c for c in configs if smem_bytes(c, block_d, elem_bytes) <= SMEM_BUDGET_BYTES]
-    dropout = bool(kwargs.get("DROPOUT", False))
+    dropout = bool(args.get("DROPOUT", False))
     in_registers = [c for c in fitting if _fwd_fits_registers(c, block_d, dropout)
-                    and _stages_ok(c, kwargs)]
+                    and _stages_ok(c, args)]
     if in_registers:
         return in_registers
     if fitting:
@@ -148,8 +165,6 @@ def prune_bwd_configs(configs, named_args, **kwargs):
     one accumulator. Estimates use the padded head dim; the autotuner also skips configs that
     fail to compile, so this only saves compile time and spills. Keeps at least one config.
     """
-    import torch  # local: this module otherwise only needs triton
-
     args = {**named_args, **kwargs}
     width = max(16, triton.next_power_of_2(int(args["HEAD_DIM"])))
     elem = args["Q"].element_size() if isinstance(args.get("Q"), torch.Tensor) else 2
@@ -175,3 +190,57 @@ def prune_bwd_configs(configs, named_args, **kwargs):
     smallest = min(configs, key=lambda c: (c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"],
                                            -c.num_warps, c.num_stages))
     return [smallest]
+
+
+# --------------------------------------------------------------------------------------------
+# Split-KV and packed GQA heads (forward launches too small to fill the GPU: decoding)
+# --------------------------------------------------------------------------------------------
+# At most this many splits (each costs a partial output of the launch's size in fp32).
+MAX_SPLITS = 128
+# Pack the query heads of a kv group into one program when q_len is at most this (decoding and
+# speculative decoding): the group's K/V tiles are then read once instead of once per head.
+PACK_GQA_MAX_Q_LEN = 16
+# The tile sizes the heuristic counts with (the launch's own tiles are autotuned later).
+_NOMINAL_BLOCK_M = 64
+_NOMINAL_BLOCK_N = 64
+_MIN_BLOCK_N = 16
+
+
+def num_splits_heuristic(device, n_programs, n_key_tiles, sm_count=None):
+    """Splits for a launch of ``n_programs`` (query blocks x heads x batch, counted with
+    64-row blocks) over ``n_key_tiles`` 64-key tiles, on a device with ``sm_count`` SMs
+    (default: the device's; CPU and Triton's interpreter: none, so 1).
+
+    FlashAttention-2's rule: no split when the programs already fill 80% of the SMs; else the
+    smallest split count whose wave efficiency (programs / SMs, over its ceiling) reaches 85%
+    of the best over 1..min(MAX_SPLITS, SMs, key tiles). A pure function of the shapes and SMs.
+    """
+    if sm_count is None:
+        if device.type != "cuda" or interpreter_active():
+            return 1
+        sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    if n_programs >= 0.8 * sm_count or n_key_tiles <= 1:
+        return 1
+    max_splits = min(MAX_SPLITS, sm_count, n_key_tiles)
+
+    def eligible(s):  # a split count whose tiles per split differ from the next smaller one's
+        return s == 1 or math.ceil(n_key_tiles / s) != math.ceil(n_key_tiles / (s - 1))
+
+    def efficiency(s):
+        waves = n_programs * s / sm_count
+        return waves / math.ceil(waves)
+
+    effs = {s: efficiency(s) for s in range(1, max_splits + 1) if eligible(s)}
+    best = max(effs.values())
+    return min(s for s, e in effs.items() if e >= 0.85 * best)
+
+
+def clamp_splits(num_splits, k_len):
+    """A requested split count clamped to [1, MAX_SPLITS] and to the number of key tiles of the
+    smallest tile size (16 keys): more splits than that would only add empty programs."""
+    return max(1, min(num_splits, MAX_SPLITS, triton.cdiv(max(k_len, 1), _MIN_BLOCK_N)))
+
+
+def nominal_tiles(rows, k_len):
+    """(query blocks, key tiles) counted with the heuristic's nominal 64 x 64 tiles."""
+    return triton.cdiv(rows, _NOMINAL_BLOCK_M), triton.cdiv(k_len, _NOMINAL_BLOCK_N)

@@ -5,15 +5,23 @@
 * Where PyTorch's own CPU flash attention computes exactly the same thing (no dropout, no
   window, dense, non-causal or causal with q_len == k_len, where top-left and bottom-right
   alignment agree), its aten ops do the work: they return the lse too, and are PyTorch's
-  speed.
+  speed. Two things those ops assume are made true here: a unit stride in head_dim (they read
+  each row as a contiguous vector; any other last-dim stride gave wrong output and gradients,
+  so such a tensor is copied first, as the kernels' launchers do), and finite q and k (with
+  fewer than 16 keys, a row whose scores are all NaN came back as zeros with lse 0 instead of
+  NaN; inputs with a NaN or an infinity take the blockwise path below, where NaN in gives NaN
+  out for every row it reaches, as in the kernels and the oracle).
 * Everything else (our dropout mask, windows, q_len != k_len causal, packed sequences) is
   computed block by block over query rows, each block against only the keys it can see, so
   memory stays O(block · k_len) instead of O(q_len · k_len).
 
-The visibility rule and the dropout row ids mirror kernels/core/tiles.py and kernels/core/dropout.py;
-the dropout bits come from ``reference.dropout`` (the PyTorch twin of the kernels' counter).
+The visibility rule and the dropout row ids mirror kernels/core/tiles.py and
+kernels/core/dropout.py; the dropout bits come from ``reference.dropout`` (the PyTorch twin of
+the kernels' counter).
 """
 import torch
+
+from .call import lse_shape
 
 # Score elements per block of query rows (all batches and heads together): a few fp32
 # temporaries of this size are alive at once, ~4 MiB each.
@@ -36,7 +44,7 @@ def _key_span(i0, i1, q_len, k_len, causal, window):
     return k0, k1
 
 
-def _block_visible(i0, i1, k0, k1, q_len, k_len, causal, window, device):
+def block_visible(i0, i1, k0, k1, q_len, k_len, causal, window, device):
     """Bool (i1 - i0, k1 - k0): query i sees key j (kernels/core/tiles.visible, in PyTorch)."""
     rows = torch.arange(i0, i1, device=device)[:, None]
     cols = torch.arange(k0, k1, device=device)[None, :]
@@ -84,7 +92,7 @@ class _Dense:
         (B, H, i1 - i0, k1 - k0)."""
         q_len, k_len = self.q.shape[2], self.k.shape[2]
         s = torch.matmul(self.q[:, :, i0:i1], self.k[:, :, k0:k1].transpose(-2, -1)) * self.scale
-        vis = _block_visible(i0, i1, k0, k1, q_len, k_len, self.causal, self.window, s.device)
+        vis = block_visible(i0, i1, k0, k1, q_len, k_len, self.causal, self.window, s.device)
         return s.masked_fill(~vis, float("-inf"))
 
     def drop(self, i0, i1, k0, k1):
@@ -104,10 +112,21 @@ class _Dense:
 
 
 def _sdpa_applies(q, k, cu_q, causal, window, dropout_p):
-    """Whether PyTorch's CPU flash attention computes exactly our result (see the docstring)."""
+    """Whether PyTorch's CPU flash attention computes exactly our result (see the docstring):
+    the forward and the backward of one call decide alike (same q, k and arguments)."""
     return (cu_q is None and window is None and dropout_p == 0.0
             and (not causal or q.shape[2] == k.shape[2]) and min(q.shape[2], k.shape[2]) > 0
-            and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward"))
+            and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward")
+            and bool(torch.isfinite(q).all()) and bool(torch.isfinite(k).all()))
+
+
+def _unit_last(x):
+    """``x`` itself when head_dim is unit-stride (any other strides are fine for the aten ops),
+    else a copy with a unit stride there: the aten CPU flash ops read each row as a contiguous
+    vector. (``.contiguous()`` alone keeps the stride of a size-1 head_dim.)"""
+    if x.stride(-1) == 1:
+        return x
+    return x.clone(memory_format=torch.contiguous_format)
 
 
 def _expand_kv(q, *kv):
@@ -116,6 +135,7 @@ def _expand_kv(q, *kv):
 
 
 def _sdpa_forward(q, k, v, causal, softmax_scale, o):
+    q, k, v = (_unit_last(x) for x in (q, k, v))
     k, v = _expand_kv(q, k, v)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, 0.0, causal, scale=softmax_scale)
@@ -124,6 +144,7 @@ def _sdpa_forward(q, k, v, causal, softmax_scale, o):
 
 
 def _sdpa_backward(do, q, k, v, o, lse, causal, softmax_scale, dq, dk, dv):
+    q, k, v, o = (_unit_last(x) for x in (q, k, v, o))
     k_e, v_e = _expand_kv(q, k, v)
     grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         do.contiguous(), q, k_e, v_e, o, lse, 0.0, causal, scale=softmax_scale)
@@ -195,19 +216,25 @@ def _problems(q, k, v, cu_q, cu_k, causal, window, softmax_scale, dropout_p, see
     return out
 
 
+def _fields(call):
+    """(causal, window, softmax_scale, dropout_p, seed, drop_layout) of an ``AttentionCall``."""
+    return (call.causal, call.window, call.softmax_scale, call.dropout_p, call.seed,
+            call.drop_layout)
+
+
 def _view(x, r, packed):
     """The 4-D view of output ``x`` that matches a problem's rows ``r``."""
     return x[r].transpose(0, 1).unsqueeze(0) if packed else x
 
 
-def forward(q, k, v, cu_q, cu_k, causal, window, softmax_scale, dropout_p, seed, o,
-            drop_layout=None):
-    """(o, lse) as the forward kernel returns them; ``o`` is written in place."""
+def forward(q, k, v, cu_q, cu_k, call, o):
+    """(o, lse) as the forward kernel returns them for ``call`` (an ``AttentionCall``,
+    kernels/core/call.py); ``o`` is written in place."""
+    causal, window, softmax_scale, dropout_p, seed, drop_layout = _fields(call)
     if _sdpa_applies(q, k, cu_q, causal, window, dropout_p):
         return _sdpa_forward(q, k, v, causal, softmax_scale, o)
     packed = cu_q is not None
-    lse_shape = (q.shape[1], q.shape[0]) if packed else q.shape[:3]
-    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    lse = torch.empty(lse_shape(q, packed), dtype=torch.float32, device=q.device)
     for pb, rq, _ in _problems(q, k, v, cu_q, cu_k, causal, window, softmax_scale, dropout_p,
                                seed, drop_layout):
         lse_v = lse[:, rq].unsqueeze(0) if packed else lse
@@ -215,9 +242,10 @@ def forward(q, k, v, cu_q, cu_k, causal, window, softmax_scale, dropout_p, seed,
     return o, lse
 
 
-def backward(do, q, k, v, o, lse, cu_q, cu_k, causal, window, softmax_scale, dropout_p, seed,
-             dq, dk, dv, drop_layout=None):
-    """(dq, dk, dv) as the backward kernels return them, written into the given tensors."""
+def backward(do, q, k, v, o, lse, cu_q, cu_k, call, dq, dk, dv):
+    """(dq, dk, dv) as the backward kernels return them for ``call``, written into the given
+    tensors."""
+    causal, window, softmax_scale, dropout_p, seed, drop_layout = _fields(call)
     if _sdpa_applies(q, k, cu_q, causal, window, dropout_p):
         return _sdpa_backward(do, q, k, v, o, lse, causal, softmax_scale, dq, dk, dv)
     packed = cu_q is not None
@@ -232,10 +260,9 @@ def backward(do, q, k, v, o, lse, cu_q, cu_k, causal, window, softmax_scale, dro
     return dq, dk, dv
 
 
-def kvcache_forward(q, k_cache, v_cache, cache_seqlens, k, v, causal, window, softmax_scale,
-                    o):
+def kvcache_forward(q, k_cache, v_cache, cache_seqlens, k, v, call, o):
     """``attention_with_kvcache`` row by row: append (k, v) in place, then each row b attends
-    to its first n_b cache positions. Returns (o, lse (B, H_q, q_len))."""
+    to its first n_b cache positions as ``call`` says. Returns (o, lse (B, H_q, q_len))."""
     B, H, q_len, _ = q.shape
     lens = cache_seqlens.tolist()
     if k is not None:
@@ -246,6 +273,6 @@ def kvcache_forward(q, k_cache, v_cache, cache_seqlens, k, v, causal, window, so
     for b, n in enumerate(lens):
         n = n + (q_len if k is not None else 0)
         o_b, lse_b = forward(q[b:b + 1], k_cache[b:b + 1, :, :n], v_cache[b:b + 1, :, :n], None,
-                             None, causal, window, softmax_scale, 0.0, 0, o[b:b + 1])
+                             None, call, o[b:b + 1])
         lse[b:b + 1] = lse_b
     return o, lse

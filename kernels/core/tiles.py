@@ -12,32 +12,36 @@ Loops are split so that only tiles crossing one of these edges pay for the mask;
 row of the program sees are never visited, so a windowed call costs O(q_len · window).
 
 Packed variable-length batches (VARLEN) reuse everything: ``seq_bounds`` turns the batch index
-into a sequence's row offsets and lengths, read from ``cu_seqlens``.
+into a sequence's row offsets and lengths, read from ``cu_seqlens``. The PyTorch fallback
+(kernels/core/fallback.py) applies the same rule to whole blocks of rows.
 """
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def seq_bounds(pid_b, q_len, k_len, CU_Q, CU_K, K_LENS, VARLEN: tl.constexpr,
-               SEQUSED_K: tl.constexpr):
-    """(q_start, q_len, k_start, k_len) of batch entry ``pid_b``.
+def seq_bounds(pid_b, seq, VARLEN: tl.constexpr, SEQUSED_K: tl.constexpr):
+    """(q_start, q_len, k_start, k_len) of batch entry ``pid_b`` under the launch's ``seq``
+    (``SeqArgs``, kernels/core/call.py).
 
-    Dense batches: rows start at 0 and the lengths are the arguments. Packed batches (VARLEN):
-    sequence ``pid_b`` is rows ``cu[pid_b]:cu[pid_b + 1]`` of the packed q and k/v (int32 CU_Q,
-    CU_K). SEQUSED_K (a KV cache): batch entry ``pid_b`` uses only its first K_LENS[pid_b] keys.
+    Dense batches: rows start at 0 and the lengths are ``seq``'s. Packed batches (VARLEN):
+    sequence ``pid_b`` is rows ``cu[pid_b]:cu[pid_b + 1]`` of the packed q and k/v (int32
+    ``seq.cu_q``, ``seq.cu_k``). SEQUSED_K (a KV cache): batch entry ``pid_b`` uses only its
+    first ``seq.k_lens[pid_b]`` keys.
     """
+    q_len = seq.q_len
+    k_len = seq.k_len
     if VARLEN:
-        q_start = tl.load(CU_Q + pid_b)
-        k_start = tl.load(CU_K + pid_b)
-        q_len = tl.load(CU_Q + pid_b + 1) - q_start
-        k_len = tl.load(CU_K + pid_b + 1) - k_start
+        q_start = tl.load(seq.cu_q + pid_b)
+        k_start = tl.load(seq.cu_k + pid_b)
+        q_len = tl.load(seq.cu_q + pid_b + 1) - q_start
+        k_len = tl.load(seq.cu_k + pid_b + 1) - k_start
     else:
         q_start = 0
         k_start = 0
     if SEQUSED_K:
         # Never past the cache's capacity (k_len), even if a length breaks the contract.
-        k_len = tl.minimum(tl.load(K_LENS + pid_b), k_len)
+        k_len = tl.minimum(tl.load(seq.k_lens + pid_b), k_len)
     return q_start, q_len, k_start, k_len
 
 

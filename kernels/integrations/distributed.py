@@ -29,7 +29,6 @@ Bad input never hangs the group: before any ring traffic each rank checks its ow
 all ranks exchange their verdicts, shapes, dtypes and options in one small all-gather; an error
 on any rank (or ranks that disagree) raises on every rank.
 """
-import math
 import struct
 import zlib
 
@@ -356,7 +355,7 @@ def _ring_backward(ring, do, q, k, v, out, lse):
     return dq, dkv[0], dkv[1]
 
 
-def _like(t, value):
+def _in_layout_of(t, value):
     """``value`` in ``t``'s dtype and memory layout."""
     return torch.empty_like(t).copy_(value)
 
@@ -366,7 +365,7 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, ring):
         k, v = k.contiguous(), v.contiguous()              # sent whole over the ring
         out_acc, lse = _ring_forward(ring, q, k, v)
-        out = _like(q, out_acc)
+        out = _in_layout_of(q, out_acc)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring = ring
         return out
@@ -376,7 +375,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _ring_backward(ctx.ring, do, q, k, v, out, lse)
-        return _like(q, dq), dk.to(k.dtype), dv.to(v.dtype), None
+        return _in_layout_of(q, dq), dk.to(k.dtype), dv.to(v.dtype), None
 
 
 def _local_checks(q, k, v, causal, dropout_p, softmax_scale, seed, layout, world, backend):
@@ -472,7 +471,8 @@ def ring_attention(q, k, v, *, group=None, causal=True, dropout_p=0.0, softmax_s
                    names)
     if p > 0 and seed is None:
         seed = int(table[0, -1])                           # rank 0's draw, on every rank
-    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    scale = float(softmax_scale) if softmax_scale is not None else \
+        ops.default_softmax_scale(q.shape[-1])
     ring = _Ring(group, world, rank, layout, q.shape[2], causal_b, p, scale,
                  int(seed) if p > 0 else 0)
     return _RingAttention.apply(q, k, v, ring)

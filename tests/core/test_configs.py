@@ -69,7 +69,7 @@ def test_fixed_config_fits_shared_memory(d):
     from kernels.core.common import block_d
     from kernels.core.configs import SMEM_BUDGET_BYTES, smem_bytes
     q = torch.empty(1, dtype=torch.bfloat16)
-    cfg = fixed_config(fwd_configs(), prune_configs, {"Q": q}, BLOCK_D=block_d(d))
+    cfg = fixed_config(fwd_configs(), prune_configs, {"Q": q, "BLOCK_D": block_d(d)})
     assert smem_bytes(cfg, block_d(d), 2) <= SMEM_BUDGET_BYTES
     if d <= 128:
         assert cfg is fwd_configs()[0] or cfg.kwargs == fwd_configs()[0].kwargs

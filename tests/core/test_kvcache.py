@@ -9,7 +9,7 @@ from helpers import DEVICE, assert_parity, randn
 
 import kernels
 import reference
-from kernels.core.splitkv import MAX_SPLITS, clamp_splits, num_splits_heuristic
+from kernels.core.configs import MAX_SPLITS, clamp_splits, num_splits_heuristic
 from kernels.core.forward import attention_forward
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32

@@ -1,0 +1,222 @@
+"""One description of an attention call, built once and passed down to every launcher.
+
+* ``AttentionCall``: what the call computes -- causal or not, the softmax scale, the sliding
+  window, dropout (probability, seed, and the block of a longer sequence this call is, for
+  context parallelism). The dropout threshold and scale, the base-2 score scale and the default
+  softmax scale are derived here and nowhere else.
+* ``Problem``: the tensors' geometry -- batch, heads, group, lengths, packed or dense -- and the
+  lse layout, whose entry offsets double as the dropout mask's row ids
+  (kernels/core/dropout.py).
+* The kernels' grouped arguments (``SeqArgs``, ``ScoreArgs``, ``DropArgs``, ``SplitArgs``):
+  small named tuples that Triton passes as one argument each and the kernels read by field
+  (``score.qk_scale``), so no launch lists long positional arguments in a kernel's order.
+
+Both layouts reach the kernels as 4-D (batch, heads, seq, head_dim) views:
+
+* dense: q (B, heads_q, q_len, D), k/v (B, heads_kv, k_len, D) as given; lse (B, heads_q, q_len).
+* packed (varlen): q (total_q, heads_q, D) is viewed as (1, heads_q, total_q, D) and the
+  kernels' batch axis runs over the sequences, whose row offsets come from ``cu_seqlens``
+  (the batch stride is 0); lse (heads_q, total_q).
+
+In both, the lse entry of (batch or sequence b, head h, row i) sits at
+``b * lse_strides[0] + h * lse_strides[1] + row_start + i``.
+"""
+import math
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+import torch
+import triton
+
+from .common import LOG2E
+from .dropout import dropout_threshold
+
+
+def default_softmax_scale(head_dim: int) -> float:
+    """The scale every entry point uses when none is given: 1 / sqrt(head_dim)."""
+    return 1.0 / math.sqrt(head_dim)
+
+
+def lse_shape(q: torch.Tensor, packed: bool) -> tuple:
+    """Shape of the row log-sum-exp of ``q``: (B, heads_q, q_len) for a dense q
+    (B, heads_q, q_len, D), (heads_q, total_q) for a packed q (total_q, heads_q, D)."""
+    return (q.shape[1], q.shape[0]) if packed else tuple(q.shape[:3])
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """What one attention call computes (the tensors aside).
+
+    causal: bottom-right causal mask. softmax_scale: > 0. window: None, or the sliding window
+    (causal only). dropout_p in [0, 1) with its Philox ``seed`` (ignored without dropout).
+    drop_layout: None, or (q_total, k_total, row_offset, col_offset) when this dense call is a
+    block of a longer sequence and its dropout mask is that block of the whole one.
+    """
+    causal: bool
+    softmax_scale: float
+    dropout_p: float = 0.0
+    seed: int = 0
+    window: Optional[int] = None
+    drop_layout: Optional[tuple] = None
+
+    @classmethod
+    def from_op(cls, causal, softmax_scale, dropout_p, seed, window, drop_layout=None):
+        """From the custom ops' flat arguments: ``window`` 0 means none, ``seed`` an int or a
+        0-d int64 tensor."""
+        seed = int(seed.item()) if isinstance(seed, torch.Tensor) else int(seed)
+        return cls(bool(causal), float(softmax_scale), float(dropout_p), seed,
+                   window if window and window > 0 else None,
+                   tuple(drop_layout) if drop_layout is not None else None)
+
+    @property
+    def dropout(self) -> bool:
+        return self.dropout_p > 0.0
+
+    @property
+    def qk_scale(self) -> float:
+        """The softmax scale in base 2 (the kernels' exp2 works on scores times this)."""
+        return self.softmax_scale * LOG2E
+
+    @property
+    def drop_scale(self) -> float:
+        """What kept weights are multiplied by: 1 / (1 - dropout_p)."""
+        return 1.0 / (1.0 - self.dropout_p)
+
+    @property
+    def drop_threshold(self) -> int:
+        """The 24-bit Philox draw keeps an element iff it is >= this (kernels/core/dropout.py)."""
+        return dropout_threshold(self.dropout_p) if self.dropout else 0
+
+
+# ------------------------------------------------------------------ the kernels' grouped args
+class SeqArgs(NamedTuple):
+    """Lengths of a launch (the kernels' ``seq``): dense lengths, or with packed sequences the
+    longest ones (grid extents) and the cu_seqlens pointers; ``k_lens``: per-row key counts
+    (a KV cache's filled length). Pointers a variant does not read are any valid tensor."""
+    group: int        # query heads per kv head
+    q_len: int
+    k_len: int
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    k_lens: torch.Tensor
+
+
+class ScoreArgs(NamedTuple):
+    """The score pipeline's runtime parameters (the kernels' ``score``; kernels/core/score.py)."""
+    qk_scale: float       # softmax_scale * log2(e)
+    softmax_scale: float
+    window: int           # read only when WINDOW
+
+
+class DropArgs(NamedTuple):
+    """The dropout mask's Philox key and counter layout (the kernels' ``drop``;
+    kernels/core/dropout.py): row id = b * row_stride_b + h * row_stride_h + row start +
+    row0 + i, column = col0 + j, ``groups`` counters per row id."""
+    seed: int
+    threshold: int
+    scale: float
+    groups: int
+    row_stride_b: int
+    row_stride_h: int
+    row0: int
+    col0: int
+
+
+class SplitArgs(NamedTuple):
+    """Split-KV partial outputs of the forward (the kernels' ``split``; kernels/core/splitkv.py):
+    fp32 (num_splits, n_rows, D) and (num_splits, n_rows), row = the lse offset."""
+    o_part: torch.Tensor
+    lse_part: torch.Tensor
+    num_splits: int
+    n_rows: int
+
+
+class Problem(NamedTuple):
+    q: torch.Tensor               # (B or 1, heads_q, q_len or total_q, D)
+    k: torch.Tensor               # (B or 1, heads_kv, k_len or total_k, D)
+    v: torch.Tensor
+    batch: int                    # B, or the number of packed sequences
+    heads: int                    # query heads
+    group: int                    # query heads per kv head
+    q_len: int                    # dense length, or the longest packed sequence (grid extent)
+    k_len: int
+    cu_q: Optional[torch.Tensor]  # int32 (batch + 1,) for packed sequences, else None
+    cu_k: Optional[torch.Tensor]
+    lse_shape: tuple
+    lse_strides: tuple            # (batch stride, head stride) of lse
+    drop_groups: int              # Philox counters per row id (kernels/core/dropout.py)
+
+    @property
+    def varlen(self) -> bool:
+        return self.cu_q is not None
+
+    @property
+    def heads_kv(self) -> int:
+        return self.heads // self.group
+
+    def strides(self, x):
+        """(batch, head, seq) strides of a 4-D view; the batch stride is 0 for packed
+        sequences, whose offsets come from cu_seqlens instead."""
+        return (0 if self.varlen else x.stride(0)), x.stride(1), x.stride(2)
+
+    def seq_args(self, dummy, k_lens=None) -> SeqArgs:
+        """The kernels' ``seq``; ``dummy`` stands in for pointers this launch never reads."""
+        cu_q, cu_k = (self.cu_q, self.cu_k) if self.varlen else (dummy, dummy)
+        return SeqArgs(self.group, self.q_len, self.k_len, cu_q, cu_k,
+                       dummy if k_lens is None else k_lens)
+
+    def drop_args(self, call: AttentionCall) -> DropArgs:
+        """The kernels' ``drop``: the lse layout's row ids by default; with the call's
+        ``drop_layout`` (dense only) those of the longer sequence this call is a block of."""
+        seed = call.seed if call.dropout else 0
+        head = (seed, call.drop_threshold, call.drop_scale)
+        if call.drop_layout is None:
+            return DropArgs(*head, self.drop_groups, *self.lse_strides, 0, 0)
+        q_total, k_total, row_offset, col_offset = call.drop_layout
+        assert not self.varlen and col_offset % 4 == 0
+        assert row_offset + self.q_len <= q_total and col_offset + self.k_len <= k_total
+        return DropArgs(*head, triton.cdiv(k_total, 4), self.heads * q_total, q_total,
+                        row_offset, col_offset)
+
+    def tune_buckets(self) -> dict:
+        """The autotune key's length buckets (powers of two of q_len and k_len)."""
+        return dict(Q_BUCKET=triton.next_power_of_2(self.q_len),
+                    K_BUCKET=triton.next_power_of_2(self.k_len))
+
+
+def score_args(call: AttentionCall) -> ScoreArgs:
+    return ScoreArgs(call.qk_scale, call.softmax_scale, call.window or 0)
+
+
+def packed_view(x):
+    """(total, heads, D) packed tensor as a (1, heads, total, D) view (no copy)."""
+    return x.transpose(0, 1).unsqueeze(0)
+
+
+def dense_problem(q, k, v) -> Problem:
+    """q (B, heads_q, q_len, D); k, v (B, heads_kv, k_len, D)."""
+    B, H, q_len, _ = q.shape
+    H_kv, k_len = k.shape[1], k.shape[2]
+    assert H_kv > 0 and H % H_kv == 0 or H == H_kv == 0
+    return Problem(q, k, v, B, H, H // H_kv if H_kv else 1, q_len, k_len, None, None,
+                   lse_shape(q, False), (H * q_len, q_len), triton.cdiv(k_len, 4))
+
+
+def varlen_problem(q, k, v, cu_q, cu_k, max_q, max_k) -> Problem:
+    """q (total_q, heads_q, D); k, v (total_k, heads_kv, D); cu_q, cu_k int32 (n + 1,);
+    max_q, max_k: the longest sequence lengths (grid extents; >= the real ones)."""
+    total_q, H, _ = q.shape
+    total_k, H_kv, _ = k.shape
+    assert H_kv > 0 and H % H_kv == 0
+    assert cu_q.dtype == torch.int32 and cu_k.dtype == torch.int32
+    return Problem(packed_view(q), packed_view(k), packed_view(v), cu_q.numel() - 1, H,
+                   H // H_kv, max_q, max_k, cu_q, cu_k, lse_shape(q, True), (0, total_q),
+                   triton.cdiv(total_k, 4))
+
+
+def make_problem(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                 max_seqlen_k=None) -> Problem:
+    """The dense problem, or the packed one when ``cu_seqlens_q`` is given."""
+    if cu_seqlens_q is None:
+        return dense_problem(q, k, v)
+    return varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
