@@ -64,7 +64,13 @@ def validate_attention(q, k, v, causal, dropout_p, softmax_scale, seed, window, 
         raise ValueError(f"q and k must have the same head_dim (last dim), got q "
                          f"{tuple(q.shape)} and k {tuple(k.shape)}")
     heads_q, heads_kv = q.shape[head_axis], k.shape[head_axis]
-    if heads_kv == 0 and heads_q != 0 or heads_kv != 0 and heads_q % heads_kv != 0:
+    # heads_q = 0 is an empty problem (empty results, zero gradients for k and v), like
+    # batch = 0 or q_len = 0; query heads without any key/value head to read are an error.
+    if heads_kv == 0 and heads_q != 0:
+        raise ValueError(f"k and v have no heads (heads_kv=0, k {tuple(k.shape)}) but q has "
+                         f"heads_q={heads_q} (q {tuple(q.shape)}): each query head reads one "
+                         f"key/value head, so heads_kv must be >= 1 when heads_q >= 1")
+    if heads_kv != 0 and heads_q % heads_kv != 0:
         raise ValueError(f"the query heads must be a multiple of the key/value heads "
                          f"(grouped-query attention), got heads_q={heads_q} (q "
                          f"{tuple(q.shape)}) and heads_kv={heads_kv} (k {tuple(k.shape)})")
@@ -230,9 +236,9 @@ def check_drop_layout(drop_layout, q, k, packed):
         raise ValueError(f"drop_layout must be 4 ints (q_total, k_total, row_offset, "
                          f"col_offset) for a dense call, got {drop_layout!r}")
     q_total, k_total, row_offset, col_offset = (int(x) for x in values)
-    if (row_offset < 0 or col_offset < 0 or col_offset % 4 or
+    if (row_offset < 0 or col_offset < 0 or
             row_offset + q.shape[2] > q_total or col_offset + k.shape[2] > k_total):
         raise ValueError(f"drop_layout {tuple(values)} does not hold a block of q_len "
-                         f"{q.shape[2]} x k_len {k.shape[2]} (offsets >= 0, col_offset a "
-                         f"multiple of 4, inside the totals)")
+                         f"{q.shape[2]} x k_len {k.shape[2]} (offsets >= 0, inside the "
+                         f"totals)")
     return [q_total, k_total, row_offset, col_offset]

@@ -204,15 +204,15 @@ def _bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV,
                 lse2, delta = _load_row_stats(LSE + row_base, Delta + row_base, offs_m, q_len)
 
                 qkT = tl.dot(k, qT, input_precision=DOT_PRECISION)          # (BLOCK_N, BLOCK_M)
-                pT = probs_from_lse(scaled_scores(qkT, score), lse2[None, :], offs_m[None, :],
-                                    offs_n[:, None], k_len, diag, score, MASKED[RANGE], CAUSAL,
-                                    WINDOW)
+                xT, x_scale = scaled_scores(qkT, score)
+                pT = probs_from_lse(xT, x_scale, lse2[None, :], offs_m[None, :], offs_n[:, None],
+                                    k_len, diag, score, MASKED[RANGE], CAUSAL, WINDOW)
                 dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # dPd^T = V dO^T
                 if DROPOUT:
                     # The forward's bits: the mask depends on (seed, row id, j), not on blocks.
                     # Generated (queries x keys) and transposed as a byte tile rather than i1:
                     # the conservative element type for a layout change through shared memory.
-                    keep = dropout_keep(drop, drop_rows, offs_m, start_n, BLOCK_M, BLOCK_N)
+                    keep = dropout_keep(drop, drop_rows, offs_m, start_n, BLOCK_M, BLOCK_N, DROPOUT)
                     keepT = tl.trans(keep.to(tl.int8)) != 0
                     pdT = tl.where(keepT, pT * drop.scale, 0.0)
                     dpT = tl.where(keepT, dpT * drop.scale, 0.0)
@@ -316,11 +316,12 @@ def _bwd_dq(Q, K, V, DO, LSE, Delta, DQ,
             # Unlike dK/dV, columns past k_len must be zeroed here (MASKED[2] covers the k_len
             # edge): their P = exp(-lse) is meaningless (it overflows for very negative lse)
             # and would reach every dQ row.
-            p = probs_from_lse(scaled_scores(qk, score), lse2[:, None], offs_m[:, None],
-                               offs_n[None, :], k_len, diag, score, MASKED[RANGE], CAUSAL, WINDOW)
+            x, x_scale = scaled_scores(qk, score)
+            p = probs_from_lse(x, x_scale, lse2[:, None], offs_m[:, None], offs_n[None, :],
+                               k_len, diag, score, MASKED[RANGE], CAUSAL, WINDOW)
             dp = tl.dot(do, vT, input_precision=DOT_PRECISION)              # dPd = dO V^T
             if DROPOUT:
-                keep = dropout_keep(drop, drop_rows, offs_m, start_n, BLOCK_M, BLOCK_N)
+                keep = dropout_keep(drop, drop_rows, offs_m, start_n, BLOCK_M, BLOCK_N, DROPOUT)
                 dp = tl.where(keep, dp * drop.scale, 0.0)
             ds = score_grad(p * (dp - delta[:, None]), qk, score)
             dq = tl.dot(dot_operand(ds, kT, WIDEN), tl.trans(kT), dq,
@@ -400,7 +401,7 @@ def attention_backward(do, q, k, v, o, lse, call=None, *, cu_seqlens_q=None, cu_
                   stride_lse=pb.lse_strides, seq=seq, score=score_args(call),
                   drop=pb.drop_args(call), **pb.tune_buckets(),
                   HEAD_DIM=head_dim, CAUSAL=call.causal, WINDOW=call.window is not None,
-                  VARLEN=pb.varlen, DROPOUT=call.dropout, DOT_PRECISION=dot_precision(q.dtype),
+                  VARLEN=pb.varlen, DROPOUT=call.dropout_mode, DOT_PRECISION=dot_precision(q.dtype),
                   WIDEN=widen_bf16(q.dtype), BLOCK_D=BLOCK_D)
     dkdv_args = dict(common, DK=dk4, DV=dv4, stride_dk=pb.strides(dk4),
                      stride_dv=pb.strides(dv4))

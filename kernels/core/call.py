@@ -78,6 +78,15 @@ class AttentionCall:
         return self.softmax_scale * LOG2E
 
     @property
+    def dropout_mode(self) -> int:
+        """The kernels' DROPOUT constexpr: 0 off; 1 on, the key columns starting on a 4-column
+        Philox group (every call but a context-parallel block at an odd column offset); 2 on,
+        at any column offset (kernels/core/dropout.py)."""
+        if not self.dropout:
+            return 0
+        return 1 if self.drop_layout is None or self.drop_layout[3] % 4 == 0 else 2
+
+    @property
     def drop_scale(self) -> float:
         """What kept weights are multiplied by: 1 / (1 - dropout_p)."""
         return 1.0 / (1.0 - self.dropout_p)
@@ -173,7 +182,7 @@ class Problem(NamedTuple):
         if call.drop_layout is None:
             return DropArgs(*head, self.drop_groups, *self.lse_strides, 0, 0)
         q_total, k_total, row_offset, col_offset = call.drop_layout
-        assert not self.varlen and col_offset % 4 == 0
+        assert not self.varlen
         assert row_offset + self.q_len <= q_total and col_offset + self.k_len <= k_total
         return DropArgs(*head, triton.cdiv(k_total, 4), self.heads * q_total, q_total,
                         row_offset, col_offset)

@@ -17,9 +17,9 @@ Definition (shared with ``reference/dropout.py``; change both or neither):
 
   Grouped-query heads change nothing: ``h`` is the query head. A block of a longer dense
   sequence (context parallelism: its queries start at global row ``row_offset``, its keys at
-  global column ``col_offset``, a multiple of 4) uses the global sequence's row ids and
+  global column ``col_offset``) uses the global sequence's row ids and
   ``groups`` with ``i + row_offset`` and ``j + col_offset``, so the blocks' masks are pieces of
-  the one mask of the whole sequence.
+  the one mask of the whole sequence (any offsets).
 * The Philox counter of element (r, j) (j the key column inside its sequence) is the 64-bit
   integer ``r * groups + j // 4``; it selects word ``j % 4`` of ``tl.randint4x(seed, counter)``
   (Philox-4x32-10, key = the seed's two 32-bit halves). One Philox call feeds four adjacent key
@@ -44,23 +44,34 @@ def dropout_threshold(dropout_p: float) -> int:
 
 @triton.jit
 def dropout_keep_tile(seed, row_base, offs_m, start_n, groups, threshold,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, col_offset=0):
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, col_offset=0,
+                      ALIGNED: tl.constexpr = True):
     """Boolean keep mask of shape (BLOCK_M, BLOCK_N) for the rows with ids ``row_base + offs_m``
     and key columns ``start_n + arange(BLOCK_N)`` (see the module docstring: ``row_base`` is the
     lse offset of the program's (batch or sequence, head), ``groups`` the Philox counters per
     row).
 
     ``start_n`` must be a multiple of 4 (it is a multiple of BLOCK_N >= 16 in every caller).
-    ``col_offset`` (a multiple of 4) shifts the columns: a block of a longer sequence whose keys
-    start at global column ``col_offset`` (context parallelism). Rows or columns past the
+    ``col_offset`` shifts the columns: a block of a longer sequence whose keys start at global
+    column ``col_offset`` (context parallelism). ALIGNED (``col_offset`` a multiple of 4, always
+    so outside context parallelism): one Philox call per 4 columns, its words spread over them.
+    Otherwise a tile's columns straddle the 4-column groups, so every column draws its own
+    group and picks its word (4x the Philox work, the same bits). Rows or columns past the
     sequence get well-defined but meaningless bits: callers mask them.
     """
-    offs_g = (col_offset + start_n) // 4 + tl.arange(0, BLOCK_N // 4)
     # 64-bit counter: heads*rows*columns passes 2**31 at realistic sizes.
     row = row_base.to(tl.int64) + offs_m.to(tl.int64)
-    counter = row[:, None] * groups + offs_g[None, :].to(tl.int64)
-    r0, r1, r2, r3 = tl.randint4x(seed, counter)
-    # tl.join appends a minor axis; joining (r0, r2) and (r1, r3) this way and flattening puts
-    # word w of group g at column 4 * g + w.
-    r = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (BLOCK_M, BLOCK_N))
+    if ALIGNED:
+        offs_g = (col_offset + start_n) // 4 + tl.arange(0, BLOCK_N // 4)
+        counter = row[:, None] * groups + offs_g[None, :].to(tl.int64)
+        r0, r1, r2, r3 = tl.randint4x(seed, counter)
+        # tl.join appends a minor axis; joining (r0, r2) and (r1, r3) this way and flattening
+        # puts word w of group g at column 4 * g + w.
+        r = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (BLOCK_M, BLOCK_N))
+    else:
+        cols = col_offset + start_n + tl.arange(0, BLOCK_N)
+        counter = row[:, None] * groups + (cols // 4)[None, :].to(tl.int64)
+        r0, r1, r2, r3 = tl.randint4x(seed, counter)
+        word = (cols % 4)[None, :]
+        r = tl.where(word == 0, r0, tl.where(word == 1, r1, tl.where(word == 2, r2, r3)))
     return (r >> _DROPOUT_SHIFT).to(tl.int32) >= threshold

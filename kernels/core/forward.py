@@ -170,14 +170,15 @@ def _attn_fwd(Q, K, V, O, LSE,
                           + offs_n0[:, None] * stride_k[2] + offs_d[None, :],
                           offs_n, k_len, offs_d, HEAD_DIM, MASKED[RANGE], not EVEN_D)
             k = widen(k, WIDEN)
-            s = scaled_scores(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), score)
-            s = mask_scores(s, offs_m[:, None], offs_n[None, :], k_len, diag, score, MASKED[RANGE],
-                            CAUSAL, WINDOW)
-            p, alpha, m_i, l_i = online_softmax(s, m_i, l_i, MASKED[RANGE])
+            x, x_scale = scaled_scores(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION),
+                                       score)
+            x = mask_scores(x, offs_m[:, None], offs_n[None, :], k_len, diag, score,
+                            MASKED[RANGE], CAUSAL, WINDOW)
+            p, alpha, m_i, l_i = online_softmax(x, x_scale, m_i, l_i, MASKED[RANGE])
             acc = acc * alpha[:, None]
             if DROPOUT:
-                p = tl.where(dropout_keep(drop, drop_rows, offs_m, start_n, BLOCK_M, BLOCK_N),
-                             p, 0.0)
+                keep = dropout_keep(drop, drop_rows, offs_m, start_n, BLOCK_M, BLOCK_N, DROPOUT)
+                p = tl.where(keep, p, 0.0)
             v = load_rows(v_base + start_n.to(tl.int64) * stride_v[2]
                           + offs_n0[:, None] * stride_v[2] + offs_d[None, :],
                           offs_n, k_len, offs_d, HEAD_DIM, MASKED[RANGE], not EVEN_D)
@@ -272,7 +273,7 @@ def attention_forward(q, k, v, call=None, *, cu_seqlens_q=None, cu_seqlens_k=Non
                 split=split, **pb.tune_buckets(),
                 HEAD_DIM=D, BLOCK_D=block_d(D), CAUSAL=call.causal,
                 WINDOW=call.window is not None, VARLEN=pb.varlen, SEQUSED_K=k_lens is not None,
-                PACK_GQA=bool(pack_gqa), SPLIT=num_splits > 1, DROPOUT=call.dropout,
+                PACK_GQA=bool(pack_gqa), SPLIT=num_splits > 1, DROPOUT=call.dropout_mode,
                 WIDEN=widen_bf16(q.dtype), DOT_PRECISION=dot_precision(q.dtype))
 
     def grid(cfg):

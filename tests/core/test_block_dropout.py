@@ -16,7 +16,10 @@ from kernels import ops
 
 SEED, P = 2 ** 35 + 11, 0.3
 ROWS = [(0, 12), (12, 28), (28, 40)]
-COLS = [(0, 8), (8, 24), (24, 40)]      # column offsets: multiples of 4
+# Column blocks: offsets on the 4-column Philox groups, and offsets that straddle them (any
+# chunk length of context parallelism: a group's words are then split between two blocks).
+COL_SPLITS = {"aligned": [(0, 8), (8, 24), (24, 40)],
+              "odd": [(0, 2), (2, 9), (9, 23), (23, 40)]}
 
 
 @pytest.fixture(params=["kernel", "fallback"])
@@ -29,7 +32,9 @@ def path(request, monkeypatch):
     return request.param
 
 
-def test_blocks_draw_the_whole_sequence_mask(path):
+@pytest.mark.parametrize("cols", sorted(COL_SPLITS))
+def test_blocks_draw_the_whole_sequence_mask(path, cols):
+    COLS = COL_SPLITS[cols]
     B, H, S, D = 2, 2, 40, 16
     q, k, v, do = (randn(B, H, S, D) for _ in range(4))
     keep = reference.dropout_keep_mask(SEED, B, H, S, S, P, device=DEVICE)
@@ -68,7 +73,7 @@ def test_blocks_draw_the_whole_sequence_mask(path):
 
 
 @pytest.mark.parametrize("layout,match", [
-    ((40, 40, 0, 2), "multiple of 4"),
+    ((40, 40, -1, 0), "offsets >= 0"),
     ((40, 40, 30, 0), "inside the totals"),
     ((40, 40, 0), "4 ints"),
 ])
