@@ -44,16 +44,15 @@ import sys
 import torch
 import torch.nn as nn
 
-from .modules import (
-    FusedCausalAttention,
-    FusedMultiHeadAttention,
-    FusedMultiHeadAttentionWrapper,
-    _context_length_of,
-    _features,
-    _input_width,
-    _is_plain_linear,
-)
 from .book import BookTwin, _book_class, book_twin
+from .checks import (
+    causal_mask_mismatch,
+    context_length_of,
+    input_width,
+    is_plain_linear,
+    projection_features,
+)
+from .modules import FusedCausalAttention, FusedMultiHeadAttention, FusedMultiHeadAttentionWrapper
 
 logger = logging.getLogger(__name__)
 
@@ -67,11 +66,8 @@ def _has_causal_mask(module):
         return False
     if mask.is_meta:
         return True  # no values to check; the shape is right
-    ctx = _context_length_of(module)
-    if mask.shape[0] != ctx:
-        return False
-    expected = torch.ones(ctx, ctx, dtype=torch.bool, device=mask.device).triu_(1)
-    return torch.equal(mask.bool(), expected)
+    ctx = context_length_of(module)
+    return mask.shape[0] == ctx and causal_mask_mismatch(mask, ctx, ctx) is None
 
 
 def _has_qkv(module):
@@ -100,7 +96,7 @@ def _is_multi_head_attention(module):
         num_heads, head_dim, d_out = int(module.num_heads), int(module.head_dim), int(module.d_out)
     except (AttributeError, TypeError, ValueError):
         return False
-    out_features = _features(module.W_query)[1]   # None for an unknown projection
+    out_features = projection_features(module.W_query)[1]   # None for an unknown projection
     return num_heads >= 1 and num_heads * head_dim == d_out and \
         out_features in (None, d_out)
 
@@ -144,7 +140,7 @@ _KNOWN_LORA = ("llms_from_scratch.appendix_e", "LinearWithLoRA", "LoRALayer")
 def _known_projection(proj):
     """True if ``proj`` is an nn.Linear (its forward) or the package's LinearWithLoRA, with the
     package's forward and LoRALayer, around one."""
-    if _is_plain_linear(proj):
+    if is_plain_linear(proj):
         return True
     mod = sys.modules.get(_KNOWN_LORA[0])
     wrapper, layer = (getattr(mod, name, None) if mod is not None else None
@@ -152,7 +148,7 @@ def _known_projection(proj):
     if wrapper is None or layer is None:
         return False
     return (isinstance(proj, wrapper) and type(proj).forward is wrapper.forward
-            and _is_plain_linear(getattr(proj, "linear", None))
+            and is_plain_linear(getattr(proj, "linear", None))
             and isinstance(getattr(proj, "lora", None), layer)
             and type(proj.lora).forward is layer.forward)
 
@@ -201,11 +197,11 @@ def _first_param(module):
 
 
 def _in_features(module):
-    """Input width for the numerical check: the projections' own (``_input_width``), else the
+    """Input width for the numerical check: the projections' own (``input_width``), else the
     first ``in_features`` among W_query's submodules (a guess: if wrong, the check fails and the
     module is left alone)."""
     first = module.heads[0] if hasattr(module, "heads") else module
-    d_in = _input_width(first)
+    d_in = input_width(first)
     if d_in is None:
         d_in = next((m.in_features for m in first.W_query.modules()
                      if isinstance(getattr(m, "in_features", None), int)), None)
@@ -230,7 +226,7 @@ def _numerical_check(module, twin, seed=0):
         return "cannot check numerically (no parameters with values)"
     dtype, device = ref_t.dtype, ref_t.device
     try:
-        ctx = _context_length_of(module.heads[0] if hasattr(module, "heads") else module)
+        ctx = context_length_of(module.heads[0] if hasattr(module, "heads") else module)
         n, d_in = min(ctx, 8), _in_features(module)
     except (AttributeError, TypeError, ValueError, IndexError):
         return "cannot check numerically (unknown input size)"

@@ -31,6 +31,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import ops as _ops
+from .checks import (
+    causal_mask_mismatch,
+    causal_masked,
+    check_head_split,
+    context_length_of,
+    input_width,
+    is_plain_linear,
+    projection_features,
+)
 
 __all__ = [
     "FusedCausalAttention",
@@ -42,14 +51,6 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------
 # Validation helpers: every error says what was expected and what was given.
 # ---------------------------------------------------------------------------------------------
-
-def _check_head_split(d_out, num_heads):
-    """ValueError unless ``d_out`` splits into ``num_heads`` equal heads."""
-    if num_heads < 1 or d_out % num_heads != 0:
-        raise ValueError(
-            f"d_out must be divisible by num_heads: got d_out={d_out}, num_heads={num_heads} "
-            f"(d_out % num_heads = {d_out % num_heads if num_heads >= 1 else 'undefined'})")
-
 
 def _check_input(module, x, d_in, context_length):
     """Validate x (b, n, d_in) with n <= context_length; return (b, n).
@@ -73,11 +74,6 @@ def _check_input(module, x, d_in, context_length):
     return b, n
 
 
-def _causal_pattern(context_length, device=None):
-    """bool (ctx, ctx), True strictly above the diagonal: the positions the book masks."""
-    return torch.ones(context_length, context_length, dtype=torch.bool, device=device).triu_(1)
-
-
 def _check_causal_mask(mask, context_length, name="mask"):
     """ValueError unless ``mask`` is the book's causal mask for ``context_length``.
 
@@ -93,79 +89,28 @@ def _check_causal_mask(mask, context_length, name="mask"):
             f"{context_length}); got shape {tuple(mask.shape)}")
     if mask.is_meta:  # no values to check (e.g. a checkpoint loaded on the meta device)
         return
-    if not torch.equal(mask.bool(), _causal_pattern(context_length, mask.device)):
+    where = causal_mask_mismatch(mask, context_length, context_length)
+    if where is not None:
         raise ValueError(
             f"{name}: not the causal pattern triu(ones({context_length}, {context_length}), "
-            f"diagonal=1); the fused modules only implement causal attention")
-
-
-def _context_length_of(module):
-    """context_length of a reference (or look-alike) module: its attribute, else its mask's."""
-    ctx = getattr(module, "context_length", None)
-    if ctx is None:
-        ctx = module.mask.shape[-1]
-    return int(ctx)
-
-
-def _linear_of(proj):
-    """The ``nn.Linear`` that ``proj`` is, or wraps as ``proj.linear`` (the book's
-    ``LinearWithLoRA`` and its copies, possibly nested), else None."""
-    for _ in range(8):
-        if isinstance(proj, nn.Linear):
-            return proj
-        proj = getattr(proj, "linear", None)
-        if not isinstance(proj, nn.Module):
-            return None
-    return None
-
-
-def _features(proj):
-    """(in_features, out_features) of a projection module, each None where unknown.
-
-    Read from ``proj`` itself when it declares them as ints (``nn.Linear``, many adapters),
-    else from the Linear it wraps as ``.linear`` (LoRA wrappers add a term of the same
-    width). Never guessed from other submodules: a wrong width would reject valid inputs.
-    """
-    out = []
-    for name in ("in_features", "out_features"):
-        value = getattr(proj, name, None)
-        if not isinstance(value, int):
-            lin = _linear_of(proj)
-            value = getattr(lin, name, None) if lin is not None else None
-        out.append(value if isinstance(value, int) else None)
-    return tuple(out)
-
-
-def _input_width(module):
-    """d_in of an attention module: the first known ``in_features`` of its W_query, W_key,
-    W_value projections (see :func:`_features`), else None."""
-    for name in ("W_query", "W_key", "W_value"):
-        d_in = _features(getattr(module, name))[0]
-        if d_in is not None:
-            return d_in
-    return None
+            f"diagonal=1) (first difference at index {where}); the fused modules only "
+            f"implement causal attention")
 
 
 def _twin_sizes(module):
     """(context_length, d_in, d_out) of a chapter-3 attention ``module`` about to be fused;
     d_in None where no projection declares it. Raises ValueError if ``module.mask`` is not the
     causal mask or d_out is unknown (no ``d_out`` attribute, no ``out_features`` on W_query)."""
-    ctx = _context_length_of(module)
+    ctx = context_length_of(module)
     if hasattr(module, "mask"):
         _check_causal_mask(module.mask, ctx, name=f"{type(module).__name__}.mask")
     d_out = getattr(module, "d_out", None)
     if d_out is None:
-        d_out = _features(module.W_query)[1]
+        d_out = projection_features(module.W_query)[1]
     if d_out is None:
         raise ValueError(f"{type(module).__name__}: unknown d_out (no d_out attribute and "
                          f"W_query has no out_features)")
-    return ctx, _input_width(module), d_out
-
-
-def _is_plain_linear(proj):
-    """True for an nn.Linear whose forward is nn.Linear's (a subclass with its own forward, a
-    LoRA-style Linear, is not plain: it must be called, not stacked or assumed)."""
-    return isinstance(proj, nn.Linear) and type(proj).forward is nn.Linear.forward
+    return ctx, input_width(module), d_out
 
 
 def _qkv_in_book_order(project):
@@ -213,7 +158,8 @@ class _StatelessCausalMask(nn.Module):
         # floating-point parameter, e.g. the wrapped Linear's weight.
         weight = next((p for p in self.W_query.parameters() if p.is_floating_point()), None)
         dtype = weight.dtype if weight is not None else torch.get_default_dtype()
-        destination[prefix + "mask"] = _causal_pattern(self.context_length).to(dtype)
+        destination[prefix + "mask"] = causal_masked(self.context_length,
+                                                     self.context_length).to(dtype)
         super()._save_to_state_dict(destination, prefix, keep_vars)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
@@ -363,7 +309,7 @@ class FusedMultiHeadAttentionWrapper(nn.Module):
         for h in self.heads:
             for name in ("W_key", "W_query", "W_value"):
                 lin, ref = getattr(h, name), getattr(first, name)
-                if not _is_plain_linear(lin):
+                if not is_plain_linear(lin):
                     return False
                 if (lin.bias is None) != (ref.bias is None) or lin.weight.shape != ref.weight.shape:
                     return False
@@ -429,7 +375,7 @@ class FusedMultiHeadAttention(_StatelessCausalMask):
 
     def __init__(self, d_in, d_out, context_length, dropout, num_heads, qkv_bias=False):
         super().__init__()
-        _check_head_split(d_out, num_heads)
+        check_head_split(d_out, num_heads)
         # Creation order as in the reference: the same seed gives the same initial weights.
         self._setup(
             W_query=nn.Linear(d_in, d_out, bias=qkv_bias),
@@ -446,7 +392,7 @@ class FusedMultiHeadAttention(_StatelessCausalMask):
         # d_in / d_out are kept, not read from the projections: they may be replaced later
         # (LoRA after fusing) by modules without ``in_features``. d_in None: unknown.
         d_out = int(d_out)
-        _check_head_split(d_out, num_heads)
+        check_head_split(d_out, num_heads)
         self.d_in = None if d_in is None else int(d_in)
         self.d_out = d_out
         self.num_heads = int(num_heads)

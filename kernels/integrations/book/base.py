@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from ... import ops as _ops
 from ...core.common import MAX_HEAD_DIM
+from ..checks import causal_mask_mismatch
 
 
 class BookTwin(nn.Module):
@@ -105,17 +106,8 @@ def check_mask(mask, batch, heads, q_len, k_lens, *, who):
     key = _memo_key(mask, target, k_lens)
     if key is not None and _Memo.key == key and _Memo.ref is not None and _Memo.ref() is mask:
         return
-    dev = mask.device
-    i = torch.arange(q_len, device=dev)[:, None]
-    j = torch.arange(k_max, device=dev)[None, :]
-    if ragged:
-        kl = torch.tensor(k_lens, device=dev)[:, None, None, None]   # (batch, 1, 1, 1)
-        expected = (j > i + (kl - q_len)) | (j >= kl)
-    else:
-        expected = j > i + (k_max - q_len)                            # (q_len, k_max)
-    diff = mask != expected
-    if bool(diff.any()):
-        where = tuple(int(t) for t in diff.nonzero()[0])
+    where = causal_mask_mismatch(mask, q_len, k_lens)
+    if where is not None:
         over = "each row's k_len keys; columns past them masked" if ragged else \
             f"k_len={k_lens} keys"
         raise ValueError(

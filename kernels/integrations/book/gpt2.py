@@ -11,21 +11,16 @@ import torch
 import torch.nn as nn
 
 from ... import ops as _ops
+from ..checks import check_head_split
 from .base import BookTwin
-
-
-def _check_split(d_out, num_heads):
-    if num_heads < 1 or d_out % num_heads:
-        raise ValueError(f"d_out must be divisible by num_heads: got d_out={d_out}, "
-                         f"num_heads={num_heads}")
 
 
 def _adopt_heads(cls, module):
     """``cls`` twin of ``module`` (its very children and Parameters) with its head split."""
-    _check_split(int(module.d_out), int(module.num_heads))
+    head_dim = check_head_split(int(module.d_out), int(module.num_heads))
     twin = cls._adopt(module)
     twin.d_out, twin.num_heads = int(module.d_out), int(module.num_heads)
-    twin.head_dim = twin.d_out // twin.num_heads
+    twin.head_dim = head_dim
     return twin
 
 
@@ -49,10 +44,9 @@ class FusedMultiHeadAttentionKV(BookTwin):
 
     def __init__(self, d_in, d_out, context_length, dropout, num_heads, qkv_bias=False):
         super().__init__()
-        _check_split(d_out, num_heads)
+        self.head_dim = check_head_split(d_out, num_heads)
         self.d_out = d_out
         self.num_heads = num_heads
-        self.head_dim = d_out // num_heads
         self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias)
@@ -98,9 +92,8 @@ class FusedPyTorchMultiHeadAttention(BookTwin):
 
     def __init__(self, d_in, d_out, num_heads, dropout=0.0, qkv_bias=False):
         super().__init__()
-        _check_split(d_out, num_heads)
         self.num_heads = num_heads
-        self.head_dim = d_out // num_heads
+        self.head_dim = check_head_split(d_out, num_heads)
         self.d_out = d_out
         self.qkv = nn.Linear(d_in, 3 * d_out, bias=qkv_bias)
         self.proj = nn.Linear(d_out, d_out)

@@ -15,16 +15,14 @@ seed gives the same weights and the same state_dict), attributes ``d_out``, ``nu
 import torch
 import torch.nn as nn
 
+from ..checks import check_head_split
 from .base import GQATwin, check_mask
 
 
 class _Llama3Init(GQATwin):
     def __init__(self, d_in, d_out, num_heads, num_kv_groups, dtype=None):
         super().__init__()
-        if num_heads < 1 or d_out % num_heads:
-            raise ValueError(f"d_out must be divisible by num_heads: got d_out={d_out}, "
-                             f"num_heads={num_heads}")
-        self._set_heads(num_heads, num_kv_groups, d_out // num_heads)
+        self._set_heads(num_heads, num_kv_groups, check_head_split(d_out, num_heads))
         self.d_out = d_out
         self.W_key = nn.Linear(d_in, num_kv_groups * self.head_dim, bias=False, dtype=dtype)
         self.W_value = nn.Linear(d_in, num_kv_groups * self.head_dim, bias=False, dtype=dtype)

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from ... import ops as _ops
+from ..checks import check_head_split
 from .base import GQATwin, check_mask, rope_rows
 
 
@@ -46,10 +47,8 @@ class _Qwen3Init(GQATwin):
                  dtype=None):
         super().__init__()
         if head_dim is None:
-            if num_heads < 1 or d_in % num_heads:
-                raise ValueError(f"d_in must be divisible by num_heads when head_dim is not "
-                                 f"set: got d_in={d_in}, num_heads={num_heads}")
-            head_dim = d_in // num_heads
+            head_dim = check_head_split(d_in, num_heads, name="d_in",
+                                        when=" when head_dim is not set")
         self._set_heads(num_heads, num_kv_groups, head_dim)
         self.W_query = nn.Linear(d_in, self.d_out, bias=False, dtype=dtype)
         self.W_key = nn.Linear(d_in, num_kv_groups * head_dim, bias=False, dtype=dtype)
