@@ -128,6 +128,21 @@ def _project_qkv(module, x):
     return _qkv_in_book_order(lambda name: getattr(module, name)(x))
 
 
+def _attend_heads(q, k, v, shape, dropout_p):
+    """q, k, v (b, n, H * hd) -> (b, n, H * hd), ``shape = (b, n, H, hd)``: all heads in one
+    causal kernel call.
+
+    Zero-copy head split: (b, n, H * hd) -> (b, n, H, hd) -> (b, H, n, hd) strided views that
+    the kernel reads in place (the book's transposes, minus any copy). The kernel writes its
+    output in q's memory layout, (b, n, H, hd), so merging the heads back is a free view where
+    the book needs ``.contiguous()`` (a copy).
+    """
+    b, n, H, hd = shape
+    q, k, v = (t.view(b, n, H, hd).transpose(1, 2) for t in (q, k, v))
+    o = _ops.attention(q, k, v, causal=True, dropout_p=dropout_p)    # (b, H, n, hd)
+    return o.transpose(1, 2).reshape(b, n, H * hd)
+
+
 def _copied_dropout(dropout):
     """A new nn.Dropout with ``dropout``'s rate and train/eval mode."""
     new = nn.Dropout(float(dropout.p))
@@ -176,11 +191,57 @@ class _StatelessCausalMask(nn.Module):
                                       unexpected_keys, error_msgs)
 
 
+class _CausalTwin(_StatelessCausalMask):
+    """What :class:`FusedCausalAttention` and :class:`FusedMultiHeadAttention` share: their
+    attributes and children, set in the reference's order, the twin of a reference module, and
+    the dropout rate of a call. Subclasses name their projections in ``_projections``."""
+
+    #: The projection children, in the reference's order (``dropout`` follows them).
+    _projections = ("W_query", "W_key", "W_value")
+
+    def _setup(self, projections, dropout, context_length, num_heads, d_in, d_out):
+        """``projections``: name -> module, as ``_projections``; registered in that order,
+        then ``dropout`` (the reference's children and state_dict order)."""
+        # d_in / d_out are kept, not read from the projections: they may be replaced later
+        # (LoRA after fusing) by modules without ``in_features``. d_in None: unknown.
+        d_out = int(d_out)
+        check_head_split(d_out, num_heads)
+        self.d_in = None if d_in is None else int(d_in)
+        self.d_out = d_out
+        self.num_heads = int(num_heads)
+        self.head_dim = d_out // self.num_heads
+        self.context_length = int(context_length)
+        for name in self._projections:
+            setattr(self, name, projections[name])
+        self.dropout = dropout
+
+    @classmethod
+    def _num_heads_of(cls, module):
+        return 1
+
+    @classmethod
+    def _twin_of(cls, module):
+        """A twin holding ``module``'s very projection modules, with a copy of its dropout
+        (rate and train/eval mode), in its train/eval mode."""
+        ctx, d_in, d_out = _twin_sizes(module)
+        fused = cls.__new__(cls)
+        nn.Module.__init__(fused)
+        fused._setup({name: getattr(module, name) for name in cls._projections},
+                     _copied_dropout(module.dropout), ctx, cls._num_heads_of(module), d_in,
+                     d_out)
+        fused.training = module.training
+        return fused
+
+    def _dropout_p(self):
+        """Dropout rate for this call: the module's in training mode, 0 in eval mode."""
+        return float(self.dropout.p) if self.training else 0.0
+
+
 # ---------------------------------------------------------------------------------------------
 # Modules
 # ---------------------------------------------------------------------------------------------
 
-class FusedCausalAttention(_StatelessCausalMask):
+class FusedCausalAttention(_CausalTwin):
     """Single-head causal self-attention (book 3.5.3) running as one fused kernel call.
 
     Same constructor, parameters (``W_query``, ``W_key``, ``W_value``: Linear(d_in, d_out)),
@@ -193,26 +254,8 @@ class FusedCausalAttention(_StatelessCausalMask):
     def __init__(self, d_in, d_out, context_length, dropout, qkv_bias=False):
         super().__init__()
         # Creation order as in the reference: the same seed gives the same initial weights.
-        self._setup(
-            W_query=nn.Linear(d_in, d_out, bias=qkv_bias),
-            W_key=nn.Linear(d_in, d_out, bias=qkv_bias),
-            W_value=nn.Linear(d_in, d_out, bias=qkv_bias),
-            dropout=nn.Dropout(dropout),
-            context_length=context_length,
-            d_in=d_in, d_out=d_out)
-
-    def _setup(self, W_query, W_key, W_value, dropout, context_length, d_in, d_out):
-        # d_in / d_out are kept, not read from the projections: they may be replaced later
-        # (LoRA after fusing) by modules without ``in_features``. d_in None: unknown.
-        self.d_in = None if d_in is None else int(d_in)
-        self.d_out = int(d_out)
-        self.num_heads = 1
-        self.head_dim = self.d_out
-        self.context_length = int(context_length)
-        self.W_query = W_query
-        self.W_key = W_key
-        self.W_value = W_value
-        self.dropout = dropout
+        self._setup({name: nn.Linear(d_in, d_out, bias=qkv_bias) for name in self._projections},
+                    nn.Dropout(dropout), context_length, 1, d_in, d_out)
 
     @classmethod
     def from_module(cls, module):
@@ -222,13 +265,7 @@ class FusedCausalAttention(_StatelessCausalMask):
         optimizer over ``module.parameters()`` keeps working), device and dtype, and copies the
         dropout rate and train/eval mode. Raises ValueError if ``module.mask`` is not causal.
         """
-        ctx, d_in, d_out = _twin_sizes(module)
-        fused = cls.__new__(cls)
-        nn.Module.__init__(fused)
-        fused._setup(module.W_query, module.W_key, module.W_value,
-                     _copied_dropout(module.dropout), ctx, d_in, d_out)
-        fused.training = module.training
-        return fused
+        return cls._twin_of(module)
 
     def _attend(self, q, k, v):
         """One head: q, k, v (b, n, d) -> (b, n, d), one kernel call on (b, 1, n, d) views."""
@@ -240,10 +277,6 @@ class FusedCausalAttention(_StatelessCausalMask):
         """x (b, n, d_in) -> context vectors (b, n, d_out)."""
         _check_input(self, x, self.d_in, self.context_length)
         return self._attend(*_project_qkv(self, x))
-
-    def _dropout_p(self):
-        """Dropout rate for this call: the module's in training mode, 0 in eval mode."""
-        return float(self.dropout.p) if self.training else 0.0
 
     def extra_repr(self):
         return f"context_length={self.context_length}"
@@ -350,19 +383,13 @@ class FusedMultiHeadAttentionWrapper(nn.Module):
                 return torch.cat([h._attend(*t) for h, t in zip(heads, qkv)], dim=-1)
             hd = next(iter(shapes))[-1]
             q, k, v = (torch.cat([head[i] for head in qkv], dim=-1) for i in range(3))
-        # Zero-copy head split: (b, n, H * hd) -> (b, n, H, hd) -> (b, H, n, hd) strided views.
-        q = q.view(b, n, H, hd).transpose(1, 2)
-        k = k.view(b, n, H, hd).transpose(1, 2)
-        v = v.view(b, n, H, hd).transpose(1, 2)
-        o = _ops.attention(q, k, v, causal=True, dropout_p=first._dropout_p())  # (b, H, n, hd)
-        # The kernel writes o in q's memory layout, (b, n, H, hd): merging is a free view.
-        return o.transpose(1, 2).reshape(b, n, H * hd)
+        return _attend_heads(q, k, v, (b, n, H, hd), first._dropout_p())
 
     def extra_repr(self):
         return f"num_heads={self.num_heads}, head_dim={self.head_dim}"
 
 
-class FusedMultiHeadAttention(_StatelessCausalMask):
+class FusedMultiHeadAttention(_CausalTwin):
     """Multi-head causal self-attention (book 3.6.2, GPT's) with the fused kernel in the middle.
 
     Same constructor, parameters (``W_query``, ``W_key``, ``W_value``: Linear(d_in, d_out);
@@ -373,36 +400,20 @@ class FusedMultiHeadAttention(_StatelessCausalMask):
     ``forward(x)``: x (b, n, d_in) -> (b, n, d_out), n <= context_length.
     """
 
+    _projections = ("W_query", "W_key", "W_value", "out_proj")
+
     def __init__(self, d_in, d_out, context_length, dropout, num_heads, qkv_bias=False):
         super().__init__()
         check_head_split(d_out, num_heads)
         # Creation order as in the reference: the same seed gives the same initial weights.
-        self._setup(
-            W_query=nn.Linear(d_in, d_out, bias=qkv_bias),
-            W_key=nn.Linear(d_in, d_out, bias=qkv_bias),
-            W_value=nn.Linear(d_in, d_out, bias=qkv_bias),
-            out_proj=nn.Linear(d_out, d_out),
-            dropout=nn.Dropout(dropout),
-            context_length=context_length,
-            num_heads=num_heads,
-            d_in=d_in, d_out=d_out)
+        projections = {name: nn.Linear(d_in, d_out, bias=qkv_bias)
+                       for name in ("W_query", "W_key", "W_value")}
+        projections["out_proj"] = nn.Linear(d_out, d_out)
+        self._setup(projections, nn.Dropout(dropout), context_length, num_heads, d_in, d_out)
 
-    def _setup(self, W_query, W_key, W_value, out_proj, dropout, context_length, num_heads,
-               d_in, d_out):
-        # d_in / d_out are kept, not read from the projections: they may be replaced later
-        # (LoRA after fusing) by modules without ``in_features``. d_in None: unknown.
-        d_out = int(d_out)
-        check_head_split(d_out, num_heads)
-        self.d_in = None if d_in is None else int(d_in)
-        self.d_out = d_out
-        self.num_heads = int(num_heads)
-        self.head_dim = d_out // self.num_heads
-        self.context_length = int(context_length)
-        self.W_query = W_query
-        self.W_key = W_key
-        self.W_value = W_value
-        self.out_proj = out_proj
-        self.dropout = dropout
+    @classmethod
+    def _num_heads_of(cls, module):
+        return module.num_heads
 
     @classmethod
     def from_module(cls, module):
@@ -414,33 +425,15 @@ class FusedMultiHeadAttention(_StatelessCausalMask):
         and train/eval mode. Raises ValueError if ``module.mask`` is not causal or the heads do
         not split ``d_out``.
         """
-        ctx, d_in, d_out = _twin_sizes(module)
-        fused = cls.__new__(cls)
-        nn.Module.__init__(fused)
-        fused._setup(module.W_query, module.W_key, module.W_value, module.out_proj,
-                     _copied_dropout(module.dropout), ctx, module.num_heads, d_in, d_out)
-        fused.training = module.training
-        return fused
+        return cls._twin_of(module)
 
     def forward(self, x):
         """x (b, n, d_in) -> (b, n, d_out)."""
         b, n = _check_input(self, x, self.d_in, self.context_length)
         H, hd = self.num_heads, self.head_dim
         q, k, v = _project_qkv(self, x)                      # (b, n, d_out) each
-        # Zero-copy head split: (b, n, d_out) -> (b, n, H, hd) -> (b, H, n, hd) strided views
-        # that the kernel reads in place (the book's transposes, minus any copy).
-        q = q.view(b, n, H, hd).transpose(1, 2)
-        k = k.view(b, n, H, hd).transpose(1, 2)
-        v = v.view(b, n, H, hd).transpose(1, 2)
-        o = _ops.attention(q, k, v, causal=True, dropout_p=self._dropout_p())  # (b, H, n, hd)
-        # The kernel writes o in q's memory layout, (b, n, H, hd): this merge is a free view
-        # where the book needs .contiguous() (a copy).
-        o = o.transpose(1, 2).reshape(b, n, self.d_out)      # (b, n, d_out)
+        o = _attend_heads(q, k, v, (b, n, H, hd), self._dropout_p())   # (b, n, d_out)
         return self.out_proj(o)
-
-    def _dropout_p(self):
-        """Dropout rate for this call: the module's in training mode, 0 in eval mode."""
-        return float(self.dropout.p) if self.training else 0.0
 
     def extra_repr(self):
         return (f"num_heads={self.num_heads}, head_dim={self.head_dim}, "
