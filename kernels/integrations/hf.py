@@ -89,7 +89,7 @@ def register(name: str = NAME) -> None:
         raise ValueError(f"name must be a plain non-empty string without '/' or ':' (those "
                          f"name Hugging Face hub kernels), got {name!r}")
     transformers, masking_utils = _transformers()
-    transformers.AttentionInterface.register(name, attention_forward)
+    transformers.AttentionInterface.register(name, attention_function)
     masking_utils.AttentionMaskInterface.register(name, mask_hook)
 
 
@@ -274,32 +274,34 @@ def mask_hook(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fun
 # --------------------------------------------------------------------------------------------
 # The attention function
 # --------------------------------------------------------------------------------------------
-def _unsupported(what):
+def _not_implemented(what):
+    """The NotImplementedError for a feature the model asked for that we do not compute (it
+    names the feature and points to the implementations that do)."""
     return NotImplementedError(f"attn_implementation='triton_fused' does not support {what}; "
                                f"{_HINT}")
 
 
-def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                      sliding_window=None, is_causal=None, **kwargs):
+def attention_function(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                       sliding_window=None, is_causal=None, **kwargs):
     """transformers' ``AttentionInterface`` entry: q (batch, heads, q_len, head_dim), k, v
     (batch, heads_kv, k_len, head_dim) -> ((batch, q_len, heads, head_dim), None)."""
     for name, what in _UNSUPPORTED_KWARGS.items():
         if kwargs.get(name) is not None:
-            raise _unsupported(what)
+            raise _not_implemented(what)
     cache = kwargs.get("cache")
     if cache is not None and type(cache).__name__ == "PagedAttentionCache":
-        raise _unsupported("a paged KV cache (continuous batching)")
+        raise _not_implemented("a paged KV cache (continuous batching)")
     if kwargs.get("output_attentions"):
         warnings.warn("attn_implementation='triton_fused' never materialises the attention "
                       "weights: output_attentions=True returns None for them (use "
                       "attn_implementation='eager' to get them)", stacklevel=2)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     if not causal:
-        raise _unsupported("non-causal attention (an encoder, cross-attention or "
-                           "is_causal=False layer)")
+        raise _not_implemented("non-causal attention (an encoder, cross-attention or "
+                               "is_causal=False layer)")
     if value.shape[-1] != query.shape[-1]:
-        raise _unsupported(f"a value head_dim ({value.shape[-1]}) different from the query's "
-                           f"({query.shape[-1]})")
+        raise _not_implemented(f"a value head_dim ({value.shape[-1]}) different from the query's "
+                               f"({query.shape[-1]})")
     batch, heads, q_len, head_dim = query.shape
     k_len = key.shape[2]
     dropout_p = float(dropout or 0.0)
@@ -313,20 +315,20 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     elif isinstance(attention_mask, MaskInfo):
         info = attention_mask
         if info.unsupported:
-            raise _unsupported(info.unsupported)
+            raise _not_implemented(info.unsupported)
         if (info.batch_size, info.q_length, info.kv_length) != (batch, q_len, k_len):
-            raise _unsupported(f"q {tuple(query.shape)}, k {tuple(key.shape)} with a mask built "
-                               f"for batch {info.batch_size}, q_len {info.q_length}, "
-                               f"k_len {info.kv_length}")
+            raise _not_implemented(f"q {tuple(query.shape)}, k {tuple(key.shape)} with a mask "
+                                   f"built for batch {info.batch_size}, q_len {info.q_length}, "
+                                   f"k_len {info.kv_length}")
         if _effective(sliding_window, info.kv_used) != _effective(info.window, info.kv_used):
-            raise _unsupported(f"a layer with sliding_window={sliding_window} given a mask "
-                               f"with window {info.window} (transformers' implementations "
-                               f"disagree on which wins)")
+            raise _not_implemented(f"a layer with sliding_window={sliding_window} given a mask "
+                                   f"with window {info.window} (transformers' implementations "
+                                   f"disagree on which wins)")
     else:
-        raise _unsupported(f"an attention mask tensor of shape "
-                           f"{tuple(getattr(attention_mask, 'shape', ()))} (a custom or "
-                           f"pre-built mask; triton_fused reads the padding through its mask "
-                           f"hook, registered by kernels.hf.register)")
+        raise _not_implemented(f"an attention mask tensor of shape "
+                               f"{tuple(getattr(attention_mask, 'shape', ()))} (a custom or "
+                               f"pre-built mask; triton_fused reads the padding through its mask "
+                               f"hook, registered by kernels.hf.register)")
     _check_flash_kwargs(kwargs, info)
 
     if info.dense:
@@ -372,7 +374,7 @@ def _check_flash_kwargs(kwargs, info):
             continue
         if (ours is None or info.indices_q is not None or given.numel() != ours.numel()
                 or not torch.equal(given.to(ours.device, torch.int32), ours)):
-            raise _unsupported("cu_seq_lens_q/k that do not match the packed sequences the "
-                               "mask marks (transformers reads packed sequences from "
-                               "position_ids restarting at each one, only without an "
-                               "attention mask and without a cache: pass use_cache=False)")
+            raise _not_implemented("cu_seq_lens_q/k that do not match the packed sequences the "
+                                   "mask marks (transformers reads packed sequences from "
+                                   "position_ids restarting at each one, only without an "
+                                   "attention mask and without a cache: pass use_cache=False)")

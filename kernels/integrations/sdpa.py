@@ -97,23 +97,24 @@ def overridden_ops():
 # --------------------------------------------------------------------------------------------
 # Argument translation
 # --------------------------------------------------------------------------------------------
-def _unsupported(what):
+def _unsupported_arg(what):
+    """The RuntimeError for a flash-op argument (or combination) our kernel does not honour."""
     return RuntimeError(f"kernels.sdpa ({NAME} flash attention): {what} is not supported")
 
 
 def _check_extras(return_debug_mask=False, alibi_slopes=None, seqused_k=None,
                   block_table=None, num_splits=None, **unknown):
     if return_debug_mask:
-        raise _unsupported("return_debug_mask=True")
+        raise _unsupported_arg("return_debug_mask=True")
     for name, value in (("alibi_slopes", alibi_slopes), ("seqused_k", seqused_k),
                         ("block_table (paged KV)", block_table)):
         if value is not None:
-            raise _unsupported(name)
+            raise _unsupported_arg(name)
     if num_splits is not None and num_splits > 1:
-        raise _unsupported(f"num_splits={num_splits}")
+        raise _unsupported_arg(f"num_splits={num_splits}")
     extra = {k: v for k, v in unknown.items() if v is not None}
     if extra:
-        raise _unsupported(f"argument(s) {sorted(extra)}")
+        raise _unsupported_arg(f"argument(s) {sorted(extra)}")
 
 
 def _causal_window(is_causal, window_size_left, window_size_right):
@@ -126,8 +127,8 @@ def _causal_window(is_causal, window_size_left, window_size_right):
         return True, (left + 1 if left >= 0 else None)
     if right < 0 and left < 0:
         return False, None
-    raise _unsupported(f"window_size_left={left}, window_size_right={right} (only causal "
-                       f"windows: window_size_right=0)")
+    raise _unsupported_arg(f"window_size_left={left}, window_size_right={right} (only causal "
+                           f"windows: window_size_right=0)")
 
 
 def _new_seed(dropout_p):
@@ -188,7 +189,7 @@ def flash_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout
     seed = _new_seed(dropout_p)
     packed = cum_seq_q is not None
     if (cum_seq_k is not None) != packed:
-        raise _unsupported("cum_seq_q without cum_seq_k (or the reverse)")
+        raise _unsupported_arg("cum_seq_q without cum_seq_k (or the reverse)")
     q, k, v = (query, key, value) if packed else _bshd(query, key, value)
     out, lse = ops.forward_with_lse(
         q, k, v, causal=causal, dropout_p=float(dropout_p), softmax_scale=scale, seed=seed,

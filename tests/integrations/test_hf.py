@@ -112,7 +112,7 @@ def _padded_batch(lengths, total, *, left):
 # --------------------------------------------------------------------------------------------
 def test_register_installs_attention_and_mask_hook():
     hf.register()  # idempotent
-    assert transformers.AttentionInterface._global_mapping[hf.NAME] is hf.attention_forward
+    assert transformers.AttentionInterface._global_mapping[hf.NAME] is hf.attention_function
     assert mu.AttentionMaskInterface._global_mapping[hf.NAME] is hf.mask_hook
     model = transformers.AutoModelForCausalLM.from_config(_config("llama"),
                                                           attn_implementation=hf.NAME)
@@ -191,7 +191,7 @@ def test_attention_matches_transformers_mask(case):
 
     q = torch.randn(batch, heads, q_len, dim)
     k, v = torch.randn(batch, heads_kv, kv_len, dim), torch.randn(batch, heads_kv, kv_len, dim)
-    out, weights = hf.attention_forward(_Module(), q, k, v, info, scaling=0.3,
+    out, weights = hf.attention_function(_Module(), q, k, v, info, scaling=0.3,
                                         sliding_window=window)
     assert weights is None and out.shape == (batch, q_len, heads, dim)
 
@@ -217,22 +217,22 @@ def test_unsupported_patterns_raise():
         info = hf.mask_hook(**sizes, mask_function=fn)
         assert info.unsupported, what
         with pytest.raises(NotImplementedError, match="does not support"):
-            hf.attention_forward(module, x, x, x, info)
+            hf.attention_function(module, x, x, x, info)
     holes = hf.mask_hook(**sizes, mask_function=mu.sliding_window_causal_mask_function(2),
                          attention_mask=torch.tensor([[True, False, True, True]]), local_size=2)
     with pytest.raises(NotImplementedError, match="holes"):
-        hf.attention_forward(module, x, x, x, holes, sliding_window=2)
+        hf.attention_function(module, x, x, x, holes, sliding_window=2)
     for kwargs, what in (({"softcap": 30.0}, "softcap"), ({"s_aux": torch.zeros(2)}, "sinks"),
                          ({"sinks": torch.zeros(2)}, "sinks"), ({"is_causal": False}, "non-causal"),
                          ({"position_bias": torch.zeros(1, 2, 4, 4)}, "position bias")):
         with pytest.raises(NotImplementedError, match=what):
-            hf.attention_forward(module, x, x, x, None, **kwargs)
+            hf.attention_function(module, x, x, x, None, **kwargs)
     with pytest.raises(NotImplementedError, match="attention mask tensor"):
-        hf.attention_forward(module, x, x, x, torch.zeros(1, 1, 4, 4))
+        hf.attention_function(module, x, x, x, torch.zeros(1, 1, 4, 4))
     with pytest.raises(NotImplementedError, match="value head_dim"):
-        hf.attention_forward(module, x, x, x[..., :4], None)
+        hf.attention_function(module, x, x, x[..., :4], None)
     with pytest.raises(NotImplementedError, match="sliding_window=2"):  # layer vs mask window
-        hf.attention_forward(module, x, x, x, hf.mask_hook(**sizes), sliding_window=2)
+        hf.attention_function(module, x, x, x, hf.mask_hook(**sizes), sliding_window=2)
 
 
 def test_models_refuse_what_they_cannot_do_exactly():
