@@ -9,7 +9,7 @@
     torch.nn.attention.restore_flash_attention_impl()                  # back to PyTorch's own
 
 Activation overrides the CUDA kernels of PyTorch's flash ops (as torch's own FA4 provider,
-``torch/nn/attention/_fa4.py``, does): ``aten::_scaled_dot_product_flash_attention`` and its
+``torch.nn.attention._fa4``, does): ``aten::_scaled_dot_product_flash_attention`` and its
 backward (what ``F.scaled_dot_product_attention`` calls), and ``aten::_flash_attention_forward``
 / ``_backward`` (dense (batch, seq, heads, dim) or packed with ``cum_seq_q/k``, with FA2's
 ``window_size_left/right``). Semantics are those of the ops being replaced:

@@ -1,4 +1,5 @@
-"""Twins of llms-from-scratch's attention classes (kernels/integrations/book/) against the package itself.
+"""Twins of llms-from-scratch's attention classes (kernels/integrations/book/) against the
+package itself.
 
 The package (``pip install --no-deps llms-from-scratch==1.0.19``) is the oracle: every twin
 is compared with its package class holding the same weights, in float64 (``.double()`` copies,

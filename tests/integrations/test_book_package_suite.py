@@ -1,14 +1,14 @@
 """llms-from-scratch's own test files, unchanged, run against models fused by fuse_attention.
 
 A subprocess runs ``python -m pytest -p fuse_book_models <the package's test files>`` (plugin:
-tests/integrations/book_suite/fuse_book_models.py) in a temporary directory with ``TRITON_INTERPRET=1``: every
-model the package's tests construct (GPTModel, Llama3Model, Qwen3Model and their KV-cache
-variants) is fused in its constructor, and every attention module they build directly is
-replaced by its twin; a construction where ``fuse_attention`` swaps fewer than all of the
-package's attention modules fails its test. This test then checks, from the plugin's record,
-that exactly the selected tests ran and passed, that each built and fused as many attention
-modules as listed below, and that its attention ran on the Triton kernel (launches counted,
-PyTorch fallback never called).
+tests/integrations/book_suite/fuse_book_models.py) in a temporary directory with
+``TRITON_INTERPRET=1``: every model the package's tests construct (GPTModel, Llama3Model,
+Qwen3Model and their KV-cache variants) is fused in its constructor, and every attention
+module they build directly is replaced by its twin; a construction where ``fuse_attention``
+swaps fewer than all of the package's attention modules fails its test. This test then checks,
+from the plugin's record, that exactly the selected tests ran and passed, that each built and
+fused as many attention modules as listed below, and that its attention ran on the Triton
+kernel (launches counted, PyTorch fallback never called).
 
 Selection (llms-from-scratch 1.0.19, each test run once unfused to classify it): ``SELECTED``
 are the package's tests that pass offline; ``LEFT_OUT`` the rest of those files, with why (no

@@ -1,4 +1,5 @@
-"""fuse_attention (kernels/integrations/fuse.py): swapping the book's attention modules inside a model.
+"""fuse_attention (kernels/integrations/fuse.py): swapping the book's attention modules inside
+a model.
 
 A tiny GPTModel (reference/gpt.py) is fused in place; training with an optimizer created before
 the swap, greedy generation and state_dicts must behave as in the unfused model. Parity follows
@@ -193,8 +194,9 @@ def test_fused_gpt_in_low_precision(dtype):
 
 
 def test_greedy_generation_gpt_124m_unchanged():
-    """The issue's check at full size: GPT_CONFIG_124M (12 layers x 12 heads, random weights
-    under the book's seed), greedy generation from the book's "Hello, I am" tokens."""
+    """Fusing GPT_CONFIG_124M at full size (12 layers x 12 heads, random weights under the
+    book's seed) leaves its greedy generation from the book's "Hello, I am" tokens unchanged,
+    token for token."""
     from reference import GPT_CONFIG_124M, GPTModel
     torch.manual_seed(123)
     model = GPTModel(GPT_CONFIG_124M).to(DEVICE).eval()

@@ -1,5 +1,6 @@
-"""fuse_attention safety (issue 11): overridden or look-alike forwards are swapped only after a
-numerical check, forwards the twin cannot call are never swapped, verbose/strict reporting."""
+"""fuse_attention safety: a model is never silently changed. Overridden or look-alike forwards
+are swapped only after a numerical check, forwards the twin cannot call are never swapped, and
+verbose/strict report what was left alone."""
 import pytest
 import torch
 import torch.nn as nn

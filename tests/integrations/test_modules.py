@@ -1,4 +1,5 @@
-"""The fused drop-in modules (kernels/integrations/modules.py) against the book's modules (reference/).
+"""The fused drop-in modules (kernels/integrations/modules.py) against the book's modules
+(reference/).
 
 Parity follows tests/helpers.py: a float64 copy of the reference module is the oracle, the
 reference module in the test dtype is the baseline, and the fused module must be within

@@ -1,8 +1,8 @@
 """pytest plugin: run ``llms-from-scratch``'s own tests with every model they build fused.
 
-Loaded by ``tests/integrations/test_book_package_suite.py`` as ``python -m pytest -p fuse_book_models ...``
-(this directory on ``PYTHONPATH``) over the package's installed test files, which stay
-unchanged. It
+Loaded by ``tests/integrations/test_book_package_suite.py`` as
+``python -m pytest -p fuse_book_models ...`` (this directory on ``PYTHONPATH``) over the
+package's installed test files, which stay unchanged. It
 
 * wraps ``__init__`` of each model class of the package (``ch04.GPTModel``, ``GPTModelFast``,
   ``kv_cache.gpt2.GPTModel``, the plain and KV-cache ``Llama3Model`` / ``Llama3ModelFast``, the
