@@ -66,7 +66,8 @@ def _attn_fwd(Q, K, V, O, LSE,
     ``seq`` (SeqArgs: group, lengths; VARLEN: B = 1 with zero batch strides and sequence b is
     rows cu_q[b]:cu_q[b+1] of Q (cu_k for K, V); SEQUSED_K: batch entry b has k_lens[b] keys, a
     KV cache's filled length), ``score`` (ScoreArgs), ``drop`` (DropArgs: the dropout mask's
-    row ids and columns, kernels/core/dropout.py), ``split`` (SplitArgs).
+    row ids and columns, kernels/core/dropout.py), ``split`` (SplitArgs). DROPOUT: 0 off, 1 on,
+    2 on at a column offset off the 4-column Philox groups (``AttentionCall.dropout_mode``).
     LSE: fp32, entry (b, h, i) at b * stride_lse[0] + h * stride_lse[1] + row start + i; natural
     log, -inf for rows with no key. SPLIT: O and LSE are not written; split s writes its
     normalised partial output and lse to split.o_part[s, r, :HEAD_DIM] and split.lse_part[s, r]
