@@ -75,3 +75,127 @@ def dropout_keep_tile(seed, row_base, offs_m, start_n, groups, threshold,
         word = (cols % 4)[None, :]
         r = tl.where(word == 0, r0, tl.where(word == 1, r1, tl.where(word == 2, r2, r3)))
     return (r >> _DROPOUT_SHIFT).to(tl.int32) >= threshold
+
+
+# --------------------------------------------------------------------------------------------
+# The same mask in PyTorch, for the CPU fallback (kernels/core/fallback.py)
+# --------------------------------------------------------------------------------------------
+import torch  # noqa: E402  (only the PyTorch twin below needs it)
+
+# Philox-4x32-10 as tl.randint4x computes it (triton/language/random.py): key (seed_lo,
+# seed_hi) bumped by these Weyl increments after each round, round multipliers A and B.
+_U32 = 0xFFFFFFFF
+_KEY_BUMP = (0x9E3779B9, 0xBB67AE85)
+_MUL_A = 0xD2511F53
+_MUL_B = 0xCD9E8D57
+_ROUNDS = 10
+# Philox counters per chunk of dropout_mask_block: its six int64 work buffers are 3 MiB.
+# Each PyTorch op costs a few microseconds however small: 8k counters per chunk ran at
+# ~90 ns per counter, 64k at ~45, 256k at ~38 (one thread).
+_CHUNK_COUNTERS = 1 << 16
+
+
+def philox_words(seed, counter, bufs=None):
+    """The four words of ``tl.randint4x(seed, counter)`` (Philox-4x32-10), bit for bit.
+
+    Args:
+        seed: int in [0, 2**63); its low and high 32 bits are the key.
+        counter: 1-D int64 tensor of counters in [0, 2**63); its low and high 32 bits are the
+            first two counter words (the last two are 0), as for an int64 ``tl.randint4x``
+            offset.
+        bufs: optional int64 tensor (6, >= len(counter)) of work space; ``counter`` may be
+            one of its rows but the first two.
+
+    Returns:
+        Four int64 tensors of ``counter``'s length (views of ``bufs``) holding the uint32
+        words in [0, 2**32).
+
+    The state is kept in int64. A uint32 times a 32-bit constant is below 2**64, so int64
+    multiplication (which wraps) keeps all 64 bits of the product: ``p >> 32`` masked to 32
+    bits is the high word, ``p`` itself the low word for as long as it only feeds an xor whose
+    result is masked. Only the two words that are multiplied next are masked: 9 tensor ops a
+    round, all in place.
+    """
+    n = counter.numel()
+    if bufs is None:
+        bufs = torch.empty((6, n), dtype=torch.int64, device=counter.device)
+    c0, c1, c2, c3, pa, pb = (b[:n] for b in bufs)
+    k0, k1 = seed & _U32, (seed >> 32) & _U32
+    torch.bitwise_and(counter, _U32, out=c0)
+    torch.bitwise_right_shift(counter, 32, out=c1)  # < 2**31 for counter >= 0
+    # Round 1, with c2 = c3 = 0: c0' = c1 ^ k0, c1' = 0, c2' = hi(A c0) ^ k1, c3' = lo(A c0).
+    torch.mul(c0, _MUL_A, out=pa)
+    torch.bitwise_right_shift(pa, 32, out=c2).bitwise_xor_(k1).bitwise_and_(_U32)
+    c0, c1, c3, pa = c1.bitwise_xor_(k0), c0, pa, c3  # c1 is 0: its buffer is spare
+    c1_zero = True
+    for _ in range(_ROUNDS - 1):
+        k0, k1 = (k0 + _KEY_BUMP[0]) & _U32, (k1 + _KEY_BUMP[1]) & _U32
+        torch.mul(c2, _MUL_B, out=pb)
+        torch.mul(c0, _MUL_A, out=pa)
+        # c0' = hi(B c2) ^ c1 ^ k0 into c2's buffer, c2' = hi(A c0) ^ c3 ^ k1 into c0's
+        # (masked: they are multiplied next round); c1' = lo(B c2), c3' = lo(A c0) unmasked.
+        t0 = torch.bitwise_right_shift(pb, 32, out=c2)
+        if not c1_zero:
+            t0.bitwise_xor_(c1)
+        t0.bitwise_xor_(k0).bitwise_and_(_U32)
+        t2 = torch.bitwise_right_shift(pa, 32, out=c0).bitwise_xor_(c3).bitwise_xor_(k1)
+        t2.bitwise_and_(_U32)
+        c0, c1, c2, c3, pb, pa = t0, pb, t2, pa, c1, c3
+        c1_zero = False
+    return c0, c1.bitwise_and_(_U32), c2, c3.bitwise_and_(_U32)
+
+
+def dropout_mask_block(seed, rows, col_start, col_end, dropout_p, groups, keep=True,
+                       out=None):
+    """The kernels' dropout mask (module docstring) in PyTorch, for the rows with ids ``rows``
+    and the key columns [``col_start``, ``col_end``).
+
+    Args:
+        seed: int in [0, 2**63), the seed given to the kernel.
+        rows: 1-D integer tensor of row ids (dense: ``(b * heads_q + h) * q_len + i``; packed:
+            ``h * total_q + cu_seqlens_q[s] + i``; plus ``row_offset`` for a block).
+        col_start, col_end: key columns (plus ``col_offset`` for a block); any ``col_start``,
+            not only a multiple of 4: column j takes word ``j % 4`` of its group's Philox call.
+        dropout_p: drop probability in [0, 1).
+        groups: Philox counters per row id (``ceil(k_len / 4)`` dense, ``ceil(total_k / 4)``
+            packed).
+        keep: True: True = kept; False: True = dropped.
+        out: optional bool tensor (len(rows), col_end - col_start) to write (any strides).
+
+    Returns:
+        bool tensor (len(rows), col_end - col_start) on ``rows``' device.
+
+    Only the Philox calls of the asked columns are made, in chunks of about
+    ``_CHUNK_COUNTERS`` calls whose work space (~6 MiB) is reused: memory does not grow with
+    the block.
+    """
+    n_rows, n_cols = rows.numel(), col_end - col_start
+    device = rows.device
+    if out is None:
+        out = torch.empty((n_rows, max(n_cols, 0)), dtype=torch.bool, device=device)
+    if n_rows == 0 or n_cols <= 0:
+        return out
+    g0, g1 = col_start // 4, (col_end + 3) // 4
+    n_groups, skip = g1 - g0, col_start - 4 * g0
+    # Kept iff word >> 8 >= threshold, i.e. iff word >= threshold << 8 (words are unsigned).
+    bound = dropout_threshold(dropout_p) << (32 - DROPOUT_BITS)
+    compare = torch.ge if keep else torch.lt
+    chunk = max(1, _CHUNK_COUNTERS // n_groups)
+    size = min(chunk, n_rows) * n_groups
+    bufs = torch.empty((6, size), dtype=torch.int64, device=device)
+    bits = torch.empty(size * 4, dtype=torch.bool, device=device)
+    group_ids = torch.arange(g0, g1, dtype=torch.int64, device=device)
+    row_ids = rows.to(torch.int64) * groups
+    for r0 in range(0, n_rows, chunk):
+        r1 = min(r0 + chunk, n_rows)
+        counter = bufs[4, :(r1 - r0) * n_groups]
+        torch.add(row_ids[r0:r1, None], group_ids, out=counter.view(r1 - r0, n_groups))
+        words = philox_words(seed, counter, bufs)
+        aligned = skip == 0 and n_cols == 4 * n_groups and out[r0:r1].is_contiguous()
+        dest = out[r0:r1] if aligned else bits[:counter.numel() * 4]
+        dest = dest.view(r1 - r0, n_groups, 4)
+        for w in range(4):  # word w of group g is column 4 g + w
+            compare(words[w].view(r1 - r0, n_groups), bound, out=dest[:, :, w])
+        if not aligned:
+            out[r0:r1] = dest.view(r1 - r0, 4 * n_groups)[:, skip:skip + n_cols]
+    return out

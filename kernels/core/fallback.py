@@ -13,25 +13,26 @@
   out for every row it reaches, as in the kernels and the oracle).
 * Everything else (our dropout mask, windows, q_len != k_len causal, packed sequences) is
   computed block by block over query rows, each block against only the keys it can see, so
-  memory stays O(block · k_len) instead of O(q_len · k_len).
+  memory stays O(block · k_len) instead of O(q_len · k_len); with more than one PyTorch
+  thread, by worker threads over independent parts (see "Worker threads" below).
 
 The visibility rule and the dropout row ids mirror kernels/core/tiles.py and
-kernels/core/dropout.py; the dropout bits come from ``reference.dropout`` (the PyTorch twin of
-the kernels' counter).
+kernels/core/dropout.py; the dropout bits come from ``dropout_mask_block`` there (the kernels'
+Philox counter in PyTorch; ``reference.dropout`` is the tests' independent oracle of it).
 """
+import functools
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 
 from .call import lse_shape
+from .dropout import dropout_mask_block
 
-# Score elements per block of query rows (all batches and heads together): a few fp32
-# temporaries of this size are alive at once, ~4 MiB each.
+# Score elements per block of query rows: two fp32 buffers of this size (4 MiB each) and one
+# bool mask are the blockwise path's temporaries, allocated once per task and reused by every
+# block (with several worker threads, each gets _BLOCK_ELEMS / threads: the same total).
 _BLOCK_ELEMS = 1 << 20
-
-
-def _row_blocks(batch, heads, q_len, k_len):
-    """[start, end) query-row blocks whose (batch, heads, rows, k_len) scores fit _BLOCK_ELEMS."""
-    rows = max(1, min(q_len, _BLOCK_ELEMS // max(1, batch * heads * k_len)))
-    return [(i, min(i + rows, q_len)) for i in range(0, q_len, rows)]
 
 
 def _key_span(i0, i1, q_len, k_len, causal, window):
@@ -42,6 +43,44 @@ def _key_span(i0, i1, q_len, k_len, causal, window):
     k1 = min(max(i1 + diag, 0), k_len)
     k0 = 0 if window is None else min(max(i0 + diag - window + 1, 0), k1)
     return k0, k1
+
+
+def _row_blocks(rows_cost, q_len, k_span, elems):
+    """[start, end) query-row blocks whose ``rows_cost`` (batch * heads) x rows x visible keys
+    fit ``elems`` (at least one row per block). ``k_span(i0, i1)`` = the keys rows [i0, i1)
+    see: causal blocks near the top and windowed blocks see few keys, so they take more rows."""
+    def fits(i0, rows):
+        k0, k1 = k_span(i0, i0 + rows)
+        return rows_cost * rows * max(k1 - k0, 1) <= elems
+
+    blocks, i0 = [], 0
+    while i0 < q_len:
+        lo, hi = 1, q_len - i0  # lo fits (or is the 1-row minimum); find the largest that fits
+        if not fits(i0, hi):
+            while lo * 2 < hi and fits(i0, lo * 2):
+                lo *= 2
+            hi = min(hi, lo * 2)
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if fits(i0, mid) else (lo, mid)
+        else:
+            lo = hi
+        blocks.append((i0, i0 + lo))
+        i0 += lo
+    return blocks
+
+
+def _partial_columns(i0, i1, k0, k1, q_len, k_len, causal, window):
+    """[c0, c1) column ranges of keys [k0, k1) that some but not all of the rows [i0, i1) see
+    (kernels/core/tiles.visible): only those need a mask, the columns between are seen by
+    every row of the block."""
+    if not causal:
+        return []
+    diag = k_len - q_len
+    spans = [(max(k0, i0 + diag + 1), k1)]  # the diagonal: row i sees keys <= i + diag
+    if window is not None:  # the window's edge: row i sees keys > i + diag - window
+        spans.append((k0, min(k1, i1 + diag - window)))
+    return [(c0, c1) for c0, c1 in spans if c0 < c1]
 
 
 def block_visible(i0, i1, k0, k1, q_len, k_len, causal, window, device):
@@ -57,58 +96,100 @@ def block_visible(i0, i1, k0, k1, q_len, k_len, causal, window, device):
     return vis
 
 
+def _mask_invisible(s, i0, i1, k0, spans, q_len, k_len, causal, window):
+    """-inf into the scores ``s`` (..., i1 - i0, k1 - k0) where query i does not see key j,
+    in the column ``spans`` (the only ones where some row does not)."""
+    for c0, c1 in spans:
+        hidden = ~block_visible(i0, i1, c0, c1, q_len, k_len, causal, window, s.device)
+        s[..., c0 - k0:c1 - k0].masked_fill_(hidden, float("-inf"))
+
+
 class _Dense:
     """One dense problem: q (B, H, q_len, D), k/v (B, H_kv, k_len, D), fp32 math; dropout rows
-    ``row_base[b, h] + i`` with ``groups`` counters per row (kernels/core/dropout.py)."""
+    ``row_base[b, h] + i`` with ``groups`` counters per row (kernels/core/dropout.py).
+
+    Grouped-query heads are computed per kv head with the group's query heads stacked as rows
+    (B, H_kv, group * rows, D): k and v are read as they are (never expanded), and dK / dV
+    come out summed over the group by the matmuls themselves."""
 
     def __init__(self, q, k, v, causal, window, softmax_scale, dropout_p, seed, row_base,
                  groups, col_offset=0):
-        self.group = q.shape[1] // k.shape[1]
-        self.q, self.k, self.v = q.float(), self._expand(k.float()), self._expand(v.float())
+        self.B, self.H, self.q_len, self.D = q.shape
+        self.H_kv, self.k_len = k.shape[1], k.shape[2]
+        self.group = self.H // self.H_kv if self.H_kv else 1
+        self.q, self.k, self.v = q.detach(), k.detach(), v.detach()
         self.causal, self.window, self.scale = causal, window, softmax_scale
         self.dropout_p, self.seed, self.row_base, self.groups = dropout_p, seed, row_base, groups
         self.col_offset = col_offset
+        self.elems = _BLOCK_ELEMS
 
-    def _expand(self, x):
-        return x.repeat_interleave(self.group, dim=1) if self.group > 1 else x
+    def sub(self, bs, hs):
+        """The sub-problem of the batches ``bs`` and kv heads ``hs`` (slices), with their query
+        heads, and its index into (q-side, kv-side) tensors."""
+        g = slice(hs.start * self.group, hs.stop * self.group)
+        sub = _Dense(self.q[bs, g], self.k[bs, hs], self.v[bs, hs], self.causal, self.window,
+                     self.scale, self.dropout_p, self.seed, self.row_base[bs, g], self.groups,
+                     self.col_offset)
+        return sub, (bs, g), (bs, hs)
 
-    def reduce_group(self, x):
-        """(B, H, k_len, D) gradient of the expanded k/v -> (B, H_kv, k_len, D)."""
-        if self.group == 1:
-            return x
-        B, H, n, D = x.shape
-        return x.view(B, H // self.group, self.group, n, D).sum(2)
+    def work(self, blocks=None):
+        """Score elements (B * H * visible keys) of ``blocks`` (default: all rows), per block."""
+        blocks = [(0, self.q_len)] if blocks is None else blocks
+        return [self.B * self.H * (i1 - i0) * (k1 - k0)
+                for i0, i1 in blocks for k0, k1 in [self.keys(i0, i1)]]
 
     def blocks(self):
-        B, H, q_len, _ = self.q.shape
-        return _row_blocks(B, H, q_len, self.k.shape[2])
+        return _row_blocks(self.B * self.H, self.q_len, self.keys, self.elems)
 
     def keys(self, i0, i1):
         """[k0, k1): the only keys rows [i0, i1) see (causal and window bound the work)."""
-        return _key_span(i0, i1, self.q.shape[2], self.k.shape[2], self.causal, self.window)
+        return _key_span(i0, i1, self.q_len, self.k_len, self.causal, self.window)
 
-    def scores(self, i0, i1, k0, k1):
-        """Scaled scores of rows [i0, i1) x keys [k0, k1), -inf where invisible:
-        (B, H, i1 - i0, k1 - k0)."""
-        q_len, k_len = self.q.shape[2], self.k.shape[2]
-        s = torch.matmul(self.q[:, :, i0:i1], self.k[:, :, k0:k1].transpose(-2, -1)) * self.scale
-        vis = block_visible(i0, i1, k0, k1, q_len, k_len, self.causal, self.window, s.device)
-        return s.masked_fill(~vis, float("-inf"))
+    def scratch(self, blocks, n):
+        """``n`` fp32 buffers and one bool buffer, each the size of the largest block's
+        (B, H, rows, keys) scores."""
+        size = max(self.work(blocks) + [0])
+        return ([torch.empty(size, dtype=torch.float32, device=self.k.device)
+                 for _ in range(n)], torch.empty(size, dtype=torch.bool, device=self.k.device))
 
-    def drop(self, i0, i1, k0, k1):
-        """Dropout factor keep / (1 - p) of rows [i0, i1) x keys [k0, k1) (1.0 without
-        dropout)."""
+    def rows(self, x, i0, i1):
+        """Rows [i0, i1) of ``x`` (B, H, len, D) as fp32 (B, H_kv, group * rows, D),
+        contiguous (a view of ``x`` where it already is one: read only)."""
+        x = x[:, :, i0:i1].float().unflatten(1, (self.H_kv, self.group))
+        return x.reshape(self.B, self.H_kv, -1, x.shape[-1]).contiguous()
+
+    def put_rows(self, x, i0, i1, value):
+        """Write ``value`` (B, H_kv, group * rows, ...) into rows [i0, i1) of ``x`` (B, H, len,
+        ...)."""
+        value = value.view(self.B, self.H_kv, self.group, i1 - i0, *value.shape[3:])
+        x[:, :, i0:i1] = value.flatten(1, 2)
+
+    def scores(self, q_s, i0, i1, k0, k1, buf):
+        """Scores of the scaled query rows ``q_s`` (B, H_kv, group * rows, D) x keys [k0, k1),
+        -inf where invisible, in ``buf``: (B, H_kv, group * rows, k1 - k0)."""
+        n = k1 - k0
+        s = buf[:q_s.shape[2] * n * self.B * self.H_kv].view(self.B, self.H_kv, -1, n)
+        torch.matmul(q_s, self.k[:, :, k0:k1].float().transpose(-2, -1), out=s)
+        spans = _partial_columns(i0, i1, k0, k1, self.q_len, self.k_len, self.causal,
+                                 self.window)
+        if spans:
+            _mask_invisible(s.view(self.B, self.H_kv, self.group, i1 - i0, n), i0, i1, k0, spans,
+                            self.q_len, self.k_len, self.causal, self.window)
+        return s
+
+    def dropped(self, i0, i1, k0, k1, buf):
+        """Bool (B, H_kv, group * rows, k1 - k0) in ``buf``: True where dropout drops the
+        weight (the kernels' Philox mask, kernels/core/dropout.py); None without dropout."""
         if self.dropout_p == 0:
-            return 1.0
-        from reference.dropout import dropout_keep_rows
-        B, H, _, _ = self.q.shape
-        rows = (self.row_base[:, :, None]
-                + torch.arange(i0, i1, device=self.q.device)[None, None, :]).reshape(-1)
-        # The counters of columns [0, k1), of which [k0, k1) are kept: Philox words come in
-        # groups of 4 columns, so the mask is cut from the row's first column on.
+            return None
+        rows = (self.row_base.reshape(self.B, self.H_kv, self.group, 1)
+                + torch.arange(i0, i1, device=self.k.device)).reshape(-1)
+        n = k1 - k0
+        out = buf[:rows.numel() * n].view(rows.numel(), n)
         c = self.col_offset
-        keep = dropout_keep_rows(self.seed, rows, c + k1, self.dropout_p, groups=self.groups)
-        return keep[:, c + k0:].view(B, H, i1 - i0, k1 - k0) / (1.0 - self.dropout_p)
+        dropout_mask_block(self.seed, rows, c + k0, c + k1, self.dropout_p, self.groups,
+                           keep=False, out=out)
+        return out.view(self.B, self.H_kv, -1, n)
 
 
 def _sdpa_applies(q, k, cu_q, causal, window, dropout_p):
@@ -157,37 +238,213 @@ def _sdpa_backward(do, q, k, v, o, lse, causal, softmax_scale, dq, dk, dv):
     return dq, dk, dv
 
 
-def _probs(s, lse):
-    # Rows with no visible key have lse = -inf and all-masked scores: P = exp(-inf) = 0.
-    return torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+# --------------------------------------------------------------------------------------------
+# Worker threads. With PyTorch on T > 1 intra-op threads every elementwise op of a block ends
+# at a thread barrier; on a machine with other work running, a descheduled worker stalls each
+# of those thousands of barriers (measured: seq 4096, 8 heads, dropout, forward + backward
+# 15-27 s on 2 threads against 4-6 s on 1, with load ~5 on 2 cores). Instead, the work is cut
+# into independent tasks (one per batch and kv head, or row ranges of one) run by T Python
+# threads, each with one intra-op thread: no barrier but the final join, and PyTorch releases
+# the GIL inside every op.
+# --------------------------------------------------------------------------------------------
+_POOL = None
+_POOL_LOCK = threading.Lock()
+
+
+def _pool(n):
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None or _POOL._max_workers != n:
+            if _POOL is not None:
+                _POOL.shutdown(wait=False)
+            _POOL = ThreadPoolExecutor(n, thread_name_prefix="kernels-fallback")
+        return _POOL
+
+
+def _one_thread(task):
+    """Run ``task`` on this worker thread with one intra-op thread and no autograd recording
+    (grad mode and intra-op threads are per thread)."""
+    def run():
+        if torch.get_num_threads() != 1:
+            torch.set_num_threads(1)
+        with torch.no_grad():
+            task()
+    return run
+
+
+def _run_tasks(tasks):
+    """Run the callables ``tasks`` (independent of each other) on min(T, len(tasks)) worker
+    threads, T = torch.get_num_threads(); in the calling thread when that is 1."""
+    threads = torch.get_num_threads()
+    if threads == 1 or len(tasks) == 1:
+        with torch.no_grad():
+            for task in tasks:
+                task()
+        return
+    try:
+        futures = [_pool(threads).submit(_one_thread(t)) for t in tasks]
+        for f in futures:
+            f.result()
+    finally:
+        # torch.set_num_threads in a worker also sets the default that threads created later
+        # start with: put the caller's value back.
+        torch.set_num_threads(threads)
+
+
+def _even(n, parts):
+    """range(n) cut into min(parts, n) slices of near-equal length."""
+    parts = max(1, min(parts, n))
+    return [slice(n * j // parts, n * (j + 1) // parts) for j in range(parts)]
+
+
+def _cut(blocks, work, parts):
+    """``blocks`` cut into at most ``parts`` runs of consecutive blocks of about equal work."""
+    total, runs, start, acc = sum(work), [], 0, 0
+    for j, w in enumerate(work):
+        acc += w
+        if len(runs) < parts - 1 and acc * parts >= total * (len(runs) + 1):
+            runs.append(blocks[start:j + 1])
+            start = j + 1
+    return [r for r in runs + [blocks[start:]] if r]
+
+
+def _split(pb):
+    """[(sub-problem, its q-side index, its kv-side index, its row blocks)]: the tasks of one
+    dense problem. One thread, or work within one block: the whole problem. Else about 2 x
+    threads tasks (so a thread the OS holds back is made up for by the others): ranges of
+    batches, or of kv heads within a batch, and when those are too few, row ranges of each
+    (their dK / dV are summed at the end)."""
+    threads = torch.get_num_threads()
+    if threads == 1 or sum(pb.work()) <= _BLOCK_ELEMS:
+        return [(pb, (slice(None),) * 2, (slice(None),) * 2, pb.blocks())]
+    n = 2 * threads
+    if pb.B >= n:
+        rects = [(bs, slice(0, pb.H_kv)) for bs in _even(pb.B, n)]
+    else:
+        rects = [(slice(b, b + 1), hs) for b in range(pb.B)
+                 for hs in _even(pb.H_kv, -(-n // pb.B))]
+    parts = -(-n // len(rects))
+    tasks = []
+    for bs, hs in rects:
+        sub, qi, ki = pb.sub(bs, hs)
+        sub.elems = max(1, _BLOCK_ELEMS // threads)
+        blocks = sub.blocks()
+        tasks += [(sub, qi, ki, run) for run in _cut(blocks, sub.work(blocks), parts)]
+    return tasks
+
+
+def _finite_or_zero(x):
+    """``x`` with -inf (rows that see no key) replaced by 0, so exp(-inf - x) = 0."""
+    return x.masked_fill(x == float("-inf"), 0.0)
+
+
+def _forward_blocks(pb, o, lse, blocks):
+    """Per block: scores, row max, exp in place, row sums; lse = max + log(sum); the dropout
+    mask zeroes weights in place; out = (weights @ v) / (sum * (1 - p)) (rows that see no key:
+    zeros and lse -inf)."""
+    (buf,), mask_buf = pb.scratch(blocks, 1)
+    keep_scale = 1.0 / (1.0 - pb.dropout_p)
+    for i0, i1 in blocks:
+        k0, k1 = pb.keys(i0, i1)
+        if k0 == k1:  # no row of the block sees a key
+            lse[:, :, i0:i1] = float("-inf")
+            o[:, :, i0:i1] = 0.0
+            continue
+        q_s = pb.rows(pb.q, i0, i1) * pb.scale
+        s = pb.scores(q_s, i0, i1, k0, k1, buf)
+        m = _finite_or_zero(s.amax(-1, keepdim=True))
+        s.sub_(m).exp_()
+        total = s.sum(-1, keepdim=True)
+        pb.put_rows(lse, i0, i1, (m + total.log()).squeeze(-1))
+        drop = pb.dropped(i0, i1, k0, k1, mask_buf)
+        if drop is not None:
+            s.masked_fill_(drop, 0.0)
+        out = torch.matmul(s, pb.v[:, :, k0:k1].float())
+        norm = keep_scale / total
+        out.mul_(norm.masked_fill_(total == 0, 0.0))
+        pb.put_rows(o, i0, i1, out)
 
 
 def _forward_dense(pb, o, lse):
-    for i0, i1 in pb.blocks():
+    if o.numel() == 0 and lse.numel() == 0:
+        return
+    tasks = [functools.partial(_forward_blocks, sub, o[qi], lse[qi], blocks)
+             for sub, qi, _, blocks in _split(pb)]
+    _run_tasks(tasks)
+
+
+def _backward_blocks(pb, do, o, lse, dq, dk_acc, dv_acc, blocks):
+    """Per block, with Z = keep / (1 - p) the dropout factor and P the recomputed weights:
+    dS = P * (Z * (dO V^T) - rowsum(dO * O)); dQ = dS K scale, dK += dS^T Q scale,
+    dV += (P * Z)^T dO. The 1 / (1 - p) is taken out of the block-sized work: with
+    ``ds' = P * (keep * (dO V^T) - rowsum * (1 - p))``, dS = ds' / (1 - p).
+    ``dk_acc``, ``dv_acc``: fp32 (B * H_kv, k_len, D) accumulators."""
+    (p_buf, ds_buf), mask_buf = pb.scratch(blocks, 2)
+    keep_scale = 1.0 / (1.0 - pb.dropout_p)
+    for i0, i1 in blocks:
         k0, k1 = pb.keys(i0, i1)
-        s = pb.scores(i0, i1, k0, k1)
-        blk_lse = torch.logsumexp(s, dim=-1)
-        lse[:, :, i0:i1] = blk_lse
-        p = _probs(s, blk_lse) * pb.drop(i0, i1, k0, k1)
-        o[:, :, i0:i1] = torch.matmul(p, pb.v[:, :, k0:k1]).to(o.dtype)
+        if k0 == k1:  # no row of the block sees a key: dQ stays 0
+            dq[:, :, i0:i1] = 0.0
+            continue
+        q_s = pb.rows(pb.q, i0, i1) * pb.scale
+        do_b = pb.rows(do, i0, i1)
+        delta = (do_b * pb.rows(o, i0, i1)).sum(-1, keepdim=True)  # right with dropout too
+        p = pb.scores(q_s, i0, i1, k0, k1, p_buf)
+        p.sub_(_finite_or_zero(pb.rows(lse[..., None], i0, i1))).exp_()
+        ds = ds_buf[:p.numel()].view(p.shape)
+        torch.matmul(do_b, pb.v[:, :, k0:k1].float().transpose(-2, -1), out=ds)
+        drop = pb.dropped(i0, i1, k0, k1, mask_buf)
+        if drop is not None:
+            ds.masked_fill_(drop, 0.0)
+        ds.sub_(delta.mul_(1.0 - pb.dropout_p)).mul_(p)
+        pb.put_rows(dq, i0, i1, torch.matmul(ds, pb.k[:, :, k0:k1].float()).mul_(
+            pb.scale * keep_scale))
+        n, rows = k1 - k0, p.shape[2]
+        # dK += dS^T (Q scale): q_s holds the scale already.
+        dk_acc[:, k0:k1].baddbmm_(ds.view(-1, rows, n).transpose(1, 2),
+                                  q_s.view(-1, rows, pb.D), alpha=keep_scale)
+        if drop is not None:
+            p.masked_fill_(drop, 0.0)
+        dv_acc[:, k0:k1].baddbmm_(p.view(-1, rows, n).transpose(1, 2),
+                                  do_b.view(-1, rows, do_b.shape[-1]), alpha=keep_scale)
+
+
+def _grad_acc(x, shape, fresh=False):
+    """A contiguous fp32 ``shape`` accumulator for gradient ``x`` (zeros): ``x`` itself when
+    it is one and not ``fresh``."""
+    if not fresh and x.dtype == torch.float32 and x.is_contiguous():
+        return x.view(shape)
+    return torch.zeros(shape, dtype=torch.float32, device=x.device)
 
 
 def _backward_dense(pb, do, o, lse, dq, dk, dv):
-    do = do.float()
-    dk_h = torch.zeros_like(pb.k)
-    dv_h = torch.zeros_like(pb.v)
-    for i0, i1 in pb.blocks():
-        k0, k1 = pb.keys(i0, i1)
-        p = _probs(pb.scores(i0, i1, k0, k1), lse[:, :, i0:i1])
-        drop = pb.drop(i0, i1, k0, k1)
-        do_b = do[:, :, i0:i1]
-        delta = (do_b * o[:, :, i0:i1].float()).sum(-1, keepdim=True)  # right with dropout too
-        ds = p * (torch.matmul(do_b, pb.v[:, :, k0:k1].transpose(-2, -1)) * drop - delta)
-        dq[:, :, i0:i1] = (torch.matmul(ds, pb.k[:, :, k0:k1]) * pb.scale).to(dq.dtype)
-        dk_h[:, :, k0:k1] += torch.matmul(ds.transpose(-2, -1), pb.q[:, :, i0:i1]) * pb.scale
-        dv_h[:, :, k0:k1] += torch.matmul((p * drop).transpose(-2, -1), do_b)
-    dk.copy_(pb.reduce_group(dk_h))
-    dv.copy_(pb.reduce_group(dv_h))
+    """dq, dk, dv (zeros on entry) of one dense problem. Each task sums dK / dV into an fp32
+    accumulator: the gradient itself where it is fp32 and contiguous and the first task of its
+    heads, else a zeroed one added in at the end (row ranges of the same heads, other
+    dtypes)."""
+    if pb.B * pb.H * pb.q_len == 0:
+        return  # nothing to compute: dk and dv stay zero
+    tasks, sums = [], {}
+    for sub, qi, ki, blocks in _split(pb):
+        dk_u, dv_u = dk[ki], dv[ki]
+        key = tuple((s.start, s.stop) for s in ki)
+        first = key not in sums
+        accs = [_grad_acc(x, (sub.B * sub.H_kv, sub.k_len, x.shape[-1]), fresh=not first)
+                for x in (dk_u, dv_u)]
+        if first:
+            sums[key] = (dk_u, dv_u, accs)
+        else:
+            sums[key][2].extend(accs)
+        tasks.append(functools.partial(_backward_blocks, sub, do[qi], o[qi], lse[qi], dq[qi],
+                                       *accs, blocks))
+    _run_tasks(tasks)
+    for dk_u, dv_u, accs in sums.values():
+        for j, out in enumerate((dk_u, dv_u)):
+            total = accs[j]
+            for extra in accs[j + 2::2]:
+                total += extra
+            if total.data_ptr() != out.data_ptr():
+                out.copy_(total.view(out.shape))
 
 
 def _problems(q, k, v, cu_q, cu_k, causal, window, softmax_scale, dropout_p, seed,
