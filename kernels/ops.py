@@ -13,6 +13,8 @@ Layers, each with one job:
   interpreter when TRITON_INTERPRET=1; otherwise CPU tensors take a PyTorch fallback
   (kernels/core/fallback.py) with the same semantics and dropout mask.
 """
+import os
+import sys
 import warnings
 from typing import Optional
 
@@ -21,6 +23,7 @@ import torch
 from .core import fallback
 from .core.call import AttentionCall, default_softmax_scale, lse_shape
 from .core.common import check_interpreter_setting, interpreter_active
+from .core.configs import unsupported_gpu_reason
 from .core.backward import attention_backward
 from .core.forward import attention_forward
 from .core.kvcache import kvcache_forward
@@ -37,26 +40,61 @@ with torch.inference_mode(False):  # a normal tensor even if first imported in i
 # Implementations behind the custom ops
 # --------------------------------------------------------------------------------------------
 _warned_fallback = False
+_warned_gpu = False
+# Frames of these files are ours or PyTorch's (custom-op dispatch, nn.Module calls, compiled
+# graphs): a warning skips them to land on the caller's own line.
+_INTERNAL = (os.path.dirname(os.path.abspath(__file__)) + os.sep,
+             os.path.dirname(os.path.abspath(torch.__file__)) + os.sep, "<eval_with_key")
+
+
+def _caller_stacklevel():
+    """``stacklevel`` for a ``warnings.warn`` in the function calling this one: the first frame
+    outside this package and torch (the user's line, however deep the dispatch)."""
+    level, frame = 1, sys._getframe(1)
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _use_fallback(t):
-    """CPU tensors without Triton's interpreter take the PyTorch fallback (warned once)."""
-    global _warned_fallback
+    """CPU tensors without Triton's interpreter, and CUDA tensors on GPUs the Triton kernels do
+    not serve (before sm_80: ``configs.unsupported_gpu_reason``), take the PyTorch fallback
+    (warned once, at the caller's line: this runs inside the custom op, a dozen frames below
+    it)."""
+    global _warned_fallback, _warned_gpu
+    if t.device.type == "cuda":
+        reason = unsupported_gpu_reason(t.device)
+        if reason is not None and not _warned_gpu:
+            warnings.warn(f"kernels.attention: {reason}; CUDA tensors on this GPU run a PyTorch "
+                          f"path with the same semantics (dropout mask included) in O(seq) "
+                          f"memory, at PyTorch's speed", RuntimeWarning,
+                          stacklevel=_caller_stacklevel())
+            _warned_gpu = True
+        return reason is not None
     if t.device.type == "cpu":
         check_interpreter_setting()
     if t.device.type == "cpu" and not interpreter_active():
         if not _warned_fallback:
             warnings.warn("kernels.attention: CPU tensors run a PyTorch fallback with the same "
                           "semantics; the fused Triton kernel needs CUDA (or TRITON_INTERPRET=1 "
-                          "to run it in Triton's interpreter)", RuntimeWarning, stacklevel=3)
+                          "to run it in Triton's interpreter)", RuntimeWarning,
+                          stacklevel=_caller_stacklevel())
             _warned_fallback = True
         return True
     return False
 
 
 def _unit_last(t):
-    """Kernels need a unit stride in the last dim; any other layout is read in place."""
-    return t if t.stride(-1) == 1 else t.contiguous()
+    """Kernels need a unit stride in the last dim; any other layout is read in place.
+    (``.contiguous()`` is a no-op, keeping that stride, on an empty tensor or a size-1 last
+    dim: PyTorch calls those contiguous whatever their strides.)"""
+    if t.stride(-1) == 1:
+        return t
+    if t.numel() == 0:
+        return t.new_empty(t.shape)
+    if t.shape[-1] == 1:  # one element per row: its stride is never used, restride the view
+        return t.as_strided(t.shape, (*t.stride()[:-1], 1), t.storage_offset())
+    return t.contiguous()
 
 
 def _like(t):
@@ -80,6 +118,8 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             drop_layout: Optional[list[int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
     call = AttentionCall.from_op(causal, softmax_scale, dropout_p, seed, window, drop_layout)
     o = _like(q)
+    if q.shape[1] == 0:  # no query heads: an empty problem, like batch = 0 (validation.py)
+        return o, q.new_empty(lse_shape(q, cu_seqlens_q is not None), dtype=torch.float32)
     if _use_fallback(q):
         return fallback.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, call, o)
     return attention_forward(_unit_last(q), _unit_last(k), _unit_last(v), call,
@@ -104,6 +144,8 @@ def _bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             drop_layout: Optional[list[int]] = None
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     call = AttentionCall.from_op(causal, softmax_scale, dropout_p, seed, window, drop_layout)
+    if q.shape[1] == 0:  # no query heads: nothing reads k or v, whose gradients are 0
+        return _like(q), _like(k).zero_(), _like(v).zero_()
     if _use_fallback(q):
         return fallback.backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, call,
                                  _like(q), _like(k), _like(v))
@@ -187,8 +229,10 @@ def attention(q, k, v, *, causal=True, dropout_p=0.0, softmax_scale=None, seed=N
             (grouped-query attention; heads_kv = 1 is multi-query), the rule of
             ``repeat_interleave`` and of SDPA's ``enable_gqa=True``. k and v are never copied
             or expanded. Any strides: views such as ``x.view(b, s, h, d).transpose(1, 2)`` are
-            read in place (a copy is made only when the last dim is not unit-stride).
-            1 <= head_dim <= 256.
+            read in place (a copy is made only when the last dim is not unit-stride, on every
+            path, the CPU fallback included). 1 <= head_dim <= 256. heads_q = 0 is an empty
+            problem (empty out and lse, zero gradients for k and v), like batch = 0;
+            heads_kv = 0 with heads_q >= 1 is a ValueError.
         causal: mask keys in the future, aligned bottom-right when q_len != k_len::
 
                 q_len=2, k_len=5 (KV-cache decoding)     q_len=5, k_len=2
@@ -235,6 +279,8 @@ def attention(q, k, v, *, causal=True, dropout_p=0.0, softmax_scale=None, seed=N
             ``out.transpose(1, 2).reshape(batch, q_len, heads * head_dim)``.
         lse (only with ``return_lse``): float32 (batch, heads_q, q_len), natural log, -inf for a
             row that sees no key. Not differentiable.
+        A NaN in a query row that sees a key gives NaN in that row of out and lse on every
+        path, as in ``reference.attention`` (tests/core/test_layouts_property.py).
     """
     causal = validate_attention(q, k, v, causal, dropout_p, softmax_scale, seed, window)
     check_num_splits(num_splits)
@@ -266,8 +312,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
 
     Args:
         q: (total_q, heads_q, head_dim); k, v: (total_k, heads_kv, head_dim) with
-            heads_q % heads_kv == 0 (grouped-query heads as in ``attention``). fp16 / bf16 /
-            fp32, one dtype and device, any strides.
+            heads_q % heads_kv == 0 (grouped-query heads as in ``attention``; heads_q = 0 gives
+            empty results). fp16 / bf16 / fp32, one dtype and device, any strides.
         cu_seqlens_q, cu_seqlens_k: int32 (num_seqs + 1,) on q's device, starting at 0,
             non-decreasing, ending at total_q / total_k. Zero-length sequences are allowed (a
             query row whose sequence has no keys gives zeros and lse -inf).
@@ -307,6 +353,8 @@ def _kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 v: Optional[torch.Tensor], causal: bool, softmax_scale: float, window: int,
                 num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
     call = AttentionCall.from_op(causal, softmax_scale, 0.0, 0, window)
+    if q.shape[1] == 0:  # no query heads (and so no kv heads: no cache entry to append)
+        return _like(q), q.new_empty(tuple(q.shape[:3]), dtype=torch.float32)
     if _use_fallback(q):
         return fallback.kvcache_forward(q, k_cache, v_cache, cache_seqlens, k, v, call,
                                         _like(q))
@@ -318,6 +366,48 @@ def _kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 @_kvcache_op.register_fake
 def _(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, window, num_splits):
     return _like(q), q.new_empty(tuple(q.shape[:3]), dtype=torch.float32)
+
+
+_KVCACHE_NO_BACKWARD = (
+    "kernels.attention_with_kvcache is forward-only (generation against a KV cache): it has no "
+    "backward, and gradients cannot flow through it. For training use kernels.attention (dense "
+    "batches) or kernels.attention_varlen (packed sequences), which are differentiable; to "
+    "generate with parameters that require grad, wrap the step in torch.no_grad() or "
+    "torch.inference_mode().")
+
+
+@torch.library.custom_op("fused_attention::kvcache_no_backward", mutates_args=())
+def _kvcache_no_backward(grad: torch.Tensor, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The backward of ``attention_with_kvcache``: raises when it runs. An op, not a plain
+    ``raise``, so that torch.compile can trace the graph (a forward that is never
+    differentiated compiles and runs) while a real backward still fails."""
+    raise RuntimeError(_KVCACHE_NO_BACKWARD)
+
+
+@_kvcache_no_backward.register_fake
+def _(grad, inputs):
+    return [torch.empty_like(x) for x in inputs]
+
+
+class _KVCacheForwardOnly(torch.autograd.Function):
+    """Attaches (out, lse) of the KV-cache op to the inputs that require grad, with a backward
+    that says the op is forward-only (a mutating custom op cannot register an autograd formula;
+    PyTorch's own error would only say that none was registered)."""
+
+    @staticmethod
+    def forward(ctx, out, lse, *inputs):
+        ctx.mark_non_differentiable(lse)
+        ctx.shapes = [x.shape for x in inputs]  # not the tensors: the caches change later
+        return out.view_as(out), lse.view_as(lse)
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        wanted = [i for i, need in enumerate(ctx.needs_input_grad[2:]) if need]
+        grads = [None] * len(ctx.shapes)
+        placeholders = [dout.new_zeros(ctx.shapes[i]) for i in wanted]
+        for i, g in zip(wanted, _kvcache_no_backward(dout, placeholders)):
+            grads[i] = g
+        return (None, None, *grads)
 
 
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, *, causal=True,
@@ -346,9 +436,11 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, *
         return_lse: also return lse fp32 (batch, heads_q, q_len).
 
     Returns:
-        out (batch, heads_q, q_len, head_dim) in q's dtype [, lse]. Forward only (no
-        autograd); works under ``torch.inference_mode()`` and ``torch.compile(fullgraph=True)``
-        (a custom op that declares it mutates the caches).
+        out (batch, heads_q, q_len, head_dim) in q's dtype [, lse]. heads = 0 (q of shape
+        (batch, 0, q_len, head_dim), caches with 0 heads) gives an empty out and lse. Forward
+        only: ``.backward()`` through it raises a RuntimeError that says so (train with
+        ``attention`` or ``attention_varlen``); works under ``torch.inference_mode()`` and
+        ``torch.compile(fullgraph=True)`` (a custom op that declares it mutates the caches).
     """
     causal = check_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale,
                            window, num_splits)
@@ -358,8 +450,15 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, *
                              f"place), got strides {t.stride()}")
     if softmax_scale is None:
         softmax_scale = default_softmax_scale(q.shape[-1])
-    out, lse = _kvcache_op(q, k_cache, v_cache, cache_seqlens, k, v, causal,
-                           float(softmax_scale), int(window or 0), int(num_splits))
+    args = (q, k_cache, v_cache, cache_seqlens, k, v, causal, float(softmax_scale),
+            int(window or 0), int(num_splits))
+    inputs = [t for t in (q, k_cache, v_cache, k, v) if t is not None]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+        with torch.no_grad():
+            out, lse = _kvcache_op(*args)
+        out, lse = _KVCacheForwardOnly.apply(out, lse, *inputs)
+    else:
+        out, lse = _kvcache_op(*args)
     return (out, lse) if return_lse else out
 
 
