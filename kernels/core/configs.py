@@ -12,35 +12,71 @@ argument's dtype) and a long list costs minutes.
 of its list that survives pruning. The GPU test suite sets it, so that its hundreds of small
 shapes do not each compile and time every config (tests/core/test_gpu.py runs every config once).
 """
+import functools
 import math
 import os
+from typing import NamedTuple, Optional
 
 import torch
 import triton
 
 from .common import interpreter_active
 
-# Hopper has 228 KB of shared memory per SM (227 KB usable by one block); leave headroom for
-# the compiler's own scratch (layout conversions, reductions).
-SMEM_BUDGET_BYTES = 200 * 1024
+# ---------------------------------------------------------------------------------------------
+# GPU generations
+# ---------------------------------------------------------------------------------------------
+class Gpu(NamedTuple):
+    """What pruning needs to know of a GPU: its compute capability and the shared memory one
+    block may use (bytes; the opt-in maximum)."""
+    capability: tuple
+    smem_per_block: int
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages)
-# The first entry that survives pruning is also the fixed choice under KERNELS_AUTOTUNE=0:
-# forward (128, 64, 8 warps) for head_dim <= 128, (64, 64, 8 warps) at 256. Chosen from what
-# ptxas makes of each on sm_90 (../shared/tools/sm90_static.py with triton 3.6; the tables are
-# in benchmarks/NOTES.md): every listed config that survives pruning compiles to wgmma (no
-# Ampere mma.sync), without serialized wgmma (C7515), and without register spills at
-# head_dim 64 and 128 for bf16/fp16, causal or not, with or without dropout.
-_FWD = [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3), (128, 32, 4, 4),
-        (64, 64, 4, 3), (64, 128, 4, 3), (64, 32, 4, 4), (128, 128, 8, 2), (64, 64, 8, 2)]
-# dK/dV: BLOCK_N keys stay resident, BLOCK_M query rows stream. The resident side must be >= 64
-# (32-key blocks compile to mma.sync on sm_90), 4 warps spill at head_dim 128 in every tile,
-# and a third pipeline stage brings C7515 back, hence 8 warps and 2 stages throughout. Same
-# 32 x 128 tile as the Triton tutorial's dK/dV.
-_BWD_DKDV = [(32, 128, 8, 2), (32, 64, 8, 2), (64, 64, 8, 2), (16, 128, 8, 2), (16, 64, 8, 2)]
-# dQ: BLOCK_M query rows resident (>= 64 for wgmma), BLOCK_N keys stream.
-_BWD_DQ = [(64, 64, 8, 2), (128, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 3), (64, 64, 8, 3)]
-_INTERPRET = triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=1, num_stages=1)
+    @property
+    def name(self) -> str:
+        return f"sm_{self.capability[0]}{self.capability[1]}"
+
+
+# Shared memory per block (opt-in maximum) by compute capability, from NVIDIA's tables: used
+# when the device cannot be asked (no CUDA device: the static compile tools, the CPU tests).
+_SMEM_PER_BLOCK = {(7, 0): 96, (7, 5): 64, (8, 0): 163, (8, 6): 99, (8, 7): 163, (8, 9): 99,
+                   (9, 0): 227, (10, 0): 227, (10, 3): 227, (11, 0): 227, (12, 0): 99,
+                   (12, 1): 99}
+# Without any CUDA device (the CPU test suite), pruning answers for an H100.
+_NO_DEVICE = (9, 0)
+# The oldest generation the Triton kernels serve: Triton 3.x has no tensor-core code below
+# sm_80 (every tl.dot becomes FMA loops that spill kilobytes), so older GPUs take the PyTorch
+# path (kernels.ops routes them; kernels/core/fallback.py).
+MIN_CAPABILITY = (8, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu(index):
+    try:
+        capability = tuple(torch.cuda.get_device_capability(index))
+    except (AssertionError, RuntimeError):  # CPU-only torch or no driver
+        capability = _NO_DEVICE
+    try:
+        smem = int(torch.cuda.get_device_properties(index).shared_memory_per_block_optin)
+    except (AssertionError, RuntimeError, AttributeError):
+        smem = _SMEM_PER_BLOCK.get(capability, _SMEM_PER_BLOCK[_NO_DEVICE]) * 1024
+    return Gpu(capability, smem)
+
+
+def gpu_of(device=None) -> Gpu:
+    """The ``Gpu`` of a CUDA ``device`` (torch.device, index or None = the current one)."""
+    if isinstance(device, torch.device):
+        device = device.index if device.type == "cuda" else None
+    return _gpu(device)
+
+
+def unsupported_gpu_reason(device) -> Optional[str]:
+    """Why the Triton kernels do not run on this CUDA device, or None when they do."""
+    gpu = gpu_of(device)
+    if gpu.capability >= MIN_CAPABILITY:
+        return None
+    return (f"{torch.cuda.get_device_name(device)} ({gpu.name}) has no tensor-core path in "
+            f"Triton {triton.__version__} (tl.dot compiles to FMA loops below sm_80)")
+
 
 # Autotune keys (kernel argument names). Sequence lengths enter as power-of-two buckets, so a new
 # length re-tunes only when it changes bucket.
@@ -50,24 +86,96 @@ BWD_TUNE_KEY = ["Q_BUCKET", "K_BUCKET", "HEAD_DIM", "CAUSAL", "WINDOW", "VARLEN"
                 "DOT_PRECISION"]
 
 
+# ---------------------------------------------------------------------------------------------
+# Launch configs per GPU generation family
+# ---------------------------------------------------------------------------------------------
+# Entries are (BLOCK_M, BLOCK_N, num_warps, num_stages). The first entry a launch's pruning keeps
+# is also its fixed choice under KERNELS_AUTOTUNE=0 (the default config). Every table was chosen
+# from what ptxas makes of each entry for that generation (the static compile check of
+# benchmarks/NOTES.md, triton 3.6): fits the GPU's shared memory, no register spills, no
+# serialized wgmma (C7515) on sm_90, at head_dim 64 and 128 for bf16/fp16, causal or not, with
+# or without dropout.
+class Family(NamedTuple):
+    """The launch configs of one GPU generation family and what its pruning checks."""
+    name: str
+    fwd: tuple               # forward configs, in preference order
+    dkdv: tuple              # dK/dV: BLOCK_N keys resident, BLOCK_M query rows streamed
+    dq: tuple                # dQ: BLOCK_M query rows resident, BLOCK_N keys streamed
+    fwd_smem_cap: int        # bytes: the forward's shared-memory estimate must stay below both
+    bwd_smem_cap: int        # this and the GPU's limit (headroom for the compiler's scratch)
+    register_model: bool     # prune by per-thread register estimates (wgmma tiles) ...
+    max_head_dim: tuple      # ... or: per entry of fwd / dkdv / dq, the largest head_dim
+                             # (padded) it is listed for (mma.sync tiles, verified per entry)
+
+
+# Hopper (sm_90) and datacenter Blackwell (sm_100): 227 KiB per block; tl.dot is wgmma /
+# tcgen05. Forward (128, 64, 8 warps) for head_dim <= 128, (64, 64, 8 warps) at 256. dK/dV: the
+# resident side must be >= 64 (32-key blocks compile to mma.sync on sm_90), 4 warps spill at
+# head_dim 128 in every tile, and a third pipeline stage brings C7515 back, hence 8 warps and 2
+# stages throughout (the Triton tutorial's 32 x 128 dK/dV tile). dQ: BLOCK_M query rows
+# resident (>= 64 for wgmma).
+HOPPER = Family(
+    name="hopper (sm_90, sm_100)",
+    fwd=((128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3), (128, 32, 4, 4),
+         (64, 64, 4, 3), (64, 128, 4, 3), (64, 32, 4, 4), (128, 128, 8, 2), (64, 64, 8, 2)),
+    dkdv=((32, 128, 8, 2), (32, 64, 8, 2), (64, 64, 8, 2), (16, 128, 8, 2), (16, 64, 8, 2)),
+    dq=((64, 64, 8, 2), (128, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 3), (64, 64, 8, 3)),
+    fwd_smem_cap=200 * 1024, bwd_smem_cap=160 * 1024, register_model=True, max_head_dim=())
+
+# Ampere-style tensor cores (mma.sync): A100 (sm_80, 163 KiB), A10 / RTX 3090 (sm_86, 99 KiB),
+# L4 / RTX 4090 (sm_89, 99 KiB), RTX 5090 (sm_120, 99 KiB). mma.sync takes its operands from
+# registers, so the wgmma tiles spill here (the forward's 128 x 64 at head_dim 128, every dQ
+# tile at 128, dK/dV 32 x 128 with dropout: 10 KB): smaller tiles per head_dim class, each
+# entry listed for the largest head_dim it compiles spill-free at.
+AMPERE = Family(
+    name="ampere (sm_80, sm_86, sm_89, sm_120)",
+    fwd=((128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3), (64, 32, 4, 4), (64, 64, 8, 2),
+         (64, 32, 4, 3), (64, 32, 8, 2), (32, 32, 4, 2)),
+    dkdv=((32, 128, 8, 2), (32, 64, 8, 2), (16, 128, 8, 2), (16, 64, 8, 2), (16, 32, 4, 2),
+          (16, 32, 8, 1)),
+    dq=((128, 32, 8, 2), (64, 32, 4, 3), (64, 32, 8, 2), (32, 32, 4, 2), (32, 64, 4, 2),
+        (32, 16, 4, 2), (16, 32, 4, 2)),
+    fwd_smem_cap=200 * 1024, bwd_smem_cap=160 * 1024, register_model=False,
+    max_head_dim=((64, 64, 64, 64, 128, 128, 256, 256),
+                  (64, 128, 64, 128, 256, 256),
+                  (64, 64, 128, 256, 128, 256, 256)))
+
+_INTERPRET = triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=1, num_stages=1)
+_KERNELS = ("fwd", "dkdv", "dq")
+
+
+def family_of(gpu: Gpu) -> Family:
+    """The config family of a GPU generation that the Triton kernels serve (sm_80 and newer;
+    older ones are routed to the PyTorch path before any launch)."""
+    major = gpu.capability[0]
+    return HOPPER if major in (9, 10, 11) else AMPERE
+
+
 def _configs(table):
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
             for bm, bn, w, s in table]
 
 
+def _union(kernel):
+    """Every family's entries for ``kernel``, in order, once: what an autotuner is built with
+    (its pruning then keeps the running GPU's own)."""
+    return list(dict.fromkeys(e for fam in (HOPPER, AMPERE) for e in getattr(fam, kernel)))
+
+
 def fwd_configs(interpret: bool = False):
-    """Candidate configs for the forward kernel (BLOCK_M queries x BLOCK_N keys per step)."""
-    return [_INTERPRET] if interpret else _configs(_FWD)
+    """Candidate configs of the forward kernel (BLOCK_M queries x BLOCK_N keys per step), of
+    every family; ``prune_configs`` keeps the GPU's."""
+    return [_INTERPRET] if interpret else _configs(_union("fwd"))
 
 
 def bwd_configs(interpret: bool = False, kernel: str = "both"):
-    """Candidate configs of the backward kernels: ``kernel="dkdv"`` (BLOCK_N keys per program,
-    BLOCK_M query rows per step), ``"dq"`` (the converse) or ``"both"`` (the union, in order:
-    what the tests force on both kernels at once)."""
+    """Candidate configs of the backward kernels of every family: ``kernel="dkdv"`` (BLOCK_N
+    keys per program, BLOCK_M query rows per step), ``"dq"`` (the converse) or ``"both"`` (the
+    union, in order: what the tests force on both kernels at once)."""
     if interpret:
         return [_INTERPRET]
-    tables = {"dkdv": _BWD_DKDV, "dq": _BWD_DQ,
-              "both": list(dict.fromkeys(_BWD_DKDV + _BWD_DQ))}
+    tables = {"dkdv": _union("dkdv"), "dq": _union("dq"),
+              "both": list(dict.fromkeys(_union("dkdv") + _union("dq")))}
     if kernel not in tables:
         raise ValueError(f"kernel must be one of {sorted(tables)}, got {kernel!r}")
     return _configs(tables[kernel])
@@ -85,17 +193,49 @@ def fixed_config(configs, prune, kernel_args):
 
 
 def smem_bytes(config, block_d: int, elem_bytes: int) -> int:
-    """Rough shared-memory footprint of a config: the query tile plus num_stages buffered K
-    and V tiles (the pipelined loads), all of width block_d."""
+    """Shared-memory estimate of a forward config: the query tile plus num_stages buffered K
+    and V tiles (the pipelined loads), all of width block_d. Exact for wgmma (sm_90); an upper
+    bound for mma.sync, which keeps the query tile in registers."""
     bm, bn = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
     return (bm + 2 * max(config.num_stages, 1) * bn) * block_d * elem_bytes
 
 
-# Per-thread register budgets of the forward (fp32 values), from the sm_90 compile check
-# (../shared/tools/sm90_static.py, triton 3.6, benchmarks/NOTES.md): every config over them
-# spilled, every kept one compiles spill-free at head_dim 64 and 128, bf16/fp16, causal or not,
-# with or without dropout. The accumulator is BLOCK_M x BLOCK_D, the score tile BLOCK_M x
-# BLOCK_N; dropout's Philox words and keep mask live beside the score tile, halving its room.
+def _bwd_smem_bytes(config, width, elem_bytes, dkdv):
+    """Shared-memory estimate (an upper bound) of a backward config: the resident side's two
+    tiles plus two streamed tiles per pipeline stage."""
+    bm, bn = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
+    resident, streamed = (bn, bm) if dkdv else (bm, bn)
+    return elem_bytes * width * (2 * resident + 2 * streamed * max(config.num_stages, 1))
+
+
+def _key(config):
+    return (config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps,
+            config.num_stages)
+
+
+def _family_entries(configs, family, kernel, width):
+    """``configs`` that ``family`` lists for ``kernel`` at this padded head_dim, in the family's
+    order of preference."""
+    table = getattr(family, kernel)
+    if family.register_model:
+        allowed = set(table)
+    else:
+        limits = family.max_head_dim[_KERNELS.index(kernel)]
+        allowed = {e for e, d in zip(table, limits) if width <= d}
+    by_key = {_key(c): c for c in configs if _key(c) in allowed}
+    return [by_key[e] for e in table if e in by_key]
+
+
+def _launch_gpu(args) -> Gpu:
+    q = args.get("Q")
+    return gpu_of(q.device if isinstance(q, torch.Tensor) and q.device.type == "cuda" else None)
+
+
+# Per-thread register budgets of the forward's wgmma tiles (fp32 values), from the sm_90 compile
+# check (benchmarks/NOTES.md): every config over them spilled, every kept one compiles
+# spill-free at head_dim 64 and 128, bf16/fp16, causal or not, with or without dropout. The
+# accumulator is BLOCK_M x BLOCK_D, the score tile BLOCK_M x BLOCK_N; dropout's Philox words and
+# keep mask live beside the score tile, halving its room.
 _FWD_ACC_REGS = 64
 _FWD_TILE_REGS = 64
 _FWD_TILE_REGS_DROPOUT = 32
@@ -118,35 +258,37 @@ def _fwd_fits_registers(config, block_d: int, dropout: bool) -> bool:
 
 
 def prune_configs(configs, named_args, **kwargs):
-    """Triton `early_config_prune` hook of the forward: drop configs whose tiles cannot fit
-    shared memory at this head_dim (head_dim 256 with 128x128 tiles and 3 stages would fail to
-    launch) or would spill registers (e.g. 128x64 with 4 warps at head_dim 128). The kernel's
-    arguments arrive in ``named_args`` (positional) and ``kwargs`` (keywords: every launch here
-    passes them by name)."""
+    """Triton `early_config_prune` hook of the forward: keep the running GPU family's configs
+    (``family_of``) whose tiles fit its shared memory at this head_dim and, for wgmma tiles,
+    stay within the register budgets (e.g. 128x64 with 4 warps at head_dim 128 spilled). The
+    kernel's arguments arrive in ``named_args`` (positional) and ``kwargs`` (keywords: every
+    launch here passes them by name). Never returns an empty list."""
     args = {**named_args, **kwargs}
     block_d = args.get("BLOCK_D", 64)
     elem_bytes = args["Q"].element_size() if "Q" in args else 2
-    fitting = [c for c in configs if smem_bytes(c, block_d, elem_bytes) <= SMEM_BUDGET_BYTES]
+    gpu = _launch_gpu(args)
+    family = family_of(gpu)
+    budget = min(family.fwd_smem_cap, gpu.smem_per_block)
+    candidates = _family_entries(configs, family, "fwd", block_d)
+    fitting = [c for c in candidates if smem_bytes(c, block_d, elem_bytes) <= budget]
     dropout = bool(args.get("DROPOUT", False))
-    in_registers = [c for c in fitting if _fwd_fits_registers(c, block_d, dropout)
-                    and _stages_ok(c, args)]
+    in_registers = [c for c in fitting if _stages_ok(c, args) and (
+        not family.register_model or _fwd_fits_registers(c, block_d, dropout))]
     if in_registers:
         return in_registers
     if fitting:
         return fitting
     # None fits (fp32 with head_dim > 128): the smallest tiles with fewer pipeline stages. As
     # listed (4 stages) fp32 head_dim 256 needs 264 KiB on sm_90, over the 227 KiB a block gets.
-    smallest = min(configs, key=lambda c: smem_bytes(c, block_d, elem_bytes))
+    smallest = min(candidates or configs, key=lambda c: smem_bytes(c, block_d, elem_bytes))
     for stages in range(max(smallest.num_stages, 1), 0, -1):
         cfg = triton.Config(dict(smallest.kwargs), num_warps=smallest.num_warps,
                             num_stages=stages)
-        if stages == 1 or smem_bytes(cfg, block_d, elem_bytes) <= SMEM_BUDGET_BYTES:
+        if stages == 1 or smem_bytes(cfg, block_d, elem_bytes) <= budget:
             return [cfg]
 
 
-# Budgets for prune_bwd_configs, H100-sized with headroom: 227 KiB of shared memory per block
-# (the compiler also needs scratch for layout conversions) and 255 registers per thread.
-_BWD_SMEM_BUDGET = 160 * 1024
+# Register budgets of the backward's wgmma tiles (sm_90; 255 registers per thread).
 _BWD_ACC_REGS = 128      # fp32 accumulator values per thread (dK+dV, or dQ)
 _BWD_TILE_REGS = 64      # fp32 values per thread of one (BLOCK_M, BLOCK_N) score tile
 # dK/dV streams (BLOCK_M, head_dim) tiles of Q and dO: at 64 x 128 every config spilled on sm_90,
@@ -158,7 +300,8 @@ _DQ_DROPOUT_REGS = 80
 
 
 def prune_bwd_configs(configs, named_args, **kwargs):
-    """``early_config_prune`` for the backward kernels: drop configs that cannot fit on chip.
+    """``early_config_prune`` for the backward kernels: keep the running GPU family's configs
+    that fit on chip.
 
     Per program, the dK/dV kernel keeps BLOCK_N rows of K, V and two fp32 accumulators resident
     and streams BLOCK_M rows of Q, dO per pipeline stage; the dQ kernel does the converse with
@@ -170,25 +313,31 @@ def prune_bwd_configs(configs, named_args, **kwargs):
     elem = args["Q"].element_size() if isinstance(args.get("Q"), torch.Tensor) else 2
     dkdv = "DK" in args
     dropout = bool(args.get("DROPOUT", False))
+    gpu = _launch_gpu(args)
+    family = family_of(gpu)
+    budget = min(family.bwd_smem_cap, gpu.smem_per_block)
+    candidates = _family_entries(configs, family, "dkdv" if dkdv else "dq", width)
 
-    def fits(cfg):
+    def fits_registers(cfg):
         bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
-        resident, streamed, n_acc = (bn, bm, 2) if dkdv else (bm, bn, 1)
+        resident, n_acc = (bn, 2) if dkdv else (bm, 1)
         threads = 32 * cfg.num_warps
-        smem = elem * width * (2 * resident + 2 * streamed * max(cfg.num_stages, 1))
-        return (smem <= _BWD_SMEM_BUDGET
-                and n_acc * resident * width <= _BWD_ACC_REGS * threads
+        return (n_acc * resident * width <= _BWD_ACC_REGS * threads
                 and bm * bn <= _BWD_TILE_REGS * threads
                 and (not dkdv or bm * width <= _DKDV_STREAM_ELEMS)
                 and (dkdv or not dropout
-                     or (bm * width + bm * bn) <= _DQ_DROPOUT_REGS * threads)
-                and _stages_ok(cfg, args))
+                     or (bm * width + bm * bn) <= _DQ_DROPOUT_REGS * threads))
 
-    kept = [cfg for cfg in configs if fits(cfg)]
+    def fits(cfg):
+        return (_bwd_smem_bytes(cfg, width, elem, dkdv) <= budget and _stages_ok(cfg, args)
+                and (not family.register_model or fits_registers(cfg)))
+
+    kept = [cfg for cfg in candidates if fits(cfg)]
     if kept:
         return kept
-    smallest = min(configs, key=lambda c: (c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"],
-                                           -c.num_warps, c.num_stages))
+    smallest = min(candidates or configs,
+                   key=lambda c: (c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"], -c.num_warps,
+                                  c.num_stages))
     return [smallest]
 
 

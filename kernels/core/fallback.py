@@ -195,7 +195,7 @@ class _Dense:
 def _sdpa_applies(q, k, cu_q, causal, window, dropout_p):
     """Whether PyTorch's CPU flash attention computes exactly our result (see the docstring):
     the forward and the backward of one call decide alike (same q, k and arguments)."""
-    return (cu_q is None and window is None and dropout_p == 0.0
+    return (q.device.type == "cpu" and cu_q is None and window is None and dropout_p == 0.0
             and (not causal or q.shape[2] == k.shape[2]) and min(q.shape[2], k.shape[2]) > 0
             and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward")
             and bool(torch.isfinite(q).all()) and bool(torch.isfinite(k).all()))
