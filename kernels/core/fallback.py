@@ -177,8 +177,8 @@ class _Dense:
                             self.q_len, self.k_len, self.causal, self.window)
         return s
 
-    def dropped(self, i0, i1, k0, k1, buf):
-        """Bool (B, H_kv, group * rows, k1 - k0) in ``buf``: True where dropout drops the
+    def kept(self, i0, i1, k0, k1, buf):
+        """Bool (B, H_kv, group * rows, k1 - k0) in ``buf``: True where dropout keeps the
         weight (the kernels' Philox mask, kernels/core/dropout.py); None without dropout."""
         if self.dropout_p == 0:
             return None
@@ -188,7 +188,7 @@ class _Dense:
         out = buf[:rows.numel() * n].view(rows.numel(), n)
         c = self.col_offset
         dropout_mask_block(self.seed, rows, c + k0, c + k1, self.dropout_p, self.groups,
-                           keep=False, out=out)
+                           out=out)
         return out.view(self.B, self.H_kv, -1, n)
 
 
@@ -315,7 +315,7 @@ def _split(pb):
     batches, or of kv heads within a batch, and when those are too few, row ranges of each
     (their dK / dV are summed at the end)."""
     threads = torch.get_num_threads()
-    if threads == 1 or sum(pb.work()) <= _BLOCK_ELEMS:
+    if threads == 1 or pb.k.device.type != "cpu" or sum(pb.work()) <= _BLOCK_ELEMS:
         return [(pb, (slice(None),) * 2, (slice(None),) * 2, pb.blocks())]
     n = 2 * threads
     if pb.B >= n:
@@ -356,9 +356,11 @@ def _forward_blocks(pb, o, lse, blocks):
         s.sub_(m).exp_()
         total = s.sum(-1, keepdim=True)
         pb.put_rows(lse, i0, i1, (m + total.log()).squeeze(-1))
-        drop = pb.dropped(i0, i1, k0, k1, mask_buf)
-        if drop is not None:
-            s.masked_fill_(drop, 0.0)
+        keep = pb.kept(i0, i1, k0, k1, mask_buf)
+        if keep is not None:
+            # x * keep: NaN only comes whole rows at a time here (a row's max and sum are NaN
+            # with any of its scores), so it equals the kernels' where(keep, x, 0); 2x faster.
+            s.mul_(keep)
         out = torch.matmul(s, pb.v[:, :, k0:k1].float())
         norm = keep_scale / total
         out.mul_(norm.masked_fill_(total == 0, 0.0))
@@ -393,9 +395,9 @@ def _backward_blocks(pb, do, o, lse, dq, dk_acc, dv_acc, blocks):
         p.sub_(_finite_or_zero(pb.rows(lse[..., None], i0, i1))).exp_()
         ds = ds_buf[:p.numel()].view(p.shape)
         torch.matmul(do_b, pb.v[:, :, k0:k1].float().transpose(-2, -1), out=ds)
-        drop = pb.dropped(i0, i1, k0, k1, mask_buf)
-        if drop is not None:
-            ds.masked_fill_(drop, 0.0)
+        keep = pb.kept(i0, i1, k0, k1, mask_buf)
+        if keep is not None:  # dO V^T can hold NaN in single columns (a NaN in v): where
+            torch.where(keep, ds, ds.new_zeros(()), out=ds)
         ds.sub_(delta.mul_(1.0 - pb.dropout_p)).mul_(p)
         pb.put_rows(dq, i0, i1, torch.matmul(ds, pb.k[:, :, k0:k1].float()).mul_(
             pb.scale * keep_scale))
@@ -403,8 +405,8 @@ def _backward_blocks(pb, do, o, lse, dq, dk_acc, dv_acc, blocks):
         # dK += dS^T (Q scale): q_s holds the scale already.
         dk_acc[:, k0:k1].baddbmm_(ds.view(-1, rows, n).transpose(1, 2),
                                   q_s.view(-1, rows, pb.D), alpha=keep_scale)
-        if drop is not None:
-            p.masked_fill_(drop, 0.0)
+        if keep is not None:
+            p.mul_(keep)  # NaN comes whole rows at a time in P, as in the forward
         dv_acc[:, k0:k1].baddbmm_(p.view(-1, rows, n).transpose(1, 2),
                                   do_b.view(-1, rows, do_b.shape[-1]), alpha=keep_scale)
 
