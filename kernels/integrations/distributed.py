@@ -21,9 +21,9 @@ diagonal (``b == a``, causal square) or invisible (``b > a``: skipped, no kernel
 
 Dropout: every block passes its global position (``drop_layout``) to the kernels, so the union of
 the ranks' masks is ``reference.dropout_keep_mask(seed, batch, heads, S, S, p)`` of the whole
-sequence -- the mask of a single-device ``kernels.attention`` call with the same seed. That
-needs key-chunk offsets that are multiples of 4 (the mask draws 4 columns per Philox call): with
-dropout the chunk length (``S / 2W`` zigzag, ``S / W`` contiguous) must be a multiple of 4.
+sequence -- the mask of a single-device ``kernels.attention`` call with the same seed, for any
+chunk length (a block whose keys start inside a 4-column Philox group draws that group and picks
+its words).
 
 Bad input never hangs the group: before any ring traffic each rank checks its own arguments and
 all ranks exchange their verdicts, shapes, dtypes and options in one small all-gather; an error
@@ -396,13 +396,6 @@ def _local_checks(q, k, v, causal, dropout_p, softmax_scale, seed, layout, world
         raise ValueError(f"a zigzag shard holds two equal chunks (r and 2W-1-r), so its length "
                          f"must be even, got {n} (q {tuple(q.shape)}); see "
                          f"kernels.distributed.shard")
-    chunk = n // 2 if layout == "zigzag" else n
-    if dropout_p > 0 and world > 1 and chunk % 4:
-        raise ValueError(f"with dropout the chunk length must be a multiple of 4 (the dropout "
-                         f"mask draws 4 key columns per Philox call, so every block's column "
-                         f"offset must be one), got chunks of {chunk} (shard length {n}, layout "
-                         f"{layout!r}); pad the sequence to a multiple of "
-                         f"{4 * (2 * world if layout == 'zigzag' else world)}")
     return causal
 
 

@@ -45,6 +45,10 @@ LAUNCHES = {
                                                layout="contiguous"),
         "contiguous-full-fp32-scale": dict(shape=(2, 2, 2, 10, 8), causal=False,
                                            layout="contiguous", scale=0.3),
+        # Chunks of 2 and 6 tokens: key blocks start inside the 4-column Philox groups.
+        "zigzag-chunk2-causal-dropout": dict(shape=(1, 2, 1, 8, 8), p=P),
+        "contiguous-chunk6-full-dropout": dict(shape=(1, 2, 2, 12, 8), p=P, causal=False,
+                                               layout="contiguous"),
     }),
     "w4": dict(world=4, interpret=False, cases={
         "zigzag-causal-fp32": dict(shape=(1, 2, 2, 40, 16)),
@@ -53,6 +57,9 @@ LAUNCHES = {
                                          dtype="bfloat16"),
         "contiguous-causal-gqa-fp32": dict(shape=(1, 4, 2, 20, 16), layout="contiguous"),
         "two-groups-zigzag-causal-dropout": dict(shape=(1, 2, 2, 16, 8), p=P, groups=2),
+        "zigzag-chunk6-causal-gqa-dropout": dict(shape=(1, 4, 2, 48, 8), p=P),
+        "contiguous-chunk2-causal-dropout": dict(shape=(1, 2, 1, 8, 8), p=P,
+                                                 layout="contiguous"),
     }),
     "w3": dict(world=3, interpret=False, cases={
         "contiguous-causal-gqa-fp32-dropout": dict(shape=(1, 4, 2, 24, 16), p=P,
@@ -64,6 +71,7 @@ LAUNCHES = {
     }),
     "w2-interpreter": dict(world=2, interpret=True, cases={
         "zigzag-causal-gqa-fp32-dropout": dict(shape=(1, 2, 1, 16, 16), p=P),
+        "zigzag-chunk6-causal-dropout": dict(shape=(1, 2, 1, 24, 8), p=P),
     }),
 }
 CASES = [(launch, name) for launch, spec in LAUNCHES.items() for name in spec["cases"]]
@@ -138,9 +146,6 @@ def _bad_call(name, rank, world):
         q, k, v = (x.bfloat16() for x in (q, k, v))
     elif name == "odd_zigzag":
         q, k, v = t(7), t(7), t(7)
-    elif name == "dropout_chunk":
-        q, k, v = t(6), t(6), t(6)
-        kw.update(dropout_p=0.1, seed=3)
     elif name == "seed":
         kw.update(dropout_p=0.1, seed=rank)
     elif name == "layout" and rank == 0:
@@ -164,7 +169,6 @@ BAD = {   # scenario -> {rank: expected message regex} ("*": every other rank)
                  "*": r"rank\(s\) \[2\] of the group of 3 rejected"},
     "dtype_mix": {"*": r"disagree on dtype.*rank 1: torch.bfloat16"},
     "odd_zigzag": {"*": r"length must be even, got 7"},
-    "dropout_chunk": {"*": r"chunk length must be a multiple of 4.*chunks of 3"},
     "seed": {"*": r"disagree on seed \(rank 0: 0, rank 1: 1, rank 2: 2\)"},
     "layout": {0: r"layout must be 'zigzag' or 'contiguous', got 'ring'",
                "*": r"rank\(s\) \[0\] of the group of 3 rejected"},
