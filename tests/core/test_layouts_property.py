@@ -1,12 +1,11 @@
 """Every route, every memory layout: property-based parity (hypothesis, derandomized: the same
-examples on every run, so CI cannot flake).
+examples on every run, so CI cannot flake), then the pinned cases of issue 22.
 
 Routes: the kernel (Triton's interpreter on CPU, as everywhere in the tests; the compiled kernel
 on CUDA) and the PyTorch fallback (CPU tensors with the interpreter off, reached as a user
-reaches it: TRITON_INTERPRET unset at call time; both of its paths, PyTorch's CPU flash
-attention and the blockwise one), each through ``kernels.attention``,
-``kernels.attention_varlen``, ``kernels.attention_with_kvcache`` and the drop-in module
-``FusedMultiHeadAttention``.
+reaches it: TRITON_INTERPRET=0 at call time; both of its paths, PyTorch's CPU flash attention
+and the blockwise one), each through ``kernels.attention``, ``kernels.attention_varlen``,
+``kernels.attention_with_kvcache`` and the drop-in module ``FusedMultiHeadAttention``.
 
 Drawn: lengths (1, 3, 16, 17, and 0 for packed sequences), head_dim (1, 16, 17), grouped-query
 heads, causal / sliding window / none with q_len != k_len, dropout, dtypes, a NaN in one query
@@ -15,9 +14,12 @@ row, and the memory layout of every input (``LAYOUTS``). Checked:
 * the parity rule against the float64 oracle (``reference``; dropout through
   ``reference.dropout_keep_mask``), with NaN exactly where the oracle has NaN: a NaN in a query
   row gives a NaN output row, on every route;
-* the same call on ``.contiguous()`` copies of the inputs gives the same output and gradients,
-  bit for bit (the module route: within the parity budget, since its projections are plain
-  PyTorch matmuls whose rounding may follow the input's strides).
+* the same call on ``.contiguous()`` copies of the inputs gives the same output and gradients:
+  bit for bit on the kernel route; within the parity budget on the fallback and module routes,
+  whose matmuls are PyTorch's (their summation order may follow the strides).
+
+Pinned after them: the fallback's fast path on non-unit head_dim strides, a NaN query row with
+fewer than 16 keys, heads = 0, the forward-only KV cache's backward, the fallback warning's line.
 """
 import contextlib
 import copy
