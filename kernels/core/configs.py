@@ -108,14 +108,13 @@ class Family(NamedTuple):
                              # (padded) it is listed for (mma.sync tiles, verified per entry)
 
 
-# Hopper (sm_90) and datacenter Blackwell (sm_100): 227 KiB per block; tl.dot is wgmma /
-# tcgen05. Forward (128, 64, 8 warps) for head_dim <= 128, (64, 64, 8 warps) at 256. dK/dV: the
-# resident side must be >= 64 (32-key blocks compile to mma.sync on sm_90), 4 warps spill at
-# head_dim 128 in every tile, and a third pipeline stage brings C7515 back, hence 8 warps and 2
-# stages throughout (the Triton tutorial's 32 x 128 dK/dV tile). dQ: BLOCK_M query rows
-# resident (>= 64 for wgmma).
+# Hopper (sm_90): 227 KiB per block; tl.dot is wgmma. Forward (128, 64, 8 warps) for
+# head_dim <= 128, (64, 64, 8 warps) at 256. dK/dV: the resident side must be >= 64 (32-key
+# blocks compile to mma.sync on sm_90), 4 warps spill at head_dim 128 in every tile, and a third
+# pipeline stage brings C7515 back, hence 8 warps and 2 stages throughout (the Triton tutorial's
+# 32 x 128 dK/dV tile). dQ: BLOCK_M query rows resident (>= 64 for wgmma).
 HOPPER = Family(
-    name="hopper (sm_90, sm_100)",
+    name="hopper (sm_90)",
     fwd=((128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3), (128, 32, 4, 4),
          (64, 64, 4, 3), (64, 128, 4, 3), (64, 32, 4, 4), (128, 128, 8, 2), (64, 64, 8, 2)),
     dkdv=((32, 128, 8, 2), (32, 64, 8, 2), (64, 64, 8, 2), (16, 128, 8, 2), (16, 64, 8, 2)),
@@ -137,8 +136,18 @@ AMPERE = Family(
         (32, 16, 4, 2), (16, 32, 4, 2)),
     fwd_smem_cap=200 * 1024, bwd_smem_cap=160 * 1024, register_model=False,
     max_head_dim=((64, 64, 64, 64, 128, 128, 256, 256),
-                  (64, 128, 64, 128, 256, 256),
-                  (64, 64, 128, 256, 128, 256, 256)))
+                  (64, 128, 64, 128, 128, 256),
+                  (64, 64, 128, 128, 128, 128, 256)))
+
+# Datacenter Blackwell (sm_100): the Hopper tiles compile to tcgen05 with far fewer registers,
+# but the Hopper defaults spilled 4 B with dropout (dK/dV 32 x 128 at head_dim 64, dQ 64 x 64 at
+# 128): the same tiles, the spill-free ones first.
+BLACKWELL = Family(
+    name="blackwell (sm_100)",
+    fwd=HOPPER.fwd,
+    dkdv=((32, 64, 8, 2), (32, 128, 8, 2), (64, 64, 8, 2), (16, 64, 8, 2)),
+    dq=((128, 32, 8, 2), (64, 32, 4, 3), (128, 64, 8, 2), (64, 64, 8, 2)),
+    fwd_smem_cap=200 * 1024, bwd_smem_cap=160 * 1024, register_model=True, max_head_dim=())
 
 _INTERPRET = triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=1, num_stages=1)
 _KERNELS = ("fwd", "dkdv", "dq")
@@ -148,7 +157,7 @@ def family_of(gpu: Gpu) -> Family:
     """The config family of a GPU generation that the Triton kernels serve (sm_80 and newer;
     older ones are routed to the PyTorch path before any launch)."""
     major = gpu.capability[0]
-    return HOPPER if major in (9, 10, 11) else AMPERE
+    return HOPPER if major == 9 else BLACKWELL if major in (10, 11) else AMPERE
 
 
 def _configs(table):
@@ -159,7 +168,8 @@ def _configs(table):
 def _union(kernel):
     """Every family's entries for ``kernel``, in order, once: what an autotuner is built with
     (its pruning then keeps the running GPU's own)."""
-    return list(dict.fromkeys(e for fam in (HOPPER, AMPERE) for e in getattr(fam, kernel)))
+    return list(dict.fromkeys(e for fam in (HOPPER, BLACKWELL, AMPERE)
+                              for e in getattr(fam, kernel)))
 
 
 def fwd_configs(interpret: bool = False):
