@@ -51,8 +51,9 @@ from .score import dropout_keep, probs_from_lse, scaled_scores, score_grad
 from .tiles import key_range, query_range, seq_bounds
 
 _LOG2E = tl.constexpr(LOG2E)
-# Rows per program of the (memory-bound) delta pre-pass; independent of the autotuned blocks.
-_PRE_BLOCK_M = 64
+# Elements per program of the (memory-bound) delta pre-pass, independent of the autotuned
+# blocks: 64 rows up to head_dim 128, 32 at 256 (64 x 256 spilled on sm_100).
+_PRE_BLOCK_ELEMS = 64 * 128
 
 
 @triton.jit
@@ -390,10 +391,11 @@ def attention_backward(do, q, k, v, o, lse, call=None, *, cu_seqlens_q=None, cu_
     # delta lives in lse's layout, so both share one offset (and the dropout row id).
     delta = torch.empty_like(lse)
     seq = pb.seq_args(lse)
-    _bwd_preprocess[(triton.cdiv(pb.q_len, _PRE_BLOCK_M), pb.heads, pb.batch)](
+    pre_block_m = min(64, _PRE_BLOCK_ELEMS // BLOCK_D)
+    _bwd_preprocess[(triton.cdiv(pb.q_len, pre_block_m), pb.heads, pb.batch)](
         O=o, DO=do, Delta=delta, stride_o=pb.strides(o), stride_do=pb.strides(do),
         stride_lse=pb.lse_strides, seq=seq, HEAD_DIM=head_dim, VARLEN=pb.varlen,
-        BLOCK_M=_PRE_BLOCK_M, BLOCK_D=BLOCK_D)
+        BLOCK_M=pre_block_m, BLOCK_D=BLOCK_D)
 
     common = dict(Q=pb.q, K=pb.k, V=pb.v, DO=do, LSE=lse, Delta=delta,
                   stride_q=pb.strides(pb.q), stride_k=pb.strides(pb.k),
