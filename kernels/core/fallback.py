@@ -33,6 +33,9 @@ from .dropout import dropout_mask_block
 # bool mask are the blockwise path's temporaries, allocated once per task and reused by every
 # block (with several worker threads, each gets _BLOCK_ELEMS / threads: the same total).
 _BLOCK_ELEMS = 1 << 20
+# fp32 K and V bytes per task of a large problem (see _split): about what a core's share of
+# the L3 cache holds next to the block's own buffers.
+_TASK_KV_BYTES = 4 << 20
 
 
 def _key_span(i0, i1, q_len, k_len, causal, window):
@@ -243,9 +246,9 @@ def _sdpa_backward(do, q, k, v, o, lse, causal, softmax_scale, dq, dk, dv):
 # at a thread barrier; on a machine with other work running, a descheduled worker stalls each
 # of those thousands of barriers (measured: seq 4096, 8 heads, dropout, forward + backward
 # 15-27 s on 2 threads against 4-6 s on 1, with load ~5 on 2 cores). Instead, the work is cut
-# into independent tasks (one per batch and kv head, or row ranges of one) run by T Python
-# threads, each with one intra-op thread: no barrier but the final join, and PyTorch releases
-# the GIL inside every op.
+# into independent tasks (ranges of batches or kv heads, or row ranges of those: _split) run by
+# T Python threads, each with one intra-op thread: no barrier but the final join, and PyTorch
+# releases the GIL inside every op. On one thread the same tasks run one after another.
 # --------------------------------------------------------------------------------------------
 _POOL = None
 _POOL_LOCK = threading.Lock()
@@ -310,19 +313,26 @@ def _cut(blocks, work, parts):
 
 def _split(pb):
     """[(sub-problem, its q-side index, its kv-side index, its row blocks)]: the tasks of one
-    dense problem. One thread, or work within one block: the whole problem. Else about 2 x
-    threads tasks (so a thread the OS holds back is made up for by the others): ranges of
-    batches, or of kv heads within a batch, and when those are too few, row ranges of each
+    dense problem. Work within one block (or not on CPU): the whole problem. Else ranges of
+    batches, or of kv heads within a batch, whose K and V fit _TASK_KV_BYTES: a block's
+    matmuls then read K and V from cache (with all 8 heads of seq 8192 in every block, 16 rows
+    each, forward + backward with dropout took 11.7 s on one thread; one head per task, 128
+    rows per block, 9.9 s). With T > 1 threads, at least 2 T tasks (so that a thread the OS
+    holds back is made up for by the others): when there are fewer ranges, row ranges of each
     (their dK / dV are summed at the end)."""
     threads = torch.get_num_threads()
-    if threads == 1 or pb.k.device.type != "cpu" or sum(pb.work()) <= _BLOCK_ELEMS:
+    if pb.k.device.type != "cpu" or sum(pb.work()) <= _BLOCK_ELEMS:
         return [(pb, (slice(None),) * 2, (slice(None),) * 2, pb.blocks())]
-    n = 2 * threads
-    if pb.B >= n:
-        rects = [(bs, slice(0, pb.H_kv)) for bs in _even(pb.B, n)]
+    kv_bytes = pb.k_len * (pb.k.shape[-1] + pb.v.shape[-1]) * 4  # one kv head, fp32
+    heads = max(1, _TASK_KV_BYTES // max(kv_bytes, 1))
+    if heads >= pb.H_kv:
+        rects = [(bs, slice(0, pb.H_kv)) for bs in _even(pb.B, -(-pb.B * pb.H_kv // heads))]
     else:
         rects = [(slice(b, b + 1), hs) for b in range(pb.B)
-                 for hs in _even(pb.H_kv, -(-n // pb.B))]
+                 for hs in _even(pb.H_kv, -(-pb.H_kv // heads))]
+    n = 2 * threads if threads > 1 else 1
+    if len(rects) == 1 and n == 1:
+        return [(pb, (slice(None),) * 2, (slice(None),) * 2, pb.blocks())]
     parts = -(-n // len(rects))
     tasks = []
     for bs, hs in rects:

@@ -221,17 +221,27 @@ def test_worker_threads_match_one_thread(monkeypatch, B, hq, hkv, q_len, k_len, 
     saved = torch.get_num_threads()
     results = {}
     try:
-        for threads in (1, 2):
+        # One thread: the whole problem, then one task per kv head (as for long sequences,
+        # whose K and V per head pass _TASK_KV_BYTES); two threads: the worker threads.
+        for threads, task_bytes in ((1, None), (1, 1), (2, None)):
             torch.set_num_threads(threads)
+            if task_bytes:
+                monkeypatch.setattr(fallback, "_TASK_KV_BYTES", task_bytes)
             out, lse = kernels.attention(q, k, v, window=window, dropout_p=p, seed=5,
                                          return_lse=True)
-            results[threads] = (out, lse, *torch.autograd.grad(out, (q, k, v), do))
+            results[threads, task_bytes] = (out, lse, *torch.autograd.grad(out, (q, k, v), do))
             assert torch.get_num_threads() == threads  # the caller's setting is kept
+            monkeypatch.undo()
+            _fallback_on(monkeypatch)
+            monkeypatch.setattr(fallback, "_BLOCK_ELEMS", 300)
     finally:
         torch.set_num_threads(saved)
     tol = dict(rtol=0, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.02, atol=0.02)
-    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), results[1], results[2]):
-        torch.testing.assert_close(a.float(), b.float(), msg=name, **tol)
+    for other in ((1, 1), (2, None)):
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), results[1, None],
+                              results[other]):
+            torch.testing.assert_close(a.float(), b.float(), msg=f"{other} {name}", **tol)
+    results[2] = results[2, None]
     keep = reference.dropout_keep_mask(5, B, hq, q_len, k_len, p) if p else None
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
     ref = reference.attention(*leaves, causal=True, window=window, dropout_p=p, keep_mask=keep)
