@@ -13,14 +13,21 @@
    ``kernels.fuse_attention``, generation tokens/s and a training step (book_models.py); they
    run after the module rows, before the sweep.
 3b. With ``--fallback-row`` (opt-in, CPU measurement on any machine): the PyTorch fallback at
-   seq 16384 vs SDPA, time and peak memory, in fresh processes (cpu_fallback.py).
+   seq 16384 vs SDPA, time and peak memory, in fresh processes (cpu_fallback.py); with
+   ``--fallback-dropout`` (opt-in, issue 22): with dropout at seq 1k / 4k / 8k on 1 and 2
+   threads, and the memory without dropout at 8k.
 4. ``<out-dir>/<date>-<gpu-or-cpu>.json`` and ``.csv`` (rewritten after every point, so a killed
    run leaves valid partial files with ``meta.complete = false``), PNG plots, a terminal table.
 
-Without CUDA (or with ``--device cpu``) the kernel runs in Triton's interpreter and everything
-is small: those figures say nothing about GPU speed.
+Without CUDA (or with ``--device cpu``) the run compares what a CPU user can choose between:
+``kernels`` as it runs on CPU tensors (its PyTorch fallback, TRITON_INTERPRET unset for our
+calls), SDPA's CPU backends and the reference (the book's math, and in the module rows its
+classes), with peak memory; our Triton kernel runs in Triton's interpreter only when asked
+(``--interpreter``: a parity check, correctness rows against the fallback, and the feature
+rows). Those figures say nothing about GPU speed.
 """
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -37,6 +44,8 @@ DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16",
                  "float32": "float32"}
 
 # Defaults per device type; --quick swaps in the smaller set. See README.md for the reasoning.
+# CPU: PyTorch only (ours = the PyTorch fallback), fp32 as CPU users run it; the run is sized to
+# take about a minute on an idle 2-core machine (measured: benchmarks/README.md).
 DEFAULTS = {
     "cuda": dict(seq_lens=[128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768],
                  modes=["fwd", "bwd", "fwd_bwd"], dtypes=["bfloat16", "float16"],
@@ -45,24 +54,24 @@ DEFAULTS = {
     "cuda_quick": dict(seq_lens=[1024, 4096], modes=["fwd", "bwd", "fwd_bwd"],
                        dtypes=["bfloat16"], head_dims=[128], dropout=[0.0, 0.1], tokens=16384,
                        hidden=2048, quadratic_max_seq=8192, time_budget=150.0),
-    # CPU: every kernel call runs in Triton's interpreter (0.1-5 s each; a row is 2-4 calls),
-    # so the sweep is sized to finish in about half of its budget on an idle 2-core machine
-    # (measured: benchmarks/README.md), leaving room for a busy one.
-    "cpu": dict(seq_lens=[32, 64, 128], modes=["fwd", "bwd", "fwd_bwd"],
-                dtypes=["bfloat16"], head_dims=[64], dropout=[0.0, 0.1], tokens=128,
-                hidden=64, quadratic_max_seq=1 << 30, time_budget=100.0),
-    "cpu_quick": dict(seq_lens=[32, 64], modes=["fwd", "bwd", "fwd_bwd"], dtypes=["bfloat16"],
-                      head_dims=[32], dropout=[0.0, 0.1], tokens=64, hidden=64,
+    "cpu": dict(seq_lens=[128, 512, 1024], modes=["fwd", "bwd", "fwd_bwd"],
+                dtypes=["float32"], head_dims=[64], dropout=[0.0, 0.1], tokens=2048,
+                hidden=512, quadratic_max_seq=1 << 30, time_budget=120.0),
+    "cpu_quick": dict(seq_lens=[128, 256], modes=["fwd", "bwd", "fwd_bwd"], dtypes=["float32"],
+                      head_dims=[32], dropout=[0.0, 0.1], tokens=256, hidden=128,
                       quadratic_max_seq=1 << 30, time_budget=60.0),
 }
 
 
-def parity_shapes(device_type, head_dims):
+def parity_shapes(device_type, head_dims, interpreter=False):
     """Shapes of the parity check: odd seq_len (partial tiles), one per swept head_dim on GPU
-    (so its compiled kernels are reused by the sweep), one tiny shape on CPU."""
+    (so its compiled kernels are reused by the sweep); on CPU one per head_dim for the PyTorch
+    fallback, one tiny shape for Triton's interpreter (``interpreter``)."""
     if device_type == "cuda":
         return [(2, 3, 257, hd) for hd in head_dims]
-    return [(1, 2, 40, 32)]
+    if interpreter:
+        return [(1, 2, 40, 32)]
+    return [(2, 4, 257, hd) for hd in head_dims]
 
 
 def _dtype_name(text):
@@ -78,23 +87,32 @@ def build_parser():
     from .book_models import FAMILIES as BOOK_FAMILIES
     from .features import FEATURES
     from .flops import MODES
-    from .providers import PROVIDERS
+    from .providers import ALL_PROVIDERS
 
     p = argparse.ArgumentParser(
         prog="python -m benchmarks",
         description="Parity check + benchmark of kernels.attention against PyTorch attention "
                     "implementations. Defaults depend on the device (GPU: full sweep within "
-                    "--time-budget; CPU: tiny sweep in Triton's interpreter).")
+                    "--time-budget; CPU: ours as CPU tensors run it, the PyTorch fallback, vs "
+                    "SDPA and the reference, with peak memory; Triton's interpreter only with "
+                    "--interpreter).")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
-                   help="cuda if available (auto), or force the CPU/interpreter path")
+                   help="cuda if available (auto), or force the CPU path")
+    p.add_argument("--interpreter", action="store_true",
+                   help="CPU: also run our Triton kernel in Triton's interpreter (1,000-4,000x "
+                        "slower than PyTorch): its parity check, rows 'kernels (Triton "
+                        "interpreter)' checked against the fallback at a tiny shape, and the "
+                        "feature rows (about 50 s more on 2 cores)")
     p.add_argument("--quick", action="store_true", help="a small sweep (a quick look / smoke)")
     p.add_argument("--seq-lens", type=int, nargs="+", help="sequence lengths (q_len = k_len)")
     p.add_argument("--modes", nargs="+", choices=list(MODES))
     p.add_argument("--dtypes", type=_dtype_name, nargs="+", help="bf16, fp16, fp32")
     p.add_argument("--head-dims", type=int, nargs="+")
     p.add_argument("--dropout", type=float, nargs="+", help="dropout probabilities")
-    p.add_argument("--providers", nargs="+", choices=list(PROVIDERS),
-                   help="default: all (torch.compile ones skipped on CPU unless named here)")
+    p.add_argument("--providers", nargs="+", choices=list(ALL_PROVIDERS),
+                   help="default: GPU all but kernels_interpreter; CPU kernels (the PyTorch "
+                        "fallback), reference, sdpa_math, sdpa_flash (torch.compile ones run on "
+                        "CPU only when named here)")
     p.add_argument("--tokens", type=int, help="batch*seq_len per point (batch >= 1)")
     p.add_argument("--hidden", type=int, help="heads*head_dim per point")
     p.add_argument("--quadratic-max-seq", type=int,
@@ -119,7 +137,8 @@ def build_parser():
                    help="skip the MultiHeadAttention and GPT training-step benchmarks")
     p.add_argument("--no-sweep", action="store_true", help="skip the attention sweep")
     p.add_argument("--features", nargs="+", choices=list(FEATURES),
-                   help="feature rows to run (default: all; on CPU all but hf): gqa = "
+                   help="feature rows to run (default: all; on CPU none, or with --interpreter "
+                        "all but hf, in Triton's interpreter): gqa = "
                         "grouped-query heads vs MHA and SDPA enable_gqa, window = sliding "
                         "window vs full causal, varlen = "
                         "packed sequences vs the dense kernel on the same tokens, decode = one "
@@ -145,6 +164,18 @@ def build_parser():
                         "not cut by --time-budget)")
     p.add_argument("--fallback-seq", type=int, default=16384,
                    help="seq_len of --fallback-row")
+    p.add_argument("--fallback-dropout", action="store_true",
+                   help="also measure the PyTorch fallback with dropout 0.1 vs SDPA with "
+                        "dropout 0.1 (batch 1, 8 heads, head_dim 64, fp32, fwd_bwd) at "
+                        "--fallback-dropout-seqs on 1 and 2 threads, 5 timed calls each, and "
+                        "peak memory without dropout at seq 8192 (issue 22), in fresh "
+                        "processes; 20-30 min on 2 cores, SDPA needs ~9 GB at 8k; runs last")
+    p.add_argument("--fallback-dropout-seqs", type=int, nargs="+", default=[1024, 4096, 8192],
+                   help="seq_lens of --fallback-dropout")
+    p.add_argument("--fallback-threads", type=int, nargs="+", default=[1, 2],
+                   help="PyTorch thread counts of --fallback-dropout")
+    p.add_argument("--fallback-memory-seq", type=int, default=8192,
+                   help="seq_len of --fallback-dropout's memory rows without dropout (0: none)")
     p.add_argument("--skip-parity", action="store_true", help="do not run the parity check")
     p.add_argument("--table-metric", choices=["tflops", "ms"],
                    help="what the terminal table shows (default: tflops on GPU, ms on CPU)")
@@ -162,12 +193,14 @@ def resolve_args(args, device_type):
     if getattr(args, "features", None) is None:
         from .features import DEFAULT_FEATURES
 
-        args.features = list(DEFAULT_FEATURES[device_type])
+        # CPU: the feature rows run our kernel in Triton's interpreter, so only when asked.
+        cpu_ok = device_type == "cuda" or getattr(args, "interpreter", False)
+        args.features = list(DEFAULT_FEATURES[device_type]) if cpu_ok else []
     args.explicit_providers = args.providers is not None
     if args.providers is None:
-        from .providers import PROVIDERS
+        from .providers import CPU_PROVIDERS, PROVIDERS
 
-        args.providers = list(PROVIDERS)
+        args.providers = list(PROVIDERS if device_type == "cuda" else CPU_PROVIDERS)
     if args.table_metric is None:
         args.table_metric = "tflops" if device_type == "cuda" else "ms"
     return args
@@ -219,21 +252,54 @@ def main(argv=None):
     from . import use_interpreter_if_no_cuda
 
     # TRITON_INTERPRET must be set before `kernels` is imported (all imports of it are lazy).
+    # On CPU that keeps the interpreter available; `run` then has our calls take the PyTorch
+    # fallback, except where the interpreter is asked for.
     use_interpreter_if_no_cuda(force_cpu=device_type == "cpu")
     resolve_args(args, device_type)
     return run(args, device_type, start)
 
 
 def run(args, device_type, start):
-    """Everything after argument parsing (see the module docstring)."""
+    """Everything after argument parsing (see the module docstring). On CPU, ``kernels`` runs
+    its PyTorch fallback (TRITON_INTERPRET=0 for the run) except in the rows that ask for
+    Triton's interpreter."""
+    from .providers import FALLBACK, cpu_backend
+
+    if device_type == "cpu":
+        # Imported while TRITON_INTERPRET=1 (main), so that Triton's interpreter can run our
+        # kernels where asked; TRITON_INTERPRET=0 then sends every other call to the fallback.
+        import kernels  # noqa: F401
+    with cpu_backend(FALLBACK) if device_type == "cpu" else contextlib.nullcontext():
+        return _run(args, device_type, start)
+
+
+def _check_parity(args, device, device_type, dtypes):
+    """The parity results: ours as the device runs it; on CPU with ``--interpreter`` also the
+    interpreted kernel at a tiny shape. On CPU each result says which (``backend``)."""
+    from .parity import check_parity
+    from .providers import FALLBACK, INTERPRETER, cpu_backend, interpreter_unavailable
+
+    results = check_parity(device, dtypes, parity_shapes(device_type, args.head_dims))
+    if device_type == "cuda":
+        return results
+    for r in results:
+        r["backend"] = FALLBACK
+    if args.interpreter and interpreter_unavailable() is None:
+        with cpu_backend(INTERPRETER):
+            more = check_parity(device, dtypes, parity_shapes("cpu", [], interpreter=True))
+        results += [dict(r, backend=INTERPRETER) for r in more]
+    return results
+
+
+def _run(args, device_type, start):
     import torch
 
     from . import report
-    from .cpu_fallback import fallback_rows
+    from .cpu_fallback import fallback_dropout_rows, fallback_rows
     from .features import feature_rows
     from .modules import gpt_rows, module_rows
-    from .parity import check_parity
-    from .sweep import SweepConfig, run_sweep
+    from .providers import INTERPRETER, cpu_backend
+    from .sweep import SweepConfig, mark_backend, run_sweep
 
     device = "cuda" if device_type == "cuda" else "cpu"
     eprint = report.eprint
@@ -245,7 +311,7 @@ def run(args, device_type, start):
     deadline = start + args.time_budget if args.time_budget and args.time_budget > 0 else (
         float("inf"))
     args_dict = {k: v for k, v in vars(args).items()}
-    meta = report.collect_meta(device, args_dict, REPO_DIR)
+    meta = report.collect_meta(device, args_dict, REPO_DIR, interpreter=args.interpreter)
     eprint(f"benchmarks: device {meta['device']}, torch {meta['torch']}, triton "
            f"{meta['triton']}, cuda {meta['cuda']}, commit {meta['commit']}")
     if device_type == "cpu":
@@ -262,7 +328,7 @@ def run(args, device_type, start):
         # dropout setting costs an autotuning pass of compiles before anything is timed.
         dtypes = [getattr(torch, args.dtypes[0])]
         try:
-            parity = check_parity(device, dtypes, parity_shapes(device_type, args.head_dims))
+            parity = _check_parity(args, device, device_type, dtypes)
         except Exception as exc:
             import traceback
 
@@ -273,8 +339,9 @@ def run(args, device_type, start):
         bad = [r for r in parity if not r["ok"]]
         for r in parity:
             flag = "ok  " if r["ok"] else "FAIL"
-            eprint(f"  parity {flag} {r['name']:<24} {r['dtype']:<9} {str(r['shape']):<18} "
-                   f"err {r['err']:.3e}  budget {r['budget']:.3e}")
+            which = f"[{r['backend']}] " if r.get("backend") else ""
+            eprint(f"  parity {flag} {which}{r['name']:<24} {r['dtype']:<9} "
+                   f"{str(r['shape']):<18} err {r['err']:.3e}  budget {r['budget']:.3e}")
         if bad:
             eprint(f"benchmarks: PARITY FAILED for {len(bad)} of {len(parity)} checks "
                    "(error above 2x/3x PyTorch's own error vs float64); nothing was timed.")
@@ -299,6 +366,12 @@ def run(args, device_type, start):
         save(rows)
         rows += gpt_rows(device, primary, opts, deadline, progress, args.quick)
         save(rows)
+    # 2a. CPU, opt-in: our Triton kernel in Triton's interpreter against the fallback.
+    if device_type == "cpu" and args.interpreter:
+        from .interpreter import interpreter_rows
+
+        rows += interpreter_rows(primary, args.dropout, opts, deadline, progress, args.quick)
+        save(rows)
     # 2b. Book models (opt-in): asked for, so before the sweep that the time budget cuts.
     if args.book_models is not None:
         from .book_models import FAMILIES as BOOK_FAMILIES
@@ -317,9 +390,16 @@ def run(args, device_type, start):
     def run_features(sweep_so_far=()):
         if not feature_list:
             return
-        feat.extend(feature_rows(
-            device, primary, feature_list, opts, deadline, progress, args.quick,
-            sdpa_names=args.providers if args.explicit_providers else None))
+        # On CPU the feature rows exercise our kernel's code paths in Triton's interpreter.
+        cpu = device_type == "cpu"
+        with cpu_backend(INTERPRETER) if cpu else contextlib.nullcontext():
+            new = feature_rows(device, primary, feature_list, opts, deadline, progress,
+                               args.quick,
+                               sdpa_names=args.providers if args.explicit_providers else None)
+        if cpu:
+            mark_backend(new, INTERPRETER, lambda r: r["provider"].startswith("kernels")
+                         or r["provider"].endswith("triton_fused"))
+        feat.extend(new)
         save(done + feat + list(sweep_so_far))
 
     if args.no_sweep:
@@ -343,13 +423,19 @@ def run(args, device_type, start):
         threads = args.cpu_threads if args.cpu_threads and args.cpu_threads > 0 else 0
         rows = rows + fallback_rows(args.fallback_seq, threads=threads, reps=args.cpu_reps,
                                     progress=progress)
+    if args.fallback_dropout:
+        save(rows)
+        rows = rows + fallback_dropout_rows(seqs=args.fallback_dropout_seqs,
+                                            threads=args.fallback_threads,
+                                            memory_seq=args.fallback_memory_seq,
+                                            progress=progress)
     progress.close()
     meta["complete"] = True
     save(rows)
     paths = [json_path, csv_path]
     if not args.no_plots:
         paths += report_plots(rows, args.out_dir, stem, meta)
-    print(report.format_tables(rows, args.table_metric))
+    print(report.format_tables(rows, args.table_metric, memory=device_type == "cpu"))
     print(report.format_features(rows))
     print(report.format_decode(rows, "ms" if args.table_metric == "ms" else "gbps"))
     if args.book_models is not None:
@@ -359,7 +445,7 @@ def run(args, device_type, start):
     print(report.format_headline(rows))
     if device_type == "cpu":
         print("\nNOTE: " + meta["note"])
-    if args.fallback_row:
+    if args.fallback_row or args.fallback_dropout:
         print("NOTE: the fallback rows measure the PyTorch fallback for CPU tensors "
               "(TRITON_INTERPRET unset, fresh processes), not Triton's interpreter; their "
               "target is a CPU target, judged on any machine.")

@@ -1,6 +1,7 @@
-"""The measurements of one provider of the CPU fallback row (``--fallback-row``), run as a
-script in a fresh process by benchmarks/cpu_fallback.py: ``python
-benchmarks/cpu_fallback_probe.py --provider kernels_fallback --modes fwd fwd_bwd --seq 16384``.
+"""The measurements of one provider of the CPU fallback rows (``--fallback-row``,
+``--fallback-dropout``), run as a script in a fresh process by benchmarks/cpu_fallback.py:
+``python benchmarks/cpu_fallback_probe.py --provider kernels_fallback --modes fwd fwd_bwd --seq
+16384`` (``--dropout 0.1``: our fallback with its Philox mask, SDPA with ``dropout_p=0.1``).
 Prints one JSON line per mode.
 
 Run by path, not as ``-m benchmarks...``: importing the ``benchmarks`` package sets
@@ -63,7 +64,8 @@ def measure(mode, warm, inputs, run, args):
     path = None
     if args.provider != "sdpa":
         window = args.seq if args.provider == "kernels_fallback_blockwise" else None
-        path = "sdpa" if fallback._sdpa_applies(q, k, None, True, window, 0.0) else "blockwise"
+        path = ("sdpa" if fallback._sdpa_applies(q, k, None, True, window, args.dropout)
+                else "blockwise")
     gc.collect()
     if args.what == "time":
         t0 = time.perf_counter()
@@ -76,7 +78,8 @@ def measure(mode, warm, inputs, run, args):
             run(mode, q, k, v, do)
             samples.append((time.perf_counter() - t) * 1e3)
         return {"mode": mode, "ms": samples, "first_call_s": round(first, 3),
-                "threads": torch.get_num_threads(), "fallback_path": path, "warmup_seq": warm}
+                "threads": torch.get_num_threads(), "fallback_path": path, "warmup_seq": warm,
+                "dropout_p": args.dropout}
     exact = _reset_hwm()
     if exact:
         method = "VmHWM after - VmRSS before (high-water mark reset via /proc/self/clear_refs)"
@@ -88,7 +91,7 @@ def measure(mode, warm, inputs, run, args):
     peak = _status_kib("VmHWM") if exact else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {"mode": mode, "peak_extra_bytes": max(0, peak - base) * 1024,
             "peak_mem_method": method, "threads": torch.get_num_threads(),
-            "fallback_path": path, "warmup_seq": warm}
+            "fallback_path": path, "warmup_seq": warm, "dropout_p": args.dropout}
 
 
 def main(argv=None):
@@ -103,6 +106,8 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=0, help="0 = PyTorch's default")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--max-s", type=float, default=15.0)
+    p.add_argument("--dropout", type=float, default=0.0,
+                   help="dropout_p (ours: seed 1234, the kernels' Philox mask; SDPA: its own)")
     args = p.parse_args(argv)
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -120,14 +125,18 @@ def main(argv=None):
     if args.threads > 0:
         torch.set_num_threads(args.threads)
 
+    p = args.dropout
+
     def call(q, k, v):
         if args.provider == "sdpa":
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+        seed = 1234 if p > 0 else None
         if args.provider == "kernels_fallback_blockwise":
             # window = seq: the same function as plain causal, through the blockwise path
             # (the one dropout, windows, q_len != k_len and packed sequences take).
-            return kernels.attention(q, k, v, causal=True, window=q.shape[2])
-        return kernels.attention(q, k, v, causal=True)
+            return kernels.attention(q, k, v, causal=True, window=q.shape[2], dropout_p=p,
+                                     seed=seed)
+        return kernels.attention(q, k, v, causal=True, dropout_p=p, seed=seed)
 
     def inputs(n, mode):
         g = torch.Generator().manual_seed(n)

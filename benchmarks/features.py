@@ -72,7 +72,7 @@ once), ``gbps`` = kv_bytes / median time, ``copy_gbps`` (the card's device-to-de
 rate, bytes read + written, measured once in the run by ceilings.copy_gbps; None on CPU)
 and ``bw_fraction`` = gbps / copy_gbps. Ours' rows: ``num_splits`` (the split count the
 launch used), ``num_splits_arg`` (what was passed) and ``num_splits_how`` (``heuristic``:
-kernels.core.splitkv.num_splits_heuristic of the launch's nominal_tiles, reproduced here as
+kernels.core.configs.num_splits_heuristic of the launch's nominal_tiles, reproduced here as
 forward.py computes it; ``forced``; ``none``). The kernels row: ``speedup_vs_unsplit`` =
 kernels_unsplit ms / kernels ms, ``speedup_vs_best_sdpa``, and the targets where the issue sets
 one (:func:`decode_targets`: batch 1, bw_fraction >= 0.7 at cache >= 32k, >= 0.5 at 8k;
@@ -494,7 +494,7 @@ def splits_used(device, batch, heads, heads_kv, q_len, cache_len, num_splits, sm
     q_len <= PACK_GQA_MAX_Q_LEN), then ``clamp_splits``. ``how``: "heuristic", "none"
     (num_splits=1) or "forced". ``sm_count``: the heuristic's SM count (None: the device's;
     CPU / interpreter: no split), e.g. 132 for what an H100 SXM would choose."""
-    from kernels.core.splitkv import (PACK_GQA_MAX_Q_LEN, clamp_splits, nominal_tiles,
+    from kernels.core.configs import (PACK_GQA_MAX_Q_LEN, clamp_splits, nominal_tiles,
                                  num_splits_heuristic)
 
     if num_splits == 0:

@@ -6,11 +6,14 @@ Protocol for every row (same for all providers):
    and the function is called once: warm-up, torch.compile / autotuning / JIT compilation.
    Its wall time is reported as ``first_call_s``. Failures here classify the row as ``oom``,
    ``unsupported: <reason>`` or ``error: <message>``.
-2. GPU only: the function is rebuilt and called once more between
+2. GPU: the function is rebuilt and called once more between
    ``torch.cuda.reset_peak_memory_stats()`` and ``max_memory_allocated()``: ``peak_mem_bytes`` is
    the peak allocated during ``make()`` + one call, minus what was allocated before (the inputs
    q, k, v, do and anything else alive). So for ``bwd`` it includes the forward's saved
-   activations, and for every mode the gradients / output written.
+   activations, and for every mode the gradients / output written. CPU: the same quantity for
+   the warm-up call (``make()`` + one call) itself, from the CPU allocator's records in
+   torch.profiler (timing.CpuPeakMemory: on one PyTorch thread, so ``first_call_s`` on CPU is
+   that call, with the profiler's cost).
 3. Timing: ``triton.testing.do_bench`` (CUDA events, L2 flushed before each call, gradients set
    to None before each call) on GPU; a few wall-clock runs on CPU: at most ``cpu_reps``, and
    none starts once ``cpu_max_s`` seconds have passed since the warm-up call began (at least
@@ -20,12 +23,14 @@ Protocol for every row (same for all providers):
    N wall-clock runs, each ended by a synchronize, and ``peak_mem_bytes`` taken over those runs
    instead of in a call of its own (no L2 flush: it is negligible at that length).
 """
+import contextlib
 import time
 import warnings
 
 import torch
 
-from .timing import PeakMemory, free_memory, is_oom, synchronize, time_cpu, time_cuda
+from .timing import (CpuPeakMemory, PeakMemory, free_memory, is_oom, synchronize, time_cpu,
+                     time_cuda)
 
 MEASURE_KEYS = ("status", "ms", "ms_p20", "ms_p80", "peak_mem_bytes", "first_call_s")
 
@@ -98,13 +103,17 @@ def measure(make, device, *, grads=(), warmup_ms=25, rep_ms=100, cpu_reps=3, cpu
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             t0 = time.perf_counter()
+            cpu_mem = CpuPeakMemory() if not cuda else None
             try:
-                fn = make()
-                fn()
+                with cpu_mem or contextlib.nullcontext():
+                    fn = make()
+                    fn()
                 synchronize(device)
             except Exception as exc:  # classified below, never re-raised
                 status = classify_failure(exc, caught, unsupported_reason)
             result["first_call_s"] = round(time.perf_counter() - t0, 3)
+            if cpu_mem is not None:
+                result["peak_mem_bytes"] = cpu_mem.extra_bytes
         if status is None and cuda and gpu_wall_reps:
             def synced():
                 clear_grads()

@@ -3,10 +3,14 @@
 Rows (same keys as the attention sweep, plus the extras named here):
 
 * ``bench="module"``, provider ``module_reference`` (``reference.MultiHeadAttention``) or
-  ``module_kernels`` (``kernels.FusedMultiHeadAttention``, loaded with the reference's weights),
+  ``module_kernels`` (``kernels.FusedMultiHeadAttention``, loaded with the reference's weights;
+  on CPU its attention is the PyTorch fallback, ``backend: pytorch_fallback``), and on CPU
+  also ``module_reference_wrapper`` (``reference.MultiHeadAttentionWrapper``: the book's
+  ``CausalAttention`` heads side by side, each ``emb_dim // heads`` wide, its own weights),
   modes ``fwd`` and ``fwd_bwd``, in training mode (dropout active), input x of shape
   (batch, seq_len, emb_dim) requiring grad. Extra keys: ``emb_dim``, ``same_weights``.
-  TFLOP/s count the four projections and the attention core (:func:`flops.mha_flops`).
+  TFLOP/s count the four projections and the attention core (:func:`flops.mha_flops`; the
+  wrapper has no output projection, counted alike).
 * ``bench="gpt_step"``, provider ``gpt_step_reference`` (``reference.GPTModel``) or
   ``gpt_step_kernels`` (a deep copy passed through ``kernels.fuse_attention``), mode
   ``train_step``: zero_grad, forward, cross-entropy, backward, AdamW step. On CUDA the model is
@@ -27,15 +31,19 @@ from .sweep import new_row
 from .timing import free_memory
 
 # Sizes per profile ("cuda", "cpu", "cpu_quick"): (batch, seq_len, emb_dim, heads) of the
-# module benchmark; overrides of GPT_CONFIG_124M and the batch of the GPT step.
-MODULE_SHAPE = {"cuda": (8, 1024, 768, 12), "cpu": (1, 64, 64, 2), "cpu_quick": (1, 32, 32, 2)}
+# module benchmark; overrides of GPT_CONFIG_124M and the batch of the GPT step. CPU: PyTorch
+# only (ours is the PyTorch fallback there), sized so that each row takes tens of ms.
+MODULE_SHAPE = {"cuda": (8, 1024, 768, 12), "cpu": (2, 512, 256, 4),
+                "cpu_quick": (1, 128, 128, 2)}
 GPT_OVERRIDES = {
     "cuda": {},
-    "cpu": {"vocab_size": 256, "context_length": 64, "emb_dim": 64, "n_heads": 2, "n_layers": 1},
-    "cpu_quick": {"vocab_size": 128, "context_length": 32, "emb_dim": 32, "n_heads": 2,
+    "cpu": {"vocab_size": 1024, "context_length": 256, "emb_dim": 256, "n_heads": 4,
+            "n_layers": 2},
+    "cpu_quick": {"vocab_size": 256, "context_length": 128, "emb_dim": 128, "n_heads": 2,
                   "n_layers": 1},
 }
-GPT_BATCH = {"cuda": 8, "cpu": 1, "cpu_quick": 1}
+GPT_BATCH = {"cuda": 8, "cpu": 2, "cpu_quick": 1}
+CPU_BACKEND = "pytorch_fallback"  # what ours runs on CPU in these rows (providers.FALLBACK)
 
 
 def _profile(device, quick):
@@ -54,6 +62,9 @@ def module_rows(device, dtype, dropouts, opts, deadline=float("inf"), progress=N
     import reference
 
     batch, seq, emb, heads = MODULE_SHAPE[_profile(device, quick)]
+    cpu = torch.device(device).type == "cpu"
+    providers = ("module_reference", "module_kernels") + (("module_reference_wrapper",) if cpu
+                                                           else ())
     rows = []
     for dropout in dropouts:
         case = Case(batch=batch, heads=heads, seq_len=seq, head_dim=emb // heads, dtype=dtype,
@@ -67,13 +78,19 @@ def module_rows(device, dtype, dropouts, opts, deadline=float("inf"), progress=N
             names = {n for n, _ in fused.named_parameters()}
             same = not (set(missing) & names)
             modules = {"module_reference": ref, "module_kernels": fused}
+            if cpu:
+                modules["module_reference_wrapper"] = reference.MultiHeadAttentionWrapper(
+                    emb, emb // heads, seq, dropout, heads)
             build_error = None
         except Exception as exc:
             same, build_error = False, classify_failure(exc)
-        for name in ("module_reference", "module_kernels"):
+        for name in providers:
             for mode in ("fwd", "fwd_bwd"):
                 row = new_row(name, mode, case, bench="module")
-                row.update(emb_dim=emb, same_weights=same)
+                row.update(emb_dim=emb, same_weights=same if name != "module_reference_wrapper"
+                           else False)
+                if cpu and name == "module_kernels":
+                    row["backend"] = CPU_BACKEND
                 if progress:
                     progress(None, None, f"{name} {mode} p{dropout}")
                 if build_error:
@@ -164,6 +181,8 @@ def gpt_rows(device, dtype, opts, deadline=float("inf"), progress=None, quick=Fa
     for name in ("gpt_step_reference", "gpt_step_kernels"):
         row = new_row(name, "train_step", case, bench="gpt_step")
         row.update(extra)
+        if kind == "cpu" and name == "gpt_step_kernels":
+            row["backend"] = CPU_BACKEND
         row["fused_modules"] = models[name][1] if name in models else None
         if progress:
             progress(None, None, name)

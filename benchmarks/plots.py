@@ -59,7 +59,9 @@ def _panel(ax, sel, providers, colors, metric, seqs, xlim, scale=1.0, force_log=
                      if r["provider"] == p and r["status"] == "ok" and r[metric] is not None)
         if pts:
             xs, ys = zip(*pts)
-            ax.plot(xs, ys, marker="o", ms=3, label=p, color=colors[p])
+            # On CPU ours' rows carry a label saying which implementation ran.
+            label = next((r["label"] for r in sel if r["provider"] == p and r.get("label")), p)
+            ax.plot(xs, ys, marker="o", ms=3, label=label, color=colors[p])
             drawn += ys
     ax.set_xscale("log", base=2)
     if xlim:
@@ -103,7 +105,7 @@ def tflops_figure(rows, mode, title=""):
 
 
 def memory_figure(rows, title=""):
-    """Peak memory vs seq_len, one panel per (mode, config); None when no row has it (CPU)."""
+    """Peak memory vs seq_len, one panel per (mode, config); None when no row has it."""
     import matplotlib.pyplot as plt
 
     rows = _attention_rows(rows)
@@ -135,7 +137,7 @@ def memory_figure(rows, title=""):
 
 def write_plots(rows, out_dir, stem, title=""):
     """Write ``<stem>-tflops-<mode>.png`` for each mode and ``<stem>-memory.png`` (when peak
-    memory was measured, i.e. on GPU); return the paths.
+    memory was measured: GPU, and CPU in-process); return the paths.
 
     Only ``bench == "attention"`` rows with status ok are drawn.
     """

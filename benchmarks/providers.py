@@ -4,7 +4,9 @@ Every provider computes the same function: causal attention (square, so PyTorch'
 our bottom-right alignment coincide), scale 1/sqrt(head_dim), dropout ``p`` on the weights.
 
 =====================  ===========================================================================
-kernels                ``kernels.attention`` (ours, Triton)
+kernels                ``kernels.attention`` (ours): the Triton kernel on a GPU; on CPU the PyTorch
+                       fallback a CPU user runs (TRITON_INTERPRET unset for the call), labelled
+                       "kernels (PyTorch fallback)"
 reference              ``reference.attention(upcast=False)``: the reference MultiHeadAttention's
                        math in eager PyTorch, in the input dtype (stores seq^2 scores)
 reference_compiled     the same under ``torch.compile`` (compiled once per shape)
@@ -13,12 +15,22 @@ sdpa_efficient         ... EFFICIENT_ATTENTION (memory-efficient / xFormers kern
 sdpa_flash             ... FLASH_ATTENTION (FlashAttention-2 on CUDA)
 sdpa_cudnn             ... CUDNN_ATTENTION
 flex                   FlexAttention with a causal BlockMask, compiled (no dropout)
+kernels_interpreter    CPU only, opt-in (``--interpreter``, benchmarks/interpreter.py): our
+                       Triton kernel in Triton's interpreter, "kernels (Triton interpreter)",
+                       1,000-4,000x slower than PyTorch: a correctness row, not a speed one
 =====================  ===========================================================================
+
+On CPU, which implementation ``kernels.attention`` runs is decided at each call by
+TRITON_INTERPRET (kernels/ops.py); the benchmark package sets it before importing ``kernels``
+so that the interpreter stays available, and :func:`cpu_backend` picks one for a block of
+calls.
 
 A provider that cannot run a case gets the status ``unsupported: <reason>``: either known up
 front (:meth:`Provider.static_reason`) or from the error its first call raises
 (:meth:`Provider.unsupported_reason`).
 """
+import contextlib
+import os
 import re
 from dataclasses import dataclass
 
@@ -26,6 +38,13 @@ import torch
 
 PROVIDERS = ("kernels", "reference", "reference_compiled", "sdpa_math", "sdpa_efficient",
              "sdpa_flash", "sdpa_cudnn", "flex")
+# The CPU run's default: what a CPU user can choose between (ours = the PyTorch fallback; SDPA
+# on CPU has a flash backend without dropout and the math one; CUDA-only and compiled providers
+# left out, any of them can still be named in --providers).
+CPU_PROVIDERS = ("kernels", "reference", "sdpa_math", "sdpa_flash")
+INTERPRETER_PROVIDER = "kernels_interpreter"
+ALL_PROVIDERS = PROVIDERS + (INTERPRETER_PROVIDER,)
+FALLBACK, INTERPRETER = "pytorch_fallback", "triton_interpreter"
 SDPA_PROVIDERS = tuple(p for p in PROVIDERS if p.startswith("sdpa_"))
 # Providers that materialise the (seq x seq) score matrix: limited by --quadratic-max-seq.
 QUADRATIC = ("reference", "reference_compiled", "sdpa_math")
@@ -64,6 +83,52 @@ class Case:
         return q, k, v, rnd()
 
 
+@contextlib.contextmanager
+def cpu_backend(name):
+    """For the block: ``kernels`` on CPU tensors runs the PyTorch fallback (``FALLBACK``:
+    TRITON_INTERPRET=0) or Triton's interpreter (``INTERPRETER``: TRITON_INTERPRET=1, which
+    needs ``kernels`` imported with it set; see :func:`interpreter_unavailable`)."""
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1" if name == INTERPRETER else "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+def interpreter_unavailable():
+    """Why Triton's interpreter cannot run ``kernels`` in this process, or None."""
+    from kernels.core.common import KERNELS_INTERPRETED
+
+    if not KERNELS_INTERPRETED:
+        return ("kernels was imported without TRITON_INTERPRET=1, so its kernels are compiled "
+                "ones (python -m benchmarks sets it on CPU before importing kernels)")
+    return None
+
+
+def backend_of(name, device):
+    """What a provider's row ran: ``triton`` (ours on a GPU), ``pytorch_fallback`` /
+    ``triton_interpreter`` (ours on CPU), None for the others."""
+    if name == INTERPRETER_PROVIDER:
+        return INTERPRETER
+    if name == "kernels":
+        return "triton" if torch.device(device).type == "cuda" else FALLBACK
+    return None
+
+
+def provider_label(name, device):
+    """The provider's name for tables and plots: ours on CPU says which implementation ran."""
+    backend = backend_of(name, device)
+    if backend == FALLBACK:
+        return "kernels (PyTorch fallback)"
+    if backend == INTERPRETER:
+        return "kernels (Triton interpreter)"
+    return name
+
+
 def _clean_warning(text: str) -> str:
     text = re.sub(r"\s*\(Triggered internally at [^)]*\)\.?", "", str(text))
     return " ".join(text.split())
@@ -86,9 +151,13 @@ class Provider:
         """If ``exc`` (raised by the first call) means "this case is not supported", the reason."""
         return None
 
+    def context(self, case: Case):
+        """Entered around everything measured for ``case`` (forward and backward)."""
+        return contextlib.nullcontext()
+
 
 class KernelsProvider(Provider):
-    """Ours: ``kernels.attention``."""
+    """Ours: ``kernels.attention`` (on CPU tensors: the PyTorch fallback)."""
 
     name = "kernels"
 
@@ -97,6 +166,25 @@ class KernelsProvider(Provider):
 
         return lambda q, k, v: kernels.attention(q, k, v, causal=case.causal,
                                                  dropout_p=case.dropout_p)
+
+    def context(self, case):
+        if torch.device(case.device).type == "cpu":
+            return cpu_backend(FALLBACK)
+        return contextlib.nullcontext()
+
+
+class InterpreterProvider(KernelsProvider):
+    """Ours in Triton's interpreter (CPU only): ``kernels.attention`` with TRITON_INTERPRET=1."""
+
+    name = INTERPRETER_PROVIDER
+
+    def static_reason(self, case):
+        if torch.device(case.device).type != "cpu":
+            return "CPU only (Triton's interpreter)"
+        return interpreter_unavailable()
+
+    def context(self, case):
+        return cpu_backend(INTERPRETER)
 
 
 def _reference_lowp(q, k, v, causal, dropout_p):
@@ -249,6 +337,8 @@ def get_provider(name: str) -> Provider:
     """The provider called ``name`` (one of PROVIDERS)."""
     if name == "kernels":
         return KernelsProvider()
+    if name == INTERPRETER_PROVIDER:
+        return InterpreterProvider()
     if name == "reference":
         return ReferenceProvider()
     if name == "reference_compiled":
@@ -257,4 +347,4 @@ def get_provider(name: str) -> Provider:
         return SdpaProvider(name)
     if name == "flex":
         return FlexProvider()
-    raise ValueError(f"unknown provider {name!r}; choose from {', '.join(PROVIDERS)}")
+    raise ValueError(f"unknown provider {name!r}; choose from {', '.join(ALL_PROVIDERS)}")

@@ -44,11 +44,14 @@ def git_commit(repo_dir) -> str:
         return "unknown"
 
 
-def collect_meta(device, args_dict, repo_dir):
-    """The ``meta`` block: versions, device, date, and how things were measured."""
+def collect_meta(device, args_dict, repo_dir, interpreter=None):
+    """The ``meta`` block: versions, device, date, and how things were measured. ``interpreter``
+    (CPU): whether Triton's interpreter rows were asked for (default: TRITON_INTERPRET=1)."""
     import triton
 
     cuda = torch.device(device).type == "cuda"
+    if interpreter is None:
+        interpreter = os.environ.get("TRITON_INTERPRET") == "1"
     meta = {
         "device": device_name(device),
         "torch": torch.__version__,
@@ -57,15 +60,21 @@ def collect_meta(device, args_dict, repo_dir):
         "commit": git_commit(repo_dir),
         "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
         "python": platform.python_version(),
-        "interpreter": os.environ.get("TRITON_INTERPRET") == "1",
+        "interpreter": bool(interpreter) and not cuda,
         "timing": ("triton.testing.do_bench: CUDA events, L2 flushed before each call, "
                    "median and 20/80th percentiles after warm-up" if cuda else
                    "wall clock (time.perf_counter), median/p20/p80 of a few runs after one "
-                   "warm-up; kernels run in Triton's CPU interpreter"),
+                   "warm-up; kernels = the PyTorch fallback CPU tensors run (TRITON_INTERPRET "
+                   "unset for our calls), except rows with backend triton_interpreter "
+                   "(--interpreter, the feature rows)"),
         "peak_mem": ("peak_mem_bytes = torch.cuda.max_memory_allocated() during building the "
                      "timed function (bwd: its forward) + one call, minus memory_allocated() "
                      "just before (inputs q, k, v, do excluded)" if cuda else
-                     "not measured on CPU (null)"),
+                     "peak_mem_bytes = peak bytes held by PyTorch's CPU allocator during "
+                     "building the timed function (bwd: its forward) + one call (the warm-up "
+                     "call, on one thread), above what it held before (inputs excluded), from "
+                     "torch.profiler's memory records (benchmarks/timing.CpuPeakMemory); "
+                     "fallback* rows: resident memory of a fresh process (cpu_fallback.py)"),
         "flops": ("forward = 4*batch*heads*q_len*k_len*head_dim, halved for causal; "
                   "bwd = 2.5x forward; fwd_bwd = 3.5x forward (benchmarks/flops.py); heads = "
                   "query heads; window < k_len: 4*batch*heads*head_dim*(visible pairs); "
@@ -89,8 +98,13 @@ def collect_meta(device, args_dict, repo_dir):
         meta["sm_count"] = props.multi_processor_count
         meta["gpu_memory_bytes"] = props.total_memory
     else:
-        meta["note"] = ("CPU run: the kernel runs in Triton's interpreter and PyTorch on the CPU; "
-                        "these figures say nothing about GPU speed.")
+        meta["note"] = ("CPU run: kernels = its PyTorch fallback for CPU tensors (what a CPU user "
+                        "runs), against SDPA and the reference in PyTorch"
+                        + ("; rows with backend triton_interpreter run our Triton kernel in "
+                           "Triton's interpreter (correctness, not speed)" if interpreter
+                           else "; our Triton kernel is not run (--interpreter runs it in "
+                                "Triton's interpreter)")
+                        + ". These figures say nothing about GPU speed.")
     return meta
 
 
@@ -137,7 +151,11 @@ def write_csv(path, rows):
 
 
 def _cell(row, metric):
+    """A table cell: ``metric``'s value (``"mem"``: peak_mem_bytes in MiB) or the status."""
     status = row["status"]
+    if status == "ok" and metric == "mem":
+        value = row["peak_mem_bytes"]
+        return "?" if value is None else f"{value / 2**20:.1f}"
     if status == "ok":
         value = row[metric]
         if value is None:
@@ -154,35 +172,41 @@ def _cell(row, metric):
     return "ERR"
 
 
-def format_tables(rows, metric="tflops"):
+def format_tables(rows, metric="tflops", memory=False):
     """Readable text tables: one per (mode, dtype, head_dim, dropout), seq_len down, providers
-    across, cells = ``metric`` ("tflops" or "ms"), then the module / GPT rows."""
+    across, cells = ``metric`` ("tflops" or "ms") and, with ``memory`` (the CPU run), a second
+    table of peak MiB; then the module / GPT rows."""
     out = []
     attn = [r for r in rows if r["bench"] == "attention"]
     providers = list(dict.fromkeys(r["provider"] for r in attn))
     groups = list(dict.fromkeys((r["mode"], r["dtype"], r["head_dim"], r["dropout_p"])
                                 for r in attn))
     unit = "TFLOP/s" if metric == "tflops" else "ms (median)"
+    labels = dict.fromkeys(f"{r['provider']} = {r['label']}" for r in attn if r.get("label"))
+    if labels:
+        out.append("\n" + "; ".join(labels))
     for mode, dtype, hd, p in groups:
         sel = [r for r in attn if (r["mode"], r["dtype"], r["head_dim"], r["dropout_p"])
                == (mode, dtype, hd, p)]
-        out.append(f"\n{mode}  {dtype}  head_dim={hd}  dropout={p}  causal  [{unit}]")
-        head = f"{'seq':>6} {'BxH':>6} " + " ".join(f"{SHORT_NAMES.get(n, n)[:8]:>8}"
-                                                     for n in providers) + "  ours/best-sdpa"
-        out.append(head)
-        for seq in dict.fromkeys(r["seq_len"] for r in sel):
-            cells = {r["provider"]: r for r in sel if r["seq_len"] == seq}
-            any_row = next(iter(cells.values()))
-            line = f"{seq:>6} {str(any_row['batch']) + 'x' + str(any_row['heads']):>6} "
-            line += " ".join(f"{_cell(cells[n], metric) if n in cells else '':>8}"
-                             for n in providers)
-            k = cells.get("kernels")
-            if k and k.get("speedup_vs_best_sdpa"):
-                line += f"  {k['speedup_vs_best_sdpa']:.3g}x ({SHORT_NAMES[k['best_sdpa']]})"
-            out.append(line)
+        for what, cell_unit in [(metric, unit)] + ([("mem", "peak MiB")] if memory else []):
+            out.append(f"\n{mode}  {dtype}  head_dim={hd}  dropout={p}  causal  [{cell_unit}]")
+            head = f"{'seq':>6} {'BxH':>6} " + " ".join(f"{SHORT_NAMES.get(n, n)[:8]:>8}"
+                                                         for n in providers)
+            out.append(head + ("  ours/best-sdpa" if what != "mem" else ""))
+            for seq in dict.fromkeys(r["seq_len"] for r in sel):
+                cells = {r["provider"]: r for r in sel if r["seq_len"] == seq}
+                any_row = next(iter(cells.values()))
+                line = f"{seq:>6} {str(any_row['batch']) + 'x' + str(any_row['heads']):>6} "
+                line += " ".join(f"{_cell(cells[n], what) if n in cells else '':>8}"
+                                 for n in providers)
+                k = cells.get("kernels")
+                if what != "mem" and k and k.get("speedup_vs_best_sdpa"):
+                    line += (f"  {k['speedup_vs_best_sdpa']:.3g}x "
+                             f"({SHORT_NAMES[k['best_sdpa']]})")
+                out.append(line)
     other = [r for r in rows if r["bench"] in ("module", "gpt_step")]
     if other:
-        out.append(f"\n{'module / model':<20} {'mode':<10} {'dtype':<9} {'p':>4} {'shape':>16} "
+        out.append(f"\n{'module / model':<28} {'mode':<10} {'dtype':<9} {'p':>4} {'shape':>16} "
                    f"{'ms':>9} {'TFLOP/s':>8} {'peak MiB':>9}  status")
         for r in other:
             shape = f"{r['batch']}x{r['seq_len']}x{r.get('emb_dim', '')}"
@@ -190,7 +214,9 @@ def format_tables(rows, metric="tflops"):
             tf = f"{r['tflops']:.3g}" if r["tflops"] is not None else ""
             mem = (f"{r['peak_mem_bytes'] / 2**20:.0f}" if r["peak_mem_bytes"] is not None
                    else "")
-            out.append(f"{r['provider']:<20} {r['mode']:<10} {r['dtype']:<9} "
+            name = r["provider"] + (" (fallback)" if r.get("backend") == "pytorch_fallback"
+                                    else "")
+            out.append(f"{name:<28} {r['mode']:<10} {r['dtype']:<9} "
                        f"{r['dropout_p']:>4} {shape:>16} {ms:>9} {tf:>8} {mem:>9}  "
                        f"{r['status'][:60]}")
     out.append("\ncells: number = ok; oom; n/a = unsupported; '-' = skipped (quadratic limit, "
@@ -199,14 +225,20 @@ def format_tables(rows, metric="tflops"):
     return "\n".join(out)
 
 
-FEATURE_BENCHES = ("gqa", "window", "varlen", "hf", "sdpa_impl", "fallback")
+FEATURE_BENCHES = ("gqa", "window", "varlen", "hf", "sdpa_impl", "fallback", "fallback_dropout",
+                   "fallback_memory", "interpreter")
+# Benches whose targets are CPU targets (judged on any machine).
+CPU_BENCHES = ("fallback", "fallback_dropout", "fallback_memory")
 # (field, format) of the comparison shown on ours' rows, per bench.
 _COMPARISONS = {"gqa": ("speedup_vs_mha", "{:.3g}x MHA"), "window": ("speedup_vs_full",
                                                                      "{:.3g}x full"),
                 "varlen": ("tflops_vs_dense_each", "{:.3g}x dense"),
                 "hf": ("speedup_vs_sdpa", "{:.3g}x sdpa"),
                 "sdpa_impl": ("speedup_vs_sdpa", "{:.3g}x flash"),
-                "fallback": ("time_vs_sdpa", "{:.3g}x SDPA time")}
+                "fallback": ("time_vs_sdpa", "{:.3g}x SDPA time"),
+                "fallback_dropout": ("time_vs_sdpa", "{:.3g}x SDPA time"),
+                "fallback_memory": ("mem_bound_bytes", "peak bound {:.0f} B"),
+                "interpreter": ("diff_over_budget", "vs fallback: diff {:.2g}x its budget")}
 
 
 def _feature_shape(r):
@@ -224,7 +256,7 @@ def format_features(rows):
     if not sel:
         return ""
     out = ["\nfeatures (shape: batch x heads[/kv heads] x seq, w = window; varlen: sequences/"
-           "tokens; fallback: CPU, no interpreter)",
+           "tokens; fallback*: CPU, no interpreter, t = PyTorch threads)",
            f"{'bench':<8} {'provider':<26} {'mode':<8} {'dtype':<9} {'shape':<28} {'ms':>10} "
            f"{'TFLOP/s':>8} {'peak MiB':>8}  compared / status"]
     for r in sel:
@@ -239,11 +271,21 @@ def format_features(rows):
                 note += f" (ideal {r['ideal_speedup']:.3g}x)"
             if r["bench"] == "varlen" and r.get("tflops_vs_dense_padded") is not None:
                 note += f", {r['tflops_vs_dense_padded']:.3g}x padded"
+            if r["bench"] == "fallback_dropout" and r.get("run_spread") is not None:
+                note += f", spread {r['run_spread']:.2f}"
+            if r["bench"] == "fallback_memory":
+                note = f"peak bound {r['mem_bound_bytes'] / 2**20:.0f} MiB"
             met = r.get("target_met")
-            note += ("; target met" if met else "; TARGET MISSED" if met is False
-                     else "; target not judged" + (" (CPU interpreter)"
-                                                    if r["bench"] != "fallback" else ""))
-        out.append(f"{r['bench']:<8} {r['provider']:<26} {r['mode']:<8} {r['dtype']:<9} "
+            if r["bench"] == "interpreter":
+                note += "; agrees" if r.get("agrees") else "; DISAGREES"
+            else:
+                note += ("; target met" if met else "; TARGET MISSED" if met is False
+                         else "; target not judged" + (" (CPU interpreter)"
+                                                        if r["bench"] not in CPU_BENCHES
+                                                        else ""))
+        provider = (r.get("label") or r["provider"]) + (f" t{r['threads']}" if r.get("threads")
+                                                        else "")
+        out.append(f"{r['bench']:<8} {provider:<26} {r['mode']:<8} {r['dtype']:<9} "
                    f"{_feature_shape(r):<28} {ms:>10} {tf:>8} {mem:>8}  {note[:70]}")
     targets = list(dict.fromkeys(r["target"] for r in sel if r.get("target")))
     if targets:
@@ -290,8 +332,8 @@ def format_decode(rows, metric="gbps"):
                 f" ({mine['target']})")
         out.append(line)
     out.append("splits: the split count of ours' split row (heuristic = "
-               "kernels.core.splitkv.num_splits_heuristic, forced = passed); %copy, x unspl, x sdpa "
-               "and the target are on that row" + ("" if copy else
+               "kernels.core.configs.num_splits_heuristic, forced = passed); %copy, x unspl, "
+               "x sdpa and the target are on that row" + ("" if copy else
                                                    "; target not judged without a GPU"))
     return "\n".join(out)
 

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 
 from .flops import attention_flops, tflops
 from .measure import MEASURE_KEYS, classify_failure, measure, mode_maker
-from .providers import COMPILED, QUADRATIC, Case, configure_dynamo, get_provider, reset_compiled
+from .providers import (COMPILED, QUADRATIC, Case, backend_of, configure_dynamo, get_provider,
+                        provider_label, reset_compiled)
 from .timing import free_memory
 
 ROW_KEYS = ("bench", "provider", "mode", "dtype", "causal", "dropout_p", "batch", "heads",
@@ -81,12 +82,27 @@ def shape_for(seq_len, head_dim, tokens, hidden):
 
 
 def new_row(provider, mode, case, bench="attention"):
-    """A result row with every ROW_KEYS field, measurements still None."""
+    """A result row with every ROW_KEYS field, measurements still None. On CPU, ours' attention
+    rows also say which implementation ran (``backend``: ``pytorch_fallback`` or
+    ``triton_interpreter``) and carry the ``label`` tables and plots show for them (other
+    benches set theirs: :func:`mark_backend`)."""
     row = dict.fromkeys(ROW_KEYS)
     row.update(bench=bench, provider=provider, mode=mode, dtype=case.dtype_name,
                causal=case.causal, dropout_p=case.dropout_p, batch=case.batch,
                heads=case.heads, seq_len=case.seq_len, head_dim=case.head_dim)
+    backend = backend_of(provider, case.device)
+    if bench == "attention" and backend is not None and backend != "triton":
+        row.update(backend=backend, label=provider_label(provider, case.device))
     return row
+
+
+def mark_backend(rows, backend, is_ours):
+    """Set ``backend`` on the rows ``is_ours(row)`` picks (CPU runs: which implementation of
+    ``kernels`` ran them)."""
+    for r in rows:
+        if is_ours(r):
+            r["backend"] = backend
+    return rows
 
 
 def count_points(cfg: SweepConfig) -> int:
@@ -196,9 +212,10 @@ def _measure_provider(cfg, provider, case, mode, q, k, v, do):
     if mode == "fwd":  # inference: no autograd graph, so also no "backward unsupported" errors
         q, k, v = q.detach(), k.detach(), v.detach()
     make = mode_maker(lambda: forward(q, k, v), mode, do, (q, k, v))
-    return measure(make, cfg.device, grads=(q, k, v) if mode != "fwd" else (),
-                   warmup_ms=cfg.warmup_ms, rep_ms=cfg.rep_ms, cpu_reps=cfg.cpu_reps,
-                   cpu_max_s=cfg.cpu_max_s, unsupported_reason=provider.unsupported_reason)
+    with provider.context(case):  # forward and backward (on CPU: which `kernels` runs)
+        return measure(make, cfg.device, grads=(q, k, v) if mode != "fwd" else (),
+                       warmup_ms=cfg.warmup_ms, rep_ms=cfg.rep_ms, cpu_reps=cfg.cpu_reps,
+                       cpu_max_s=cfg.cpu_max_s, unsupported_reason=provider.unsupported_reason)
 
 
 def point_key(row):

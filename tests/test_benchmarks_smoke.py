@@ -1,11 +1,13 @@
 """Smoke tests of the benchmark command (``python -m benchmarks``) and its FLOP count.
 
-The CLI test runs the CPU path (kernel in Triton's interpreter) at --quick sizes in a
-subprocess with CUDA hidden, so it checks the same thing on every machine, the feature rows
-(grouped-query heads, sliding window, packed sequences, decoding against a KV cache,
-SDPA's flash backend with ours, recorded as skipped on CPU) included; another runs the CPU
-path of the transformers rows (not in the CPU default); another runs the opt-in CPU fallback
-row at a small seq_len; a GPU-marked test runs a one-point CUDA sweep. No test depends on how
+The CLI test runs the CPU path (ours = the PyTorch fallback, vs SDPA and the reference, with
+peak memory) at --quick sizes in a subprocess with CUDA hidden, so it checks the same thing on
+every machine; another runs the opt-in ``--interpreter`` rows (our kernel in Triton's
+interpreter against the fallback, and the feature rows: grouped-query heads, sliding window,
+packed sequences, decoding against a KV cache, SDPA's flash backend with ours, recorded as
+skipped on CPU); another runs the CPU path of the transformers rows (not in the CPU default);
+others run the opt-in CPU fallback rows (``--fallback-row``, ``--fallback-dropout``) at small
+seq_lens; a GPU-marked test runs a one-point CUDA sweep. No test depends on how
 fast the machine is: the CLI runs get no time budget (``--time-budget 0``), and the budget's
 cut-off is tested with a deadline already past.
 """
@@ -24,6 +26,8 @@ import torch
 from benchmarks.book_models import (BOOK_SHAPES, FAMILIES, book_rows, family_config,
                                     format_book, package_reason)
 from benchmarks.cpu_fallback import compare as fallback_compare
+from benchmarks.cpu_fallback import compare_dropout as fallback_compare_dropout
+from benchmarks.cpu_fallback import compare_memory as fallback_compare_memory
 from benchmarks.features import (HF_SHAPES, SDPA_IMPL_SHAPES, SHAPES, decode_compare,
                                  decode_targets, feature_rows, hf_reason, mixed_lengths,
                                  sdpa_impl_reason, splits_used)
@@ -31,7 +35,7 @@ from benchmarks.flops import (attention_flops, gbps, gpt_step_flops, ideal_windo
                               kv_read_bytes, mha_flops, tflops, varlen_flops, visible_pairs)
 from benchmarks.parity import parity_ok
 from benchmarks.plots import plot_filenames, x_range, y_scale
-from benchmarks.providers import PROVIDERS
+from benchmarks.providers import CPU_PROVIDERS, FALLBACK, INTERPRETER, PROVIDERS, cpu_backend
 from benchmarks.report import format_decode, format_features, format_tables, results_stem
 from benchmarks.sweep import ROW_KEYS, SweepConfig, add_speedups, plan_tasks, run_sweep
 
@@ -115,27 +119,43 @@ def _interpreter_unusable():
 
 
 def test_cli_quick_cpu(tmp_path):
-    """`python -m benchmarks --quick` on CPU: parity, module rows, sweep, JSON + CSV schema.
-    Run without a time budget: every row is run, whatever the machine's load."""
-    reason = _interpreter_unusable()
-    if reason:
-        pytest.skip(reason)
+    """`python -m benchmarks --quick` on CPU: what a CPU user can choose between. Ours is the
+    PyTorch fallback there (never Triton's interpreter), next to SDPA's CPU backends and the
+    reference (its math in the sweep, the book's classes in the module rows), every row with
+    its peak memory; parity of the fallback; JSON + CSV schema. Run without a time budget:
+    every row is run, whatever the machine's load."""
     proc, data, csv_path = _run_cli(tmp_path, "--quick")
     meta, rows = _check_schema(data, csv_path)
-    assert meta["device"] == "cpu" and meta["interpreter"] is True
+    assert meta["device"] == "cpu" and meta["interpreter"] is False
     assert meta["args"]["time_budget"] == 0
     assert not [r for r in rows if r["status"] == "skipped: time budget"]
     assert "TIME BUDGET" not in proc.stdout
     assert "nothing about GPU speed" in proc.stdout
-    assert all(p["ok"] for p in meta["parity"])
+    assert meta["parity"] and all(p["ok"] and p["backend"] == "pytorch_fallback"
+                                  for p in meta["parity"])
     attn = [r for r in rows if r["bench"] == "attention"]
-    assert {r["provider"] for r in attn} == set(PROVIDERS)
-    assert {r["mode"] for r in attn} == MODES
+    assert {r["provider"] for r in attn} == set(CPU_PROVIDERS)
+    assert {r["mode"] for r in attn} == MODES and {r["dropout_p"] for r in attn} == {0.0, 0.1}
     ours = [r for r in attn if r["provider"] == "kernels"]
     assert ours and all(r["status"] == "ok" for r in ours)
-    assert all(r["peak_mem_bytes"] is None for r in rows)  # not measured on CPU
-    flex = [r for r in attn if r["provider"] == "flex" and r["dropout_p"] > 0]
-    assert flex and all(r["status"] == "unsupported: FlexAttention has no dropout" for r in flex)
+    assert all(r["backend"] == "pytorch_fallback" and r["label"] == "kernels (PyTorch fallback)"
+               for r in ours)
+    assert "kernels = kernels (PyTorch fallback)" in proc.stdout and "[peak MiB]" in proc.stdout
+    assert not [r for r in rows if r.get("backend") == "triton_interpreter"]
+    # SDPA's CPU flash backend has no dropout; the math one does.
+    flash = [r for r in attn if r["provider"] == "sdpa_flash" and r["dropout_p"] > 0]
+    assert flash and all(r["status"].startswith("unsupported: ") for r in flash)
+    # Peak memory on every ok row: the reference stores the (seq x seq) scores, growing with
+    # seq (batch x seq is fixed: batch x heads x seq^2 grows as seq), and the fallback does
+    # not (at p = 0 it hands the work to PyTorch's CPU flash attention).
+    for r in rows:
+        if r["status"] == "ok":
+            assert isinstance(r["peak_mem_bytes"], int) and r["peak_mem_bytes"] >= 0, r
+    fwd = {(r["provider"], r["seq_len"]): r["peak_mem_bytes"] for r in attn
+           if r["mode"] == "fwd" and r["dropout_p"] == 0 and r["status"] == "ok"}
+    lo, hi = sorted({s for _, s in fwd})[0], sorted({s for _, s in fwd})[-1]
+    assert fwd["reference", hi] > fwd["reference", lo] > 0
+    assert fwd["kernels", hi] < fwd["reference", hi]
     # TFLOP/s is the one FLOP function over the measured median.
     r = ours[0]
     expect = tflops(attention_flops(r["batch"], r["heads"], r["seq_len"], r["seq_len"],
@@ -143,13 +163,51 @@ def test_cli_quick_cpu(tmp_path):
     assert math.isclose(r["tflops"], expect, rel_tol=1e-9)
     benches = {(r["bench"], r["provider"]) for r in rows}
     assert {("module", "module_reference"), ("module", "module_kernels"),
-            ("gpt_step", "gpt_step_reference"), ("gpt_step", "gpt_step_kernels")} <= benches
+            ("module", "module_reference_wrapper"), ("gpt_step", "gpt_step_reference"),
+            ("gpt_step", "gpt_step_kernels")} <= benches
+    fused = [r for r in rows if r["provider"] in ("module_kernels", "gpt_step_kernels")]
+    assert fused and all(r["status"] == "ok" and r["backend"] == "pytorch_fallback"
+                         for r in fused)
     gpt = [r for r in rows if r["provider"] == "gpt_step_kernels"][0]
-    assert gpt["status"] == "ok" and gpt["fused_modules"] >= 1
+    assert gpt["fused_modules"] >= 1
+    # The feature rows run our kernel in Triton's interpreter: not in the CPU default.
+    assert {r["bench"] for r in rows} == {"attention", "module", "gpt_step"}
+
+
+def test_cli_interpreter_cpu(tmp_path):
+    """`--interpreter` (CPU, opt-in): the interpreted kernel's parity, its correctness rows
+    against the fallback (labelled "kernels (Triton interpreter)") and the feature rows
+    (grouped-query heads, sliding window, packed sequences, decoding against a KV cache, SDPA's
+    flash backend with ours, recorded as skipped on CPU), all in Triton's interpreter."""
+    reason = _interpreter_unusable()
+    if reason:
+        pytest.skip(reason)
+    proc, data, csv_path = _run_cli(tmp_path, "--quick", "--interpreter", "--no-modules",
+                                    "--no-sweep", "--dtypes", "bf16")
+    meta, rows = _check_schema(data, csv_path)
+    assert meta["interpreter"] is True and "Triton's interpreter" in meta["note"]
+    backends = {p["backend"] for p in meta["parity"]}
+    assert backends == {"pytorch_fallback", "triton_interpreter"}
+    assert all(p["ok"] for p in meta["parity"])
+    interp = [r for r in rows if r["bench"] == "interpreter"]
+    assert [(r["provider"], r["mode"], r["dropout_p"]) for r in interp] == [
+        (p, m, d) for d in (0.0, 0.1) for m in ("fwd", "fwd_bwd")
+        for p in ("kernels_interpreter", "kernels")]
+    for r in interp:
+        assert r["status"] == "ok", r
+        assert r["label"] == ("kernels (Triton interpreter)" if r["provider"] ==
+                              "kernels_interpreter" else "kernels (PyTorch fallback)")
+        if r["provider"] == "kernels_interpreter":
+            assert r["backend"] == "triton_interpreter" and r["agrees"] is True
+            assert 0 <= r["diff_over_budget"] <= 1 and r["max_abs_diff_vs_fallback"] >= 0
+    assert "kernels (Triton interpreter)" in proc.stdout
     _check_feature_rows(rows, csv_path)
     assert "features (shape:" in proc.stdout
     _check_decode_rows(rows, csv_path)
     assert "decode: q_len 1" in proc.stdout
+    ours = [r for r in rows if r["bench"] in ("gqa", "window", "varlen", "decode")
+            and r["provider"].startswith("kernels")]
+    assert ours and all(r["backend"] == "triton_interpreter" for r in ours)
     # Issue 12: sdpa_impl (CUDA-only) is written with its reason; hf is not in the CPU default.
     impl = [r for r in rows if r["bench"] == "sdpa_impl"]
     assert impl and all(r["status"].startswith("skipped: ") and r["ms"] is None for r in impl)
@@ -421,7 +479,7 @@ def test_decode_bandwidth_speedup_and_targets():
 
 
 def test_decode_splits_follow_the_heuristic():
-    """The split count recorded on ours' rows is kernels.core.splitkv's heuristic over the launch's
+    """The split count recorded on ours' rows is kernels.core.configs' heuristic over the launch's
     nominal tiles (packed GQA: one program per kv group): on an H100's 132 SMs the GPU shapes
     get 14-16 splits at batch 1 and 2 at batch 8 (benchmarks/NOTES.md); none on CPU."""
     sh = SHAPES["cuda"]["decode"]
@@ -460,6 +518,101 @@ def test_cli_fallback_row(tmp_path):
             assert r["target_met"] == (r["peak_mem_bytes"] <= 64 * 2**20
                                        and r["time_vs_sdpa"] <= 3)
         assert sdpa["status"] == "ok" and sdpa["fallback_path"] is None
+
+
+def test_cli_fallback_dropout(tmp_path):
+    """`--fallback-dropout` (issue 22) at seq 256 on 2 threads (the fallback's worker threads):
+    ours with dropout vs SDPA with dropout, every timed call kept (run_spread), peak memory,
+    and the memory rows without dropout; the comparisons are computed from the rows,
+    whatever the numbers."""
+    _, data, csv_path = _run_cli(tmp_path, "--skip-parity", "--no-modules", "--no-sweep",
+                                 "--fallback-dropout", "--fallback-dropout-seqs", "256",
+                                 "--fallback-threads", "2", "--fallback-memory-seq", "256")
+    _, rows = _check_schema(data, csv_path)
+    drop = [r for r in rows if r["bench"] == "fallback_dropout"]
+    mem = [r for r in rows if r["bench"] == "fallback_memory"]
+    assert [r["provider"] for r in drop] == ["kernels_fallback", "sdpa"]
+    assert [r["provider"] for r in mem] == ["kernels_fallback", "kernels_fallback_blockwise",
+                                            "sdpa"]
+    for r in drop + mem:
+        assert r["status"] == "ok", r
+        assert (r["seq_len"], r["heads"], r["head_dim"], r["dtype"]) == (256, 8, 64, "float32")
+        assert r["threads"] == 2 and isinstance(r["peak_mem_bytes"], int)
+        assert r["mode"] == "fwd_bwd"
+    ours, sdpa = drop
+    assert ours["dropout_p"] == sdpa["dropout_p"] == 0.1
+    assert ours["fallback_path"] == "blockwise" and ours["reps"] == 5
+    assert ours["ms_min"] <= ours["ms"] <= ours["ms_max"]
+    assert ours["run_spread"] == pytest.approx(ours["ms_max"] / ours["ms_min"])
+    assert ours["time_vs_sdpa"] == pytest.approx(ours["ms"] / sdpa["ms"])
+    assert ours["mem_bound_bytes"] == 64 * 2**20 + 6 * 256 * 8 * 64 * 4
+    assert ours["target_met"] == (ours["time_vs_sdpa"] <= 1.2 and ours["run_spread"] < 1.5
+                                  and ours["peak_mem_bytes"] <= ours["mem_bound_bytes"])
+    assert [r["fallback_path"] for r in mem] == ["sdpa", "blockwise", None]
+    for r in mem[:2]:
+        assert r["dropout_p"] == 0.0
+        assert r["mem_bound_bytes"] == max(64 * 2**20, 4 * mem[2]["peak_mem_bytes"])
+        assert r["target_met"] == (r["peak_mem_bytes"] <= r["mem_bound_bytes"])
+
+
+def test_dropout_targets_are_judged_from_the_rows():
+    """compare_dropout / compare_memory on synthetic rows: met, missed for time, for spread,
+    for memory; no SDPA row: not judged."""
+    base = dict(bench="fallback_dropout", mode="fwd_bwd", dtype="float32", causal=True,
+                dropout_p=0.1, batch=1, heads=8, seq_len=4096, head_dim=64, status="ok",
+                peak_mem_bytes=50 * 2**20)
+    bound = 64 * 2**20 + 6 * 4096 * 8 * 64 * 4
+
+    def judge(ms, spread, mem, sdpa_ms=10.0):
+        rows = [dict(base, provider="kernels_fallback", ms=ms, run_spread=spread,
+                     peak_mem_bytes=mem)]
+        if sdpa_ms:
+            rows.append(dict(base, provider="sdpa", ms=sdpa_ms, run_spread=1.0,
+                             peak_mem_bytes=2**33))
+        return fallback_compare_dropout(rows)[0]
+
+    r = judge(11.0, 1.2, bound)
+    assert r["target_met"] is True and r["time_vs_sdpa"] == pytest.approx(1.1)
+    assert r["mem_bound_bytes"] == bound and "time_vs_sdpa <= 1.2" in r["target"]
+    assert judge(13.0, 1.2, bound)["target_met"] is False
+    assert judge(11.0, 1.6, bound)["target_met"] is False
+    assert judge(11.0, 1.2, bound + 1)["target_met"] is False
+    assert judge(11.0, 1.2, bound, sdpa_ms=None)["target_met"] is None
+    mem = fallback_compare_memory([dict(base, bench="fallback_memory", provider=p, ms=1.0,
+                                        peak_mem_bytes=m)
+                                   for p, m in (("kernels_fallback", 100 * 2**20),
+                                                ("kernels_fallback_blockwise", 130 * 2**20),
+                                                ("sdpa", 30 * 2**20))])
+    assert [r.get("target_met") for r in mem] == [True, False, None]
+    assert mem[0]["mem_bound_bytes"] == 120 * 2**20
+
+
+def test_cpu_backend_and_peak_memory():
+    """cpu_backend sets TRITON_INTERPRET for its block and restores it; CpuPeakMemory sees the
+    largest set of tensors alive at once (not the inputs), on one thread, and gives the
+    thread count back."""
+    import os
+
+    from benchmarks.timing import CpuPeakMemory
+
+    saved = os.environ.get("TRITON_INTERPRET")
+    with cpu_backend(FALLBACK):
+        assert os.environ["TRITON_INTERPRET"] == "0"
+        with cpu_backend(INTERPRETER):
+            assert os.environ["TRITON_INTERPRET"] == "1"
+        assert os.environ["TRITON_INTERPRET"] == "0"
+    assert os.environ.get("TRITON_INTERPRET") == saved
+    x = torch.randn(256, 1024)  # 1 MiB, alive before: not counted
+    threads = torch.get_num_threads()
+    with CpuPeakMemory() as pm:
+        assert torch.get_num_threads() == 1
+        a = x * 2          # +1 MiB
+        b = torch.cat([a, a, a])  # +3 MiB: 4 MiB alive
+        del a, b
+        c = x + 1          # 1 MiB
+        del c
+    assert torch.get_num_threads() == threads
+    assert 4 * 2**20 <= pm.extra_bytes < 5 * 2**20
 
 
 @pytest.mark.gpu
