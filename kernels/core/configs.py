@@ -136,7 +136,7 @@ AMPERE = Family(
         (32, 16, 4, 2), (16, 32, 4, 2)),
     fwd_smem_cap=200 * 1024, bwd_smem_cap=160 * 1024, register_model=False,
     max_head_dim=((64, 64, 64, 64, 128, 128, 256, 256),
-                  (64, 64, 128, 128, 128, 256),
+                  (64, 64, 128, 64, 128, 256),
                   (64, 64, 128, 128, 64, 128, 256)))
 
 # Datacenter Blackwell (sm_100): the Hopper tiles compile to tcgen05 with far fewer registers,
