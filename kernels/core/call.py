@@ -171,21 +171,22 @@ class Problem(NamedTuple):
     def seq_args(self, dummy, k_lens=None) -> SeqArgs:
         """The kernels' ``seq``; ``dummy`` stands in for pointers this launch never reads."""
         cu_q, cu_k = (self.cu_q, self.cu_k) if self.varlen else (dummy, dummy)
-        return SeqArgs(self.group, self.q_len, self.k_len, cu_q, cu_k,
-                       dummy if k_lens is None else k_lens)
+        return SeqArgs(group=self.group, q_len=self.q_len, k_len=self.k_len, cu_q=cu_q,
+                       cu_k=cu_k, k_lens=dummy if k_lens is None else k_lens)
 
     def drop_args(self, call: AttentionCall) -> DropArgs:
         """The kernels' ``drop``: the lse layout's row ids by default; with the call's
         ``drop_layout`` (dense only) those of the longer sequence this call is a block of."""
-        seed = call.seed if call.dropout else 0
-        head = (seed, call.drop_threshold, call.drop_scale)
+        key = dict(seed=call.seed if call.dropout else 0, threshold=call.drop_threshold,
+                   scale=call.drop_scale)
         if call.drop_layout is None:
-            return DropArgs(*head, self.drop_groups, *self.lse_strides, 0, 0)
+            return DropArgs(**key, groups=self.drop_groups, row_stride_b=self.lse_strides[0],
+                            row_stride_h=self.lse_strides[1], row0=0, col0=0)
         q_total, k_total, row_offset, col_offset = call.drop_layout
         assert not self.varlen
         assert row_offset + self.q_len <= q_total and col_offset + self.k_len <= k_total
-        return DropArgs(*head, triton.cdiv(k_total, 4), self.heads * q_total, q_total,
-                        row_offset, col_offset)
+        return DropArgs(**key, groups=triton.cdiv(k_total, 4), row_stride_b=self.heads * q_total,
+                        row_stride_h=q_total, row0=row_offset, col0=col_offset)
 
     def tune_buckets(self) -> dict:
         """The autotune key's length buckets (powers of two of q_len and k_len)."""
@@ -194,7 +195,9 @@ class Problem(NamedTuple):
 
 
 def score_args(call: AttentionCall) -> ScoreArgs:
-    return ScoreArgs(call.qk_scale, call.softmax_scale, call.window or 0)
+    """The kernels' ``score``."""
+    return ScoreArgs(qk_scale=call.qk_scale, softmax_scale=call.softmax_scale,
+                     window=call.window or 0)
 
 
 def packed_view(x):

@@ -261,12 +261,14 @@ def attention_forward(q, k, v, call=None, *, cu_seqlens_q=None, cu_seqlens_k=Non
         m_blocks, n_tiles = nominal_tiles(rows, pb.k_len)
         num_splits = num_splits_heuristic(q.device, pb.batch * heads * m_blocks, n_tiles)
     num_splits = clamp_splits(num_splits, pb.k_len)
-    split = SplitArgs(lse, lse, num_splits, lse.numel())  # partials unused without a split
+    # Without a split the partial outputs are never touched: lse stands in for them.
+    split = SplitArgs(o_part=lse, lse_part=lse, num_splits=num_splits, n_rows=lse.numel())
     if num_splits > 1:
-        split = SplitArgs(
-            torch.empty((num_splits, lse.numel(), D), dtype=torch.float32, device=q.device),
-            torch.empty((num_splits, lse.numel()), dtype=torch.float32, device=q.device),
-            num_splits, lse.numel())
+        split = split._replace(
+            o_part=torch.empty((num_splits, lse.numel(), D), dtype=torch.float32,
+                               device=q.device),
+            lse_part=torch.empty((num_splits, lse.numel()), dtype=torch.float32,
+                                 device=q.device))
     args = dict(Q=pb.q, K=pb.k, V=pb.v, O=o4, LSE=lse,
                 stride_q=pb.strides(pb.q), stride_k=pb.strides(pb.k), stride_v=pb.strides(pb.v),
                 stride_o=pb.strides(o4), stride_lse=pb.lse_strides,
