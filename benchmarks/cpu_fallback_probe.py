@@ -58,13 +58,15 @@ def measure(mode, warm, inputs, run, args):
     import torch
 
     from kernels.core import fallback
+    from kernels.core.call import AttentionCall
 
     run(mode, *inputs(warm, mode))
     q, k, v, do = inputs(args.seq, mode)
     path = None
     if args.provider != "sdpa":
         window = args.seq if args.provider == "kernels_fallback_blockwise" else None
-        path = ("sdpa" if fallback._sdpa_applies(q, k, None, True, window, args.dropout)
+        path = ("sdpa" if fallback._sdpa_applies(
+            q, k, None, AttentionCall(True, 1.0, args.dropout, 0, window))
                 else "blockwise")
     gc.collect()
     if args.what == "time":

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from .call import lse_shape
+from .call import lse_shape, make_problem
 from .dropout import dropout_mask_block
 
 # Score elements per block of query rows: two fp32 buffers of this size (4 MiB each) and one
@@ -115,24 +115,24 @@ class _Dense:
     (B, H_kv, group * rows, D): k and v are read as they are (never expanded), and dK / dV
     come out summed over the group by the matmuls themselves."""
 
-    def __init__(self, q, k, v, causal, window, softmax_scale, dropout_p, seed, row_base,
-                 groups, col_offset=0):
+    def __init__(self, q, k, v, call, row_base, groups, col_offset=0):
         self.B, self.H, self.q_len, self.D = q.shape
         self.H_kv, self.k_len = k.shape[1], k.shape[2]
         self.group = self.H // self.H_kv if self.H_kv else 1
         self.q, self.k, self.v = q.detach(), k.detach(), v.detach()
-        self.causal, self.window, self.scale = causal, window, softmax_scale
-        self.dropout_p, self.seed, self.row_base, self.groups = dropout_p, seed, row_base, groups
-        self.col_offset = col_offset
+        self.call = call
+        self.causal, self.window, self.scale = call.causal, call.window, call.softmax_scale
+        self.dropout_p, self.seed = call.dropout_p, call.seed
+        self.drop_scale = call.drop_scale  # 1 / (1 - p), as the kernels scale kept weights
+        self.row_base, self.groups, self.col_offset = row_base, groups, col_offset
         self.elems = _BLOCK_ELEMS
 
     def sub(self, bs, hs):
         """The sub-problem of the batches ``bs`` and kv heads ``hs`` (slices), with their query
         heads, and its index into (q-side, kv-side) tensors."""
         g = slice(hs.start * self.group, hs.stop * self.group)
-        sub = _Dense(self.q[bs, g], self.k[bs, hs], self.v[bs, hs], self.causal, self.window,
-                     self.scale, self.dropout_p, self.seed, self.row_base[bs, g], self.groups,
-                     self.col_offset)
+        sub = _Dense(self.q[bs, g], self.k[bs, hs], self.v[bs, hs], self.call,
+                     self.row_base[bs, g], self.groups, self.col_offset)
         return sub, (bs, g), (bs, hs)
 
     def work(self, blocks=None):
@@ -195,11 +195,11 @@ class _Dense:
         return out.view(self.B, self.H_kv, -1, n)
 
 
-def _sdpa_applies(q, k, cu_q, causal, window, dropout_p):
+def _sdpa_applies(q, k, cu_q, call):
     """Whether PyTorch's CPU flash attention computes exactly our result (see the docstring):
     the forward and the backward of one call decide alike (same q, k and arguments)."""
-    return (q.device.type == "cpu" and cu_q is None and window is None and dropout_p == 0.0
-            and (not causal or q.shape[2] == k.shape[2]) and min(q.shape[2], k.shape[2]) > 0
+    return (q.device.type == "cpu" and cu_q is None and call.window is None and not call.dropout
+            and (not call.causal or q.shape[2] == k.shape[2]) and min(q.shape[2], k.shape[2]) > 0
             and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward")
             and bool(torch.isfinite(q).all()) and bool(torch.isfinite(k).all()))
 
@@ -353,7 +353,7 @@ def _forward_blocks(pb, o, lse, blocks):
     mask zeroes weights in place; out = (weights @ v) / (sum * (1 - p)) (rows that see no key:
     zeros and lse -inf)."""
     (buf,), mask_buf = pb.scratch(blocks, 1)
-    keep_scale = 1.0 / (1.0 - pb.dropout_p)
+    keep_scale = pb.drop_scale
     for i0, i1 in blocks:
         k0, k1 = pb.keys(i0, i1)
         if k0 == k1:  # no row of the block sees a key
@@ -392,7 +392,7 @@ def _backward_blocks(pb, do, o, lse, dq, dk_acc, dv_acc, blocks):
     ``ds' = P * (keep * (dO V^T) - rowsum * (1 - p))``, dS = ds' / (1 - p).
     ``dk_acc``, ``dv_acc``: fp32 (B * H_kv, k_len, D) accumulators."""
     (p_buf, ds_buf), mask_buf = pb.scratch(blocks, 2)
-    keep_scale = 1.0 / (1.0 - pb.dropout_p)
+    keep_scale = pb.drop_scale
     for i0, i1 in blocks:
         k0, k1 = pb.keys(i0, i1)
         if k0 == k1:  # no row of the block sees a key: dQ stays 0
@@ -408,7 +408,7 @@ def _backward_blocks(pb, do, o, lse, dq, dk_acc, dv_acc, blocks):
         keep = pb.kept(i0, i1, k0, k1, mask_buf)
         if keep is not None:  # dO V^T can hold NaN in single columns (a NaN in v): where
             torch.where(keep, ds, ds.new_zeros(()), out=ds)
-        ds.sub_(delta.mul_(1.0 - pb.dropout_p)).mul_(p)
+        ds.sub_(delta.div_(keep_scale)).mul_(p)
         pb.put_rows(dq, i0, i1, torch.matmul(ds, pb.k[:, :, k0:k1].float()).mul_(
             pb.scale * keep_scale))
         n, rows = k1 - k0, p.shape[2]
@@ -459,36 +459,29 @@ def _backward_dense(pb, do, o, lse, dq, dk, dv):
                 out.copy_(total.view(out.shape))
 
 
-def _problems(q, k, v, cu_q, cu_k, causal, window, softmax_scale, dropout_p, seed,
-              drop_layout=None):
+def _problems(q, k, v, cu_q, cu_k, call):
     """(dense problem, q-row slice, k-row slice) per batch or packed sequence. Dense: one
-    problem for the whole batch; packed: one per sequence on (1, H, len, D) views.
-    ``drop_layout`` (dense only): (q_total, k_total, row_offset, col_offset) of a block."""
-    common = (causal, window, softmax_scale, dropout_p, seed)
-    if cu_q is None:
-        B, H, q_len, _ = q.shape
-        q_total, k_total, row_off, col_off = drop_layout or (q_len, k.shape[2], 0, 0)
-        row_base = torch.arange(B * H, device=q.device).view(B, H) * q_total + row_off
-        groups = (k_total + 3) // 4
-        return [(_Dense(q, k, v, *common, row_base, groups, col_off), slice(None),
+    problem for the whole batch; packed: one per sequence on (1, H, len, D) views. The dropout
+    row ids and Philox strides are the kernels' (``Problem.drop_args``, kernels/core/call.py),
+    including a context-parallel block's ``call.drop_layout``."""
+    packed = cu_q is not None
+    drop = make_problem(q, k, v, cu_q, cu_k, 0, 0).drop_args(call)
+    H = q.shape[1]
+    head_rows = torch.arange(H, device=q.device) * drop.row_stride_h + drop.row0
+    if not packed:
+        B = q.shape[0]
+        row_base = torch.arange(B, device=q.device)[:, None] * drop.row_stride_b + head_rows
+        return [(_Dense(q, k, v, call, row_base, drop.groups, drop.col0), slice(None),
                  slice(None))]
-    total_q, H, _ = q.shape
-    groups = (k.shape[0] + 3) // 4
     bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()
     out = []
     for s in range(len(bounds_q) - 1):
         rq = slice(bounds_q[s], bounds_q[s + 1])
         rk = slice(bounds_k[s], bounds_k[s + 1])
-        row_base = (torch.arange(H, device=q.device) * total_q + bounds_q[s]).view(1, H)
+        row_base = (head_rows + bounds_q[s]).view(1, H)
         views = [x[r].transpose(0, 1).unsqueeze(0) for x, r in ((q, rq), (k, rk), (v, rk))]
-        out.append((_Dense(*views, *common, row_base, groups), rq, rk))
+        out.append((_Dense(*views, call, row_base, drop.groups), rq, rk))
     return out
-
-
-def _fields(call):
-    """(causal, window, softmax_scale, dropout_p, seed, drop_layout) of an ``AttentionCall``."""
-    return (call.causal, call.window, call.softmax_scale, call.dropout_p, call.seed,
-            call.drop_layout)
 
 
 def _view(x, r, packed):
@@ -499,13 +492,11 @@ def _view(x, r, packed):
 def forward(q, k, v, cu_q, cu_k, call, o):
     """(o, lse) as the forward kernel returns them for ``call`` (an ``AttentionCall``,
     kernels/core/call.py); ``o`` is written in place."""
-    causal, window, softmax_scale, dropout_p, seed, drop_layout = _fields(call)
-    if _sdpa_applies(q, k, cu_q, causal, window, dropout_p):
-        return _sdpa_forward(q, k, v, causal, softmax_scale, o)
+    if _sdpa_applies(q, k, cu_q, call):
+        return _sdpa_forward(q, k, v, call.causal, call.softmax_scale, o)
     packed = cu_q is not None
     lse = torch.empty(lse_shape(q, packed), dtype=torch.float32, device=q.device)
-    for pb, rq, _ in _problems(q, k, v, cu_q, cu_k, causal, window, softmax_scale, dropout_p,
-                               seed, drop_layout):
+    for pb, rq, _ in _problems(q, k, v, cu_q, cu_k, call):
         lse_v = lse[:, rq].unsqueeze(0) if packed else lse
         _forward_dense(pb, _view(o, rq, packed), lse_v)
     return o, lse
@@ -514,15 +505,13 @@ def forward(q, k, v, cu_q, cu_k, call, o):
 def backward(do, q, k, v, o, lse, cu_q, cu_k, call, dq, dk, dv):
     """(dq, dk, dv) as the backward kernels return them for ``call``, written into the given
     tensors."""
-    causal, window, softmax_scale, dropout_p, seed, drop_layout = _fields(call)
-    if _sdpa_applies(q, k, cu_q, causal, window, dropout_p):
-        return _sdpa_backward(do, q, k, v, o, lse, causal, softmax_scale, dq, dk, dv)
+    if _sdpa_applies(q, k, cu_q, call):
+        return _sdpa_backward(do, q, k, v, o, lse, call.causal, call.softmax_scale, dq, dk, dv)
     packed = cu_q is not None
     dq.zero_()  # rows of no sequence (none when cu_seqlens are valid) stay 0
     dk.zero_()
     dv.zero_()
-    for pb, rq, rk in _problems(q, k, v, cu_q, cu_k, causal, window, softmax_scale, dropout_p,
-                                seed, drop_layout):
+    for pb, rq, rk in _problems(q, k, v, cu_q, cu_k, call):
         lse_v = lse[:, rq].unsqueeze(0) if packed else lse
         _backward_dense(pb, _view(do, rq, packed), _view(o, rq, packed), lse_v,
                         _view(dq, rq, packed), _view(dk, rk, packed), _view(dv, rk, packed))

@@ -18,6 +18,7 @@ import kernels
 import reference
 from kernels import ops
 from kernels.core import fallback
+from kernels.core.call import AttentionCall
 
 pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="the fallback serves CPU tensors")
 
@@ -39,7 +40,7 @@ def test_fallback_parity(no_interpreter, hq, hkv, q_len, k_len, causal, dtype, s
     k = randn(2, hkv, k_len, 32, dtype=dtype, requires_grad=True)
     v = randn(2, hkv, k_len, 32, dtype=dtype, requires_grad=True)
     do = randn(2, hq, q_len, 32, dtype=dtype)
-    assert fallback._sdpa_applies(q, k, None, causal, None, 0.0) == sdpa_path
+    assert fallback._sdpa_applies(q, k, None, AttentionCall(causal, 1.0)) == sdpa_path
     out, lse = kernels.attention(q, k, v, causal=causal, return_lse=True)
     grads = torch.autograd.grad(out, (q, k, v), do)
 

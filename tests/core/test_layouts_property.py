@@ -36,6 +36,7 @@ import kernels
 import reference
 from kernels import ops
 from kernels.core import fallback
+from kernels.core.call import AttentionCall
 from reference.parity import parity_budget
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
@@ -470,7 +471,7 @@ def test_fallback_flash_path_non_unit_head_dim_stride(layout, causal):
     on q, k, v whose head_dim is not unit-stride: its output was off by 1.7 to 3.9 and its
     gradients by up to 4.4 (the aten op reads each row as a contiguous vector)."""
     q, k, v = (_make((2, 3, 20, 16), F32, layout) for _ in range(3))
-    assert fallback._sdpa_applies(q, k, None, causal, None, 0.0)
+    assert fallback._sdpa_applies(q, k, None, AttentionCall(causal, 1.0))
     do = _randn((2, 3, 20, 16), F32)
     qc, kc, vc = _contiguous(q, k, v)
     with _backend("fallback"):
@@ -505,8 +506,9 @@ def test_nan_query_row_gives_nan_row(route, backend, k_len):
     with _backend(backend):
         if route.startswith("dense"):
             if backend == "fallback":
-                assert fallback._sdpa_applies(q.nan_to_num(), k, None, kw["causal"], None,
-                                              0.0) == (route == "dense")
+                fast = fallback._sdpa_applies(q.nan_to_num(), k, None,
+                                              AttentionCall(kw["causal"], 1.0))
+                assert fast == (route == "dense")
             out, lse = kernels.attention(q, k, v, return_lse=True, **kw)
             ref = reference.attention(q, k, v, **kw)
             lowp = reference.attention(q, k, v, upcast=False, **kw)
