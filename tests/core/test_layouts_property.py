@@ -1,5 +1,7 @@
 """Every route, every memory layout: property-based parity (hypothesis, derandomized: the same
-examples on every run, so CI cannot flake), then the pinned cases of issue 22.
+examples on every run, so CI cannot flake), then pinned cases of the silent wrong answers and
+crashes a new user found (strided inputs and NaN rows on the CPU fallback, heads = 0, the
+KV-cache backward, the fallback warning's line).
 
 Routes: the kernel (Triton's interpreter on CPU, as everywhere in the tests; the compiled kernel
 on CUDA) and the PyTorch fallback (CPU tensors with the interpreter off, reached as a user
@@ -461,7 +463,7 @@ def test_module_fallback(**case):
 
 
 # ------------------------------------------------------------------------------------------
-# Pinned cases of issue 22 ("no silent wrong answer anywhere"), route by route
+# Pinned cases: the silent wrong answers and crashes a new user found, route by route
 # ------------------------------------------------------------------------------------------
 @pytest.mark.skipif(DEVICE != "cpu", reason="the fallback serves CPU tensors")
 @pytest.mark.parametrize("layout", ["last_stride", "dim_major"])
