@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .call import AttentionCall, make_problem, packed_view, score_args
+from .call import AttentionCall, make_problem, packed_view, score_args, score_spec
 from .common import (LOG2E, block_d, dot_operand, dot_precision, interpreter_active,
                      round_for_store, widen, widen_bf16)
 from .configs import (BWD_TUNE_KEY, autotune_enabled, bwd_configs, fixed_config,
@@ -62,7 +62,7 @@ def _bwd_preprocess(O, DO, Delta, stride_o, stride_do, stride_lse, seq,
                     BLOCK_D: tl.constexpr):
     """delta[b, h, i] = sum_d dO[b, h, i, d] * O[b, h, i, d] in fp32.
 
-    O, DO: (B, heads_q, q_len, HEAD_DIM), unit stride on the last dim (VARLEN: packed, rows of
+    O, DO: (B, heads_q, q_len, HEAD_DIM) (the value head dim), unit stride on the last dim (VARLEN: packed, rows of
     sequence b from seq.cu_q). Delta: fp32 in the lse layout (b * stride_lse[0] +
     h * stride_lse[1] + row). Grid: (cdiv(q_len or max_seqlen_q, BLOCK_M), heads_q, batch or
     number of sequences).
@@ -108,18 +108,19 @@ def _load_row_stats(LSE, Delta, offs_m, q_len):
 def _bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV,
               stride_q, stride_k, stride_v, stride_do, stride_dk, stride_dv, stride_lse,
               seq, score, drop,
-              Q_BUCKET, K_BUCKET,  # autotune key only (power-of-two buckets of q_len/k_len)
-              HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+              BUCKETS,  # autotune key only: power-of-two buckets of (q_len, k_len)
+              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+              BLOCK_DV: tl.constexpr, SPEC: tl.constexpr,
               VARLEN: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-              WIDEN: tl.constexpr, BLOCK_D: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+              WIDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dK, dV for one block of BLOCK_N keys of one (batch or packed sequence, kv head).
 
-    Q, DO: (B, heads_q, q_len, HEAD_DIM); K, V, DK, DV: (B, heads_kv, k_len, HEAD_DIM), with
-    heads_q = seq.group * heads_kv; any strides with a unit last one, ``stride_x`` = x's
+    Q: (B, heads_q, q_len, HEAD_DIM), DO: (B, heads_q, q_len, HEAD_DIM_V); K, DK: (B, heads_kv,
+    k_len, HEAD_DIM), V, DV: (B, heads_kv, k_len, HEAD_DIM_V), with heads_q = seq.group *
+    heads_kv; any strides with a unit last one, ``stride_x`` = x's
     (batch, head, row) strides (VARLEN: packed as in the forward). LSE (natural log, -inf for
-    rows that see no key) and Delta: fp32 in the lse layout. ``seq``, ``score``, ``drop``: as in
-    the forward. Grid: (cdiv(k_len or max_seqlen_k, BLOCK_N), heads_kv, batch or number of
+    rows that see no key) and Delta: fp32 in the lse layout. ``seq``, ``score``, ``drop``,
+    SPEC: as in the forward. Grid: (cdiv(k_len or max_seqlen_k, BLOCK_N), heads_kv, batch or number of
     sequences).
 
     The group of query heads that share this kv head are summed here, one after another in a
@@ -149,18 +150,22 @@ def _bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV,
     cols = tl.arange(0, BLOCK_N)
     offs_n = start_n + cols
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     d_ok = offs_d < HEAD_DIM
-    kv_mask = (offs_n[:, None] < k_len) & d_ok[None, :]
-    k = widen(tl.load(K + cols[:, None] * stride_k[2] + offs_d[None, :], mask=kv_mask,
+    dv_ok = offs_dv < HEAD_DIM_V
+    k_mask = (offs_n[:, None] < k_len) & d_ok[None, :]
+    v_mask = (offs_n[:, None] < k_len) & dv_ok[None, :]
+    k = widen(tl.load(K + cols[:, None] * stride_k[2] + offs_d[None, :], mask=k_mask,
                       other=0.0), WIDEN)                                    # (BLOCK_N, BLOCK_D)
-    v = widen(tl.load(V + cols[:, None] * stride_v[2] + offs_d[None, :], mask=kv_mask,
-                      other=0.0), WIDEN)
+    v = widen(tl.load(V + cols[:, None] * stride_v[2] + offs_dv[None, :], mask=v_mask,
+                      other=0.0), WIDEN)                                    # (BLOCK_N, BLOCK_DV)
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
-    dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_DV), dtype=tl.float32)
     diag = k_len - q_len
     rows0 = tl.arange(0, BLOCK_M)
-    lo, full_lo, full_hi, hi = query_range(start_n, q_len, k_len, score.window, CAUSAL, WINDOW,
-                                           BLOCK_M, BLOCK_N)
+    CAUSAL: tl.constexpr = SPEC.causal
+    lo, full_lo, full_hi, hi = query_range(start_n, q_len, k_len, score.window, CAUSAL,
+                                           SPEC.edge, BLOCK_M, BLOCK_N)
 
     # The first query tiles run before the pipelined loop: the causal diagonal, or without a
     # causal mask (no diagonal) the first unmasked tile, peeled off. A pipelined loop that
@@ -181,9 +186,9 @@ def _bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV,
         drop_rows = off_b * drop.row_stride_b + h * drop.row_stride_h + q_rows + drop.row0
         # Query tiles in up to three ranges: RANGE 0 the causal diagonal (masked; without
         # causal, the peeled first tile, unmasked), RANGE 1 the rows that see every key of the
-        # block (unmasked), RANGE 2 the window's far edge (masked; only with WINDOW). Key
-        # columns past k_len need no mask: they only reach dK/dV rows that are not stored.
-        for RANGE in tl.static_range(0, 3 if WINDOW else 2):
+        # block (unmasked), RANGE 2 the window's / chunk's far edge (masked; only with an edge).
+        # Key columns past k_len need no mask: they only reach dK/dV rows that are not stored.
+        for RANGE in tl.static_range(0, 3 if SPEC.edge != 0 else 2):
             if RANGE == 0:
                 range_lo, range_hi = lo, diag_hi
             elif RANGE == 1:
@@ -199,15 +204,16 @@ def _bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV,
                              mask=row_ok[None, :] & d_ok[:, None], other=0.0)
                 qT = widen(qT, WIDEN)                                       # (BLOCK_D, BLOCK_M)
                 do = tl.load(DO_h + tl.cast(start_m, tl.int64) * stride_do[2]
-                             + rows0[:, None] * stride_do[2] + offs_d[None, :],
-                             mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-                do = widen(do, WIDEN)                                       # (BLOCK_M, BLOCK_D)
+                             + rows0[:, None] * stride_do[2] + offs_dv[None, :],
+                             mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
+                do = widen(do, WIDEN)                                      # (BLOCK_M, BLOCK_DV)
                 lse2, delta = _load_row_stats(LSE + row_base, Delta + row_base, offs_m, q_len)
 
                 qkT = tl.dot(k, qT, input_precision=DOT_PRECISION)          # (BLOCK_N, BLOCK_M)
-                xT, x_scale = scaled_scores(qkT, score)
-                pT = probs_from_lse(xT, x_scale, lse2[None, :], offs_m[None, :], offs_n[:, None],
-                                    k_len, diag, score, MASKED[RANGE], CAUSAL, WINDOW)
+                xT, x_scale = scaled_scores(qkT, b, h, offs_m[None, :], offs_n[:, None], diag,
+                                            score, SPEC)
+                pT = probs_from_lse(xT, x_scale, lse2[None, :], b, h, offs_m[None, :],
+                                    offs_n[:, None], k_len, diag, score, SPEC, MASKED[RANGE])
                 dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # dPd^T = V dO^T
                 if DROPOUT:
                     # The forward's bits: the mask depends on (seed, row id, j), not on blocks.
@@ -220,7 +226,8 @@ def _bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV,
                 else:
                     pdT = pT
                 dv = tl.dot(dot_operand(pdT, do, WIDEN), do, dv, input_precision=DOT_PRECISION)
-                dsT = score_grad(pT * (dpT - delta[None, :]), qkT, score)
+                dsT = score_grad(pT * (dpT - delta[None, :]), qkT, b, h, offs_m[None, :],
+                                 offs_n[:, None], diag, score, SPEC)
                 dk = tl.dot(dot_operand(dsT, qT, WIDEN), tl.trans(qT), dk,
                             input_precision=DOT_PRECISION)
 
@@ -228,24 +235,24 @@ def _bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV,
     dk = round_for_store(dk * score.softmax_scale, WIDEN)
     dv = round_for_store(dv, WIDEN)
     tl.store(DK + cols[:, None] * stride_dk[2] + offs_d[None, :],
-             dk.to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + cols[:, None] * stride_dv[2] + offs_d[None, :],
-             dv.to(DV.dtype.element_ty), mask=kv_mask)
+             dk.to(DK.dtype.element_ty), mask=k_mask)
+    tl.store(DV + cols[:, None] * stride_dv[2] + offs_dv[None, :],
+             dv.to(DV.dtype.element_ty), mask=v_mask)
 
 
 @triton.jit
 def _bwd_dq(Q, K, V, DO, LSE, Delta, DQ,
             stride_q, stride_k, stride_v, stride_do, stride_dq, stride_lse,
             seq, score, drop,
-            Q_BUCKET, K_BUCKET,  # autotune key only (power-of-two buckets of q_len/k_len)
-            HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+            BUCKETS,  # autotune key only: power-of-two buckets of (q_len, k_len)
+            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+            BLOCK_DV: tl.constexpr, SPEC: tl.constexpr,
             VARLEN: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-            WIDEN: tl.constexpr, BLOCK_D: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+            WIDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dQ for one block of BLOCK_M queries of one (batch or packed sequence, query head).
 
     Shapes, strides and grouped arguments as in ``_bwd_dkdv``; DQ like Q. Query head h reads
-    kv head h // seq.group. K and V are loaded transposed (BLOCK_D, BLOCK_N) so S = Q K^T and
+    kv head h // seq.group. K and V are loaded transposed ((BLOCK_D or BLOCK_DV), BLOCK_N) so S = Q K^T and
     dPd = dO V^T need no register transpose. Grid: (cdiv(q_len or max_seqlen_q, BLOCK_M),
     heads_q, batch or number of sequences).
     """
@@ -275,26 +282,28 @@ def _bwd_dq(Q, K, V, DO, LSE, Delta, DQ,
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     q_mask = (offs_m < q_len)[:, None] & (offs_d[None, :] < HEAD_DIM)
+    do_mask = (offs_m < q_len)[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
     # Tile pointers built from the batch/head base: 64-bit row offsets, as in the dK/dV kernel.
     q = widen(tl.load(Q + offs_m[:, None].to(tl.int64) * stride_q[2] + offs_d[None, :],
                       mask=q_mask, other=0.0), WIDEN)                       # (BLOCK_M, BLOCK_D)
-    do = widen(tl.load(DO + offs_m[:, None].to(tl.int64) * stride_do[2] + offs_d[None, :],
-                       mask=q_mask, other=0.0), WIDEN)
+    do = widen(tl.load(DO + offs_m[:, None].to(tl.int64) * stride_do[2] + offs_dv[None, :],
+                       mask=do_mask, other=0.0), WIDEN)                     # (BLOCK_M, BLOCK_DV)
     # Rows that see no key get lse = +inf, P = 0, so their dQ row is 0.
     lse2, delta = _load_row_stats(LSE + row_base, Delta + row_base, offs_m, q_len)
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     diag = k_len - q_len
     cols0 = tl.arange(0, BLOCK_N)
 
-    # The forward's three ranges of key tiles (kernels/core/tiles.py): RANGE 0 the window's
-    # edge (masked; only with WINDOW), RANGE 1 unmasked, RANGE 2 the diagonal / k_len edge
+    # The forward's three ranges of key tiles (kernels/core/tiles.py): RANGE 0 the window's /
+    # chunk's edge (masked; only with an edge), RANGE 1 unmasked, RANGE 2 the diagonal / k_len edge
     # (masked). As in the forward, the diagonal loop after the unmasked one runs unpipelined:
     # pipelined, ptxas serializes the kernel's wgmma on sm_90 (C7515; benchmarks/NOTES.md).
     lo, full_lo, full_hi, hi = key_range(start_m, start_m + BLOCK_M, q_len, k_len, score.window,
-                                         CAUSAL, WINDOW, BLOCK_N)
+                                         SPEC.causal, SPEC.edge, BLOCK_N)
     MASKED: tl.constexpr = (True, False, True)
-    for RANGE in tl.static_range(0 if WINDOW else 1, 3):
+    for RANGE in tl.static_range(0 if SPEC.edge != 0 else 1, 3):
         if RANGE == 0:
             range_lo, range_hi = lo, full_lo
         elif RANGE == 1:
@@ -304,27 +313,30 @@ def _bwd_dq(Q, K, V, DO, LSE, Delta, DQ,
         for start_n in tl.range(range_lo, range_hi, BLOCK_N,
                                 num_stages=1 if RANGE == 2 else None):
             offs_n = start_n + cols0
-            kv_mask = (offs_n[None, :] < k_len) & (offs_d[:, None] < HEAD_DIM)
+            k_mask = (offs_n[None, :] < k_len) & (offs_d[:, None] < HEAD_DIM)
+            v_mask = (offs_n[None, :] < k_len) & (offs_dv[:, None] < HEAD_DIM_V)
             # 64-bit tile bases, 32-bit offsets inside the tile.
             kT = widen(tl.load(K + tl.cast(start_n, tl.int64) * stride_k[2]
                                + cols0[None, :] * stride_k[2] + offs_d[:, None],
-                               mask=kv_mask, other=0.0), WIDEN)             # (BLOCK_D, BLOCK_N)
+                               mask=k_mask, other=0.0), WIDEN)              # (BLOCK_D, BLOCK_N)
             vT = widen(tl.load(V + tl.cast(start_n, tl.int64) * stride_v[2]
-                               + cols0[None, :] * stride_v[2] + offs_d[:, None],
-                               mask=kv_mask, other=0.0), WIDEN)
+                               + cols0[None, :] * stride_v[2] + offs_dv[:, None],
+                               mask=v_mask, other=0.0), WIDEN)             # (BLOCK_DV, BLOCK_N)
 
             qk = tl.dot(q, kT, input_precision=DOT_PRECISION)               # (BLOCK_M, BLOCK_N)
             # Unlike dK/dV, columns past k_len must be zeroed here (MASKED[2] covers the k_len
             # edge): their P = exp(-lse) is meaningless (it overflows for very negative lse)
             # and would reach every dQ row.
-            x, x_scale = scaled_scores(qk, score)
-            p = probs_from_lse(x, x_scale, lse2[:, None], offs_m[:, None], offs_n[None, :],
-                               k_len, diag, score, MASKED[RANGE], CAUSAL, WINDOW)
+            x, x_scale = scaled_scores(qk, b, h, offs_m[:, None], offs_n[None, :], diag, score,
+                                       SPEC)
+            p = probs_from_lse(x, x_scale, lse2[:, None], b, h, offs_m[:, None],
+                               offs_n[None, :], k_len, diag, score, SPEC, MASKED[RANGE])
             dp = tl.dot(do, vT, input_precision=DOT_PRECISION)              # dPd = dO V^T
             if DROPOUT:
                 keep = dropout_keep(drop, drop_rows, offs_m, start_n, BLOCK_M, BLOCK_N, DROPOUT)
                 dp = tl.where(keep, dp * drop.scale, 0.0)
-            ds = score_grad(p * (dp - delta[:, None]), qk, score)
+            ds = score_grad(p * (dp - delta[:, None]), qk, b, h, offs_m[:, None],
+                            offs_n[None, :], diag, score, SPEC)
             dq = tl.dot(dot_operand(ds, kT, WIDEN), tl.trans(kT), dq,
                         input_precision=DOT_PRECISION)
 
@@ -349,14 +361,15 @@ def attention_backward(do, q, k, v, o, lse, call=None, *, cu_seqlens_q=None, cu_
     """Gradients of ``o = attention(q, k, v)`` given ``do = dL/do``.
 
     Args:
-        do: shaped like q, any strides (made unit-stride on the last dim if it is not).
-        q: (B, heads_q, q_len, D); k, v: (B, heads_kv, k_len, D), heads_q % heads_kv == 0.
-            Packed sequences (with ``cu_seqlens_q``): q (total_q, heads_q, D), k, v
-            (total_k, heads_kv, D). fp16, bf16 or fp32, one dtype; any strides with a
-            unit-stride last dim. D in 1..256.
-        o: the forward's output, shaped like q (q's dtype).
+        do: shaped like o, any strides (made unit-stride on the last dim if it is not).
+        q: (B, heads_q, q_len, D); k: (B, heads_kv, k_len, D), v: (B, heads_kv, k_len, Dv),
+            heads_q % heads_kv == 0. Packed sequences (with ``cu_seqlens_q``): q (total_q,
+            heads_q, D), k (total_k, heads_kv, D), v (total_k, heads_kv, Dv). fp16, bf16 or
+            fp32, one dtype; any strides with a unit-stride last dim. D, Dv in 1..512.
+        o: the forward's output, shaped like q with Dv (q's dtype).
         lse: the forward's fp32 contiguous natural-log row log-sum-exp of the scaled scores,
-            (B, heads_q, q_len) or (heads_q, total_q); -inf for rows that see no key.
+            (B, heads_q, q_len) or (heads_q, total_q); -inf for rows that see no key (with
+            sinks, the lse that includes them).
         call: the forward's ``AttentionCall`` (kernels/core/call.py), or its fields as
             keywords (``causal=``, ``softmax_scale=``, ``dropout_p=``, ``seed=``, ...).
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: as given to
@@ -370,10 +383,11 @@ def attention_backward(do, q, k, v, o, lse, call=None, *, cu_seqlens_q=None, cu_
     """
     call = call or AttentionCall(**call_fields)
     pb = make_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    head_dim = q.shape[-1]
-    assert v.shape == k.shape and do.shape == q.shape and o.shape == q.shape
+    head_dim, head_dim_v = q.shape[-1], v.shape[-1]
+    assert v.shape[:-1] == k.shape[:-1] and k.shape[-1] == head_dim
+    assert do.shape == o.shape == (*q.shape[:-1], head_dim_v)
     assert lse.shape == pb.lse_shape and lse.dtype == torch.float32 and lse.is_contiguous()
-    assert q.dtype == k.dtype == v.dtype and 1 <= head_dim <= 256
+    assert q.dtype == k.dtype == v.dtype and 1 <= head_dim <= 512 and 1 <= head_dim_v <= 512
     assert 0.0 <= call.dropout_p < 1.0
 
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -387,24 +401,25 @@ def attention_backward(do, q, k, v, o, lse, call=None, *, cu_seqlens_q=None, cu_
     else:
         dq4, dk4, dv4 = dq, dk, dv
 
-    BLOCK_D = block_d(head_dim)
+    BLOCK_DV = block_d(head_dim_v)
     # delta lives in lse's layout, so both share one offset (and the dropout row id).
     delta = torch.empty_like(lse)
     seq = pb.seq_args(lse)
-    pre_block_m = min(64, _PRE_BLOCK_ELEMS // BLOCK_D)
+    pre_block_m = min(64, _PRE_BLOCK_ELEMS // BLOCK_DV)
     _bwd_preprocess[(triton.cdiv(pb.q_len, pre_block_m), pb.heads, pb.batch)](
         O=o, DO=do, Delta=delta, stride_o=pb.strides(o), stride_do=pb.strides(do),
-        stride_lse=pb.lse_strides, seq=seq, HEAD_DIM=head_dim, VARLEN=pb.varlen,
-        BLOCK_M=pre_block_m, BLOCK_D=BLOCK_D)
+        stride_lse=pb.lse_strides, seq=seq, HEAD_DIM=head_dim_v, VARLEN=pb.varlen,
+        BLOCK_M=pre_block_m, BLOCK_D=BLOCK_DV)
 
     common = dict(Q=pb.q, K=pb.k, V=pb.v, DO=do, LSE=lse, Delta=delta,
                   stride_q=pb.strides(pb.q), stride_k=pb.strides(pb.k),
                   stride_v=pb.strides(pb.v), stride_do=pb.strides(do),
-                  stride_lse=pb.lse_strides, seq=seq, score=score_args(call),
-                  drop=pb.drop_args(call), **pb.tune_buckets(),
-                  HEAD_DIM=head_dim, CAUSAL=call.causal, WINDOW=call.window is not None,
-                  VARLEN=pb.varlen, DROPOUT=call.dropout_mode, DOT_PRECISION=dot_precision(q.dtype),
-                  WIDEN=widen_bf16(q.dtype), BLOCK_D=BLOCK_D)
+                  stride_lse=pb.lse_strides, seq=seq, score=score_args(call, lse),
+                  drop=pb.drop_args(call), BUCKETS=pb.tune_buckets(),
+                  HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), HEAD_DIM_V=head_dim_v,
+                  BLOCK_DV=BLOCK_DV, SPEC=score_spec(call), VARLEN=pb.varlen,
+                  DROPOUT=call.dropout_mode, DOT_PRECISION=dot_precision(q.dtype),
+                  WIDEN=widen_bf16(q.dtype))
     dkdv_args = dict(common, DK=dk4, DV=dv4, stride_dk=pb.strides(dk4),
                      stride_dv=pb.strides(dv4))
     dq_args = dict(common, DQ=dq4, stride_dq=pb.strides(dq4))

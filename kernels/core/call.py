@@ -30,6 +30,11 @@ import triton
 
 from .common import LOG2E
 from .dropout import dropout_threshold
+from .mods import NO_MODS, CallMods, ModFns
+
+# The left edge of what a causal query sees (the kernels' EDGE constexpr, kernels/core/tiles.py):
+# none, a sliding window of ``window`` keys, or the query's chunk of ``chunk_size`` positions.
+EDGE_NONE, EDGE_WINDOW, EDGE_CHUNK = 0, 1, 2
 
 
 def default_softmax_scale(head_dim: int) -> float:
@@ -48,9 +53,12 @@ class AttentionCall:
     """What one attention call computes (the tensors aside).
 
     causal: bottom-right causal mask. softmax_scale: > 0. window: None, or the sliding window
-    (causal only). dropout_p in [0, 1) with its Philox ``seed`` (ignored without dropout).
+    (causal only). chunk_size: None, or chunked attention (causal only, not with a window):
+    query position P sees key j iff j <= P and j // chunk_size == P // chunk_size.
+    dropout_p in [0, 1) with its Philox ``seed`` (ignored without dropout).
     drop_layout: None, or (q_total, k_total, row_offset, col_offset) when this dense call is a
     block of a longer sequence and its dropout mask is that block of the whole one.
+    mods: the call's score/mask modifications and sinks (kernels/core/mods.py).
     """
     causal: bool
     softmax_scale: float
@@ -58,15 +66,31 @@ class AttentionCall:
     seed: int = 0
     window: Optional[int] = None
     drop_layout: Optional[tuple] = None
+    chunk_size: Optional[int] = None
+    mods: CallMods = NO_MODS
 
     @classmethod
-    def from_op(cls, causal, softmax_scale, dropout_p, seed, window, drop_layout=None):
-        """From the custom ops' flat arguments: ``window`` 0 means none, ``seed`` an int or a
-        0-d int64 tensor."""
+    def from_op(cls, causal, softmax_scale, dropout_p, seed, window, drop_layout=None,
+                chunk_size=0, mods=NO_MODS):
+        """From the custom ops' flat arguments: ``window`` / ``chunk_size`` 0 mean none,
+        ``seed`` an int or a 0-d int64 tensor."""
         seed = int(seed.item()) if isinstance(seed, torch.Tensor) else int(seed)
         return cls(bool(causal), float(softmax_scale), float(dropout_p), seed,
                    window if window and window > 0 else None,
-                   tuple(drop_layout) if drop_layout is not None else None)
+                   tuple(drop_layout) if drop_layout is not None else None,
+                   chunk_size if chunk_size and chunk_size > 0 else None, mods)
+
+    @property
+    def edge(self) -> int:
+        """The kernels' EDGE constexpr: EDGE_NONE, EDGE_WINDOW or EDGE_CHUNK."""
+        if self.window is not None:
+            return EDGE_WINDOW
+        return EDGE_CHUNK if self.chunk_size is not None else EDGE_NONE
+
+    @property
+    def edge_size(self) -> int:
+        """The window or the chunk size (0 without either): the kernels' ``score.window``."""
+        return self.window or self.chunk_size or 0
 
     @property
     def dropout(self) -> bool:
@@ -114,7 +138,20 @@ class ScoreArgs(NamedTuple):
     """The score pipeline's runtime parameters (the kernels' ``score``; kernels/core/score.py)."""
     qk_scale: float       # softmax_scale * log2(e)
     softmax_scale: float
-    window: int           # read only when WINDOW
+    window: int           # the window or chunk size (read only when EDGE)
+    aux: tuple            # per score mod (ScoreSpec.mods), its aux tuple
+    mask_aux: tuple       # the mask mod's aux tuple
+    sinks: torch.Tensor   # fp32 (heads_q,) sink logits (read only when ScoreSpec.sinks)
+
+
+class ScoreSpec(NamedTuple):
+    """The score pipeline's compile-time description (the kernels' SPEC constexpr): which
+    masks and modifications a launch compiles in. Hashable: part of the autotune key."""
+    causal: bool
+    edge: int             # EDGE_NONE / EDGE_WINDOW / EDGE_CHUNK (causal only)
+    mods: tuple           # ModFns of each score mod, in the pipeline's order
+    mask_mod: object      # the mask mod's @triton.jit fn, or None
+    sinks: bool
 
 
 class DropArgs(NamedTuple):
@@ -188,16 +225,28 @@ class Problem(NamedTuple):
         return DropArgs(**key, groups=triton.cdiv(k_total, 4), row_stride_b=self.heads * q_total,
                         row_stride_h=q_total, row0=row_offset, col0=col_offset)
 
-    def tune_buckets(self) -> dict:
-        """The autotune key's length buckets (powers of two of q_len and k_len)."""
-        return dict(Q_BUCKET=triton.next_power_of_2(self.q_len),
-                    K_BUCKET=triton.next_power_of_2(self.k_len))
+    def tune_buckets(self) -> tuple:
+        """The kernels' BUCKETS, part of the autotune key: (q_len, k_len) rounded up to powers
+        of two, so a new length re-tunes only when it changes bucket."""
+        return (triton.next_power_of_2(self.q_len), triton.next_power_of_2(self.k_len))
 
 
-def score_args(call: AttentionCall) -> ScoreArgs:
-    """The kernels' ``score``."""
+def score_args(call: AttentionCall, dummy: torch.Tensor) -> ScoreArgs:
+    """The kernels' ``score``; ``dummy`` stands in for the sinks pointer when there are none."""
+    mods = call.mods
     return ScoreArgs(qk_scale=call.qk_scale, softmax_scale=call.softmax_scale,
-                     window=call.window or 0)
+                     window=call.edge_size, aux=tuple(aux for _, aux in mods.score_mods()),
+                     mask_aux=tuple(mods.aux) if mods.mask_mod is not None else (),
+                     sinks=dummy if mods.sinks is None else mods.sinks)
+
+
+def score_spec(call: AttentionCall) -> ScoreSpec:
+    """The kernels' SPEC constexpr."""
+    mods = call.mods
+    return ScoreSpec(causal=call.causal, edge=call.edge,
+                     mods=tuple(ModFns(m.fn, m.grad) for m, _ in mods.score_mods()),
+                     mask_mod=None if mods.mask_mod is None else mods.mask_mod.fn,
+                     sinks=mods.sinks is not None)
 
 
 def packed_view(x):

@@ -80,9 +80,9 @@ def unsupported_gpu_reason(device) -> Optional[str]:
 
 # Autotune keys (kernel argument names). Sequence lengths enter as power-of-two buckets, so a new
 # length re-tunes only when it changes bucket.
-FWD_TUNE_KEY = ["Q_BUCKET", "K_BUCKET", "HEAD_DIM", "CAUSAL", "WINDOW", "VARLEN", "SEQUSED_K",
-                "PACK_GQA", "SPLIT", "DROPOUT", "DOT_PRECISION"]
-BWD_TUNE_KEY = ["Q_BUCKET", "K_BUCKET", "HEAD_DIM", "CAUSAL", "WINDOW", "VARLEN", "DROPOUT",
+FWD_TUNE_KEY = ["BUCKETS", "HEAD_DIM", "HEAD_DIM_V", "SPEC", "VARLEN", "SEQUSED_K", "PACK_GQA",
+                "SPLIT", "DROPOUT", "DOT_PRECISION"]
+BWD_TUNE_KEY = ["BUCKETS", "HEAD_DIM", "HEAD_DIM_V", "SPEC", "VARLEN", "DROPOUT",
                 "DOT_PRECISION"]
 
 
@@ -251,13 +251,20 @@ _FWD_TILE_REGS = 64
 _FWD_TILE_REGS_DROPOUT = 32
 
 
-# Sliding windows add a masked loop in front of the unmasked one; with more than two pipeline
-# stages ptxas then serialized the wgmma (C7515) of every forward and dQ config on sm_90.
+# Sliding windows and chunks add a masked loop in front of the unmasked one; with more than two
+# pipeline stages ptxas then serialized the wgmma (C7515) of every forward and dQ config on sm_90.
 _WINDOW_MAX_STAGES = 2
 
 
 def _stages_ok(config, kwargs) -> bool:
-    return not kwargs.get("WINDOW", False) or config.num_stages <= _WINDOW_MAX_STAGES
+    spec = kwargs.get("SPEC")
+    return spec is None or not spec.edge or config.num_stages <= _WINDOW_MAX_STAGES
+
+
+def _padded_width(args) -> int:
+    """The widest padded head dim of a launch: q/k's or v's (kernels/core/common.block_d)."""
+    dims = [int(args[k]) for k in ("HEAD_DIM", "HEAD_DIM_V") if k in args] or [64]
+    return max(16, triton.next_power_of_2(max(dims)))
 
 
 def _fwd_fits_registers(config, block_d: int, dropout: bool) -> bool:
@@ -274,7 +281,7 @@ def prune_configs(configs, named_args, **kwargs):
     kernel's arguments arrive in ``named_args`` (positional) and ``kwargs`` (keywords: every
     launch here passes them by name). Never returns an empty list."""
     args = {**named_args, **kwargs}
-    block_d = args.get("BLOCK_D", 64)
+    block_d = _padded_width(args)
     elem_bytes = args["Q"].element_size() if "Q" in args else 2
     gpu = _launch_gpu(args)
     family = family_of(gpu)
@@ -319,7 +326,7 @@ def prune_bwd_configs(configs, named_args, **kwargs):
     fail to compile, so this only saves compile time and spills. Keeps at least one config.
     """
     args = {**named_args, **kwargs}
-    width = max(16, triton.next_power_of_2(int(args["HEAD_DIM"])))
+    width = _padded_width(args)
     elem = args["Q"].element_size() if isinstance(args.get("Q"), torch.Tensor) else 2
     dkdv = "DK" in args
     dropout = bool(args.get("DROPOUT", False))

@@ -11,18 +11,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .call import AttentionCall, SplitArgs, make_problem, packed_view, score_args
-from .common import (LN2, block_d, dot_operand, dot_precision, interpreter_active,
+from .call import (AttentionCall, SplitArgs, make_problem, packed_view, score_args,
+                   score_spec)
+from .common import (block_d, dot_operand, dot_precision, interpreter_active,
                      round_for_store, widen, widen_bf16)
 from .configs import (FWD_TUNE_KEY, PACK_GQA_MAX_Q_LEN, autotune_enabled, clamp_splits,
                       fixed_config, fwd_configs, nominal_tiles, num_splits_heuristic,
                       prune_configs)
-from .score import dropout_keep, mask_scores, online_softmax, scaled_scores
+from .score import dropout_keep, finish_rows, mask_scores, online_softmax, scaled_scores
 from .tiles import key_range, seq_bounds
 from .splitkv import combine_splits
-
-# Compiled kernels may only read globals that are tl.constexpr (the interpreter reads any).
-_LN2 = tl.constexpr(LN2)
 
 
 @triton.jit
@@ -47,9 +45,10 @@ def load_rows(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr,
 def _attn_fwd(Q, K, V, O, LSE,
               stride_q, stride_k, stride_v, stride_o, stride_lse,
               seq, score, drop, split,
-              Q_BUCKET, K_BUCKET,  # autotune key only (power-of-two buckets of q_len/k_len)
+              BUCKETS,  # autotune key only: power-of-two buckets of (q_len, k_len)
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-              CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
+              HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+              SPEC: tl.constexpr, VARLEN: tl.constexpr,
               SEQUSED_K: tl.constexpr, PACK_GQA: tl.constexpr, SPLIT: tl.constexpr,
               DROPOUT: tl.constexpr, WIDEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -60,9 +59,11 @@ def _attn_fwd(Q, K, V, O, LSE,
     group * q_len (the query heads that share a kv head, stacked) and heads = heads_kv,
     so every K/V tile is read once per group (decoding, where q_len is small).
 
-    Q, O: (B, heads_q, q_len, HEAD_DIM); K, V: (B, heads_kv, k_len, HEAD_DIM) with
-    heads_q = group * heads_kv (query head h reads kv head h // group); unit stride in the last
-    dim; ``stride_x`` = x's (batch, head, row) strides. Grouped arguments (kernels/core/call.py):
+    Q: (B, heads_q, q_len, HEAD_DIM); K: (B, heads_kv, k_len, HEAD_DIM); V: (B, heads_kv,
+    k_len, HEAD_DIM_V); O: (B, heads_q, q_len, HEAD_DIM_V); heads_q = group * heads_kv (query head h reads kv head h // group); unit stride in the last
+    dim; ``stride_x`` = x's (batch, head, row) strides. SPEC: the score pipeline's ScoreSpec
+    (causal, window / chunk edge, score and mask mods, sinks). Grouped arguments
+    (kernels/core/call.py):
     ``seq`` (SeqArgs: group, lengths; VARLEN: B = 1 with zero batch strides and sequence b is
     rows cu_q[b]:cu_q[b+1] of Q (cu_k for K, V); SEQUSED_K: batch entry b has k_lens[b] keys, a
     KV cache's filled length), ``score`` (ScoreArgs), ``drop`` (DropArgs: the dropout mask's
@@ -70,8 +71,9 @@ def _attn_fwd(Q, K, V, O, LSE,
     2 on at a column offset off the 4-column Philox groups (``AttentionCall.dropout_mode``).
     LSE: fp32, entry (b, h, i) at b * stride_lse[0] + h * stride_lse[1] + row start + i; natural
     log, -inf for rows with no key. SPLIT: O and LSE are not written; split s writes its
-    normalised partial output and lse to split.o_part[s, r, :HEAD_DIM] and split.lse_part[s, r]
-    (r = the row's lse offset) for kernels/core/splitkv.py.
+    normalised partial output and lse to split.o_part[s, r, :HEAD_DIM_V] and
+    split.lse_part[s, r] (r = the row's lse offset) for kernels/core/splitkv.py, without the
+    sinks (the merge adds them).
     """
     pid = tl.program_id(0)
     if SPLIT:
@@ -81,7 +83,7 @@ def _attn_fwd(Q, K, V, O, LSE,
     else:
         pid_m = pid
         n_blocks = tl.num_programs(0)
-    if CAUSAL:
+    if SPEC.causal:
         # Longest rows first: the GPU starts the most expensive causal blocks early, so the
         # short ones fill the tail instead of leaving SMs idle at the end.
         pid_m = n_blocks - 1 - pid_m
@@ -95,7 +97,9 @@ def _attn_fwd(Q, K, V, O, LSE,
             return
     offs_r = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    EVEN_DV: tl.constexpr = HEAD_DIM_V == BLOCK_DV
     GROUP = seq.group
     if PACK_GQA:
         # Row r is query i = r % q_len of query head kv_h * GROUP + r // q_len.
@@ -106,6 +110,7 @@ def _attn_fwd(Q, K, V, O, LSE,
         row_ok = offs_r < n_rows
         m_lo = tl.min(tl.where(row_ok, offs_m, q_len), 0)
         m_hi = tl.max(tl.where(row_ok, offs_m, 0), 0) + 1
+        h_tile = h[:, None]  # the score mods' head index, per row
     else:
         h = pid_h
         kv_h = h // GROUP
@@ -114,6 +119,7 @@ def _attn_fwd(Q, K, V, O, LSE,
         row_ok = offs_m < n_rows
         m_lo = start_m
         m_hi = start_m + BLOCK_M
+        h_tile = h
     # Offsets of each row's lse entry, dropout row id (kernels/core/dropout.py) and q / o row:
     # 64-bit, as batch * heads * seq can pass 2**31.
     row_base = b.to(tl.int64) * stride_lse[0] + h.to(tl.int64) * stride_lse[1] + q_start
@@ -131,10 +137,10 @@ def _attn_fwd(Q, K, V, O, LSE,
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
-    lo, full_lo, full_hi, hi = key_range(m_lo, m_hi, q_len, k_len, score.window, CAUSAL, WINDOW,
-                                         BLOCK_N)
+    lo, full_lo, full_hi, hi = key_range(m_lo, m_hi, q_len, k_len, score.window, SPEC.causal,
+                                         SPEC.edge, BLOCK_N)
     if SPLIT:
         # Split s takes an even share of this block's key tiles; all bounds stay tile-aligned.
         per_split = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), split.num_splits) * BLOCK_N
@@ -145,7 +151,7 @@ def _attn_fwd(Q, K, V, O, LSE,
         full_hi = tl.minimum(tl.maximum(full_hi, c0), c1)
         hi = c1
     # Three ranges of key tiles (kernels/core/tiles.py), visited in order: RANGE 0, the
-    # window's left edge (masked; only with WINDOW); RANGE 1, the tiles every row of the block
+    # window's or chunk's left edge (masked; only with an edge); RANGE 1, the tiles every row of the block
     # fully sees (the hot loop: no mask, no bounds checks); RANGE 2, the diagonal band and the
     # ragged last tile (masked). Software pipelining (the config's num_stages) for the loops
     # before the diagonal only: a pipelined loop after the unmasked one, or an unpipelined one
@@ -155,7 +161,7 @@ def _attn_fwd(Q, K, V, O, LSE,
     diag = k_len - q_len
     offs_n0 = tl.arange(0, BLOCK_N)
     MASKED: tl.constexpr = (True, False, True)
-    for RANGE in tl.static_range(0 if WINDOW else 1, 3):
+    for RANGE in tl.static_range(0 if SPEC.edge != 0 else 1, 3):
         if RANGE == 0:
             range_lo, range_hi = lo, full_lo
         elif RANGE == 1:
@@ -172,38 +178,39 @@ def _attn_fwd(Q, K, V, O, LSE,
                           offs_n, k_len, offs_d, HEAD_DIM, MASKED[RANGE], not EVEN_D)
             k = widen(k, WIDEN)
             x, x_scale = scaled_scores(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION),
-                                       score)
-            x = mask_scores(x, offs_m[:, None], offs_n[None, :], k_len, diag, score,
-                            MASKED[RANGE], CAUSAL, WINDOW)
-            p, alpha, m_i, l_i = online_softmax(x, x_scale, m_i, l_i, MASKED[RANGE])
+                                       b, h_tile, offs_m[:, None], offs_n[None, :], diag,
+                                       score, SPEC)
+            x = mask_scores(x, b, h_tile, offs_m[:, None], offs_n[None, :], k_len, diag, score,
+                            SPEC, MASKED[RANGE])
+            p, alpha, m_i, l_i = online_softmax(x, x_scale, m_i, l_i,
+                                                MASKED[RANGE] or SPEC.mask_mod is not None)
             acc = acc * alpha[:, None]
             if DROPOUT:
                 keep = dropout_keep(drop, drop_rows, offs_m, start_n, BLOCK_M, BLOCK_N, DROPOUT)
                 p = tl.where(keep, p, 0.0)
             v = load_rows(v_base + start_n.to(tl.int64) * stride_v[2]
-                          + offs_n0[:, None] * stride_v[2] + offs_d[None, :],
-                          offs_n, k_len, offs_d, HEAD_DIM, MASKED[RANGE], not EVEN_D)
+                          + offs_n0[:, None] * stride_v[2] + offs_dv[None, :],
+                          offs_n, k_len, offs_dv, HEAD_DIM_V, MASKED[RANGE], not EVEN_DV)
             v = widen(v, WIDEN)
             acc = tl.dot(dot_operand(p, v, WIDEN), v, acc, input_precision=DOT_PRECISION)
 
     # Rows that saw no key (causal with q_len > k_len, empty sequences, a split without keys
-    # for them) have l_i = 0: output 0, lse -inf.
-    empty = l_i == 0.0
-    l_safe = tl.where(empty, 1.0, l_i)
-    acc = acc * (drop.scale / l_safe)[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * _LN2)
+    # for them) have l_i = 0: output 0, lse -inf (or the sink's logit).
+    o_scale, lse = finish_rows(m_i, l_i, h, score, SPEC.sinks and not SPLIT)
+    acc = acc * (drop.scale * o_scale)[:, None]
     lse_rows = row_base + offs_m
+    dv_ok = offs_dv < HEAD_DIM_V
     if SPLIT:
         part_rows = split_id.to(tl.int64) * split.n_rows + lse_rows
         tl.store(split.lse_part + part_rows, lse, mask=row_ok)
-        tl.store(split.o_part + part_rows[:, None] * HEAD_DIM + offs_d[None, :], acc,
-                 mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
+        tl.store(split.o_part + part_rows[:, None] * HEAD_DIM_V + offs_dv[None, :], acc,
+                 mask=row_ok[:, None] & dv_ok[None, :])
     else:
         tl.store(LSE + lse_rows, lse, mask=row_ok)
         o_rows = b.to(tl.int64) * stride_o[0] + h.to(tl.int64) * stride_o[1] \
             + (q_start + offs_m).to(tl.int64) * stride_o[2]
-        o_mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
-        tl.store(O + o_rows[:, None] + offs_d[None, :],
+        o_mask = row_ok[:, None] & dv_ok[None, :]
+        tl.store(O + o_rows[:, None] + offs_dv[None, :],
                  round_for_store(acc, WIDEN).to(O.dtype.element_ty), mask=o_mask)
 
 
@@ -219,11 +226,12 @@ def attention_forward(q, k, v, call=None, *, cu_seqlens_q=None, cu_seqlens_k=Non
 
     Args:
         q: (B, heads_q, q_len, D); k, v: (B, heads_kv, k_len, D) with heads_q % heads_kv == 0
-            (query head h reads kv head h // (heads_q // heads_kv)). Packed sequences (with
-            ``cu_seqlens_q``): q (total_q, heads_q, D), k, v (total_k, heads_kv, D). Same dtype
-            and device, unit stride in the last dim (any other strides), 1 <= D <= 256.
+            (query head h reads kv head h // (heads_q // heads_kv)); v may have its own head
+            dim Dv (then o has Dv). Packed sequences (with ``cu_seqlens_q``): q (total_q,
+            heads_q, D), k (total_k, heads_kv, D), v (total_k, heads_kv, Dv). Same dtype and
+            device, unit stride in the last dim (any other strides), 1 <= D, Dv <= 512.
         call: the call's ``AttentionCall`` (kernels/core/call.py: causal, softmax_scale,
-            dropout_p, seed, window, drop_layout); or its fields as keywords (``causal=``,
+            dropout_p, seed, window, chunk_size, drop_layout, mods); or its fields as keywords (``causal=``,
             ``softmax_scale=``, ``dropout_p=``, ``seed=``, ...).
         cu_seqlens_q, cu_seqlens_k: int32 (num_seqs + 1,) row offsets of the packed sequences
             (validated by the caller); max_seqlen_q, max_seqlen_k: ints >= every sequence's
@@ -234,12 +242,13 @@ def attention_forward(q, k, v, call=None, *, cu_seqlens_q=None, cu_seqlens_k=Non
             kernels/core/splitkv.py (flash-decoding); 1 = no split; 0 = ``num_splits_heuristic``.
         pack_gqa: one program for all query heads of a kv group (each K/V tile read once per
             group); None = when the group is > 1 and q_len <= PACK_GQA_MAX_Q_LEN (decoding).
-        out: optional tensor shaped like q to write into (test hook / preallocated output).
+        out: optional tensor shaped like the output to write into (test hook / preallocated).
         config: a ``triton.Config`` with BLOCK_M, BLOCK_N to force (tests); default: autotuned
             on a GPU (or the first fitting config with KERNELS_AUTOTUNE=0), the small
             interpreter config under TRITON_INTERPRET=1.
     Returns:
-        (o, lse): o shaped like q, in q's dtype, with q's memory layout when q is dense;
+        (o, lse): o shaped like q with v's head dim, in q's dtype, with q's memory layout when
+        q is dense and Dv == D;
         lse fp32 (B, heads_q, q_len), or (heads_q, total_q) for packed sequences: natural-log
         row log-sum-exp, -inf for rows that see no key.
     """
@@ -247,12 +256,17 @@ def attention_forward(q, k, v, call=None, *, cu_seqlens_q=None, cu_seqlens_k=Non
     pb = make_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
     assert k_lens is None or not pb.varlen
-    o = torch.empty_like(q) if out is None else out
+    D, Dv = q.shape[-1], v.shape[-1]
+    if out is not None:
+        o = out
+    elif Dv == D:
+        o = torch.empty_like(q)
+    else:
+        o = q.new_empty((*q.shape[:-1], Dv))
     lse = torch.empty(pb.lse_shape, dtype=torch.float32, device=q.device)
     if o.numel() == 0 or pb.batch == 0:
         return o, lse
     o4 = packed_view(o) if pb.varlen else o
-    D = q.shape[-1]
     if pack_gqa is None:
         pack_gqa = pb.group > 1 and not pb.varlen and pb.q_len <= PACK_GQA_MAX_Q_LEN
     assert not (pack_gqa and pb.varlen), "packed GQA heads are for dense (decoding) calls"
@@ -265,17 +279,17 @@ def attention_forward(q, k, v, call=None, *, cu_seqlens_q=None, cu_seqlens_k=Non
     split = SplitArgs(o_part=lse, lse_part=lse, num_splits=num_splits, n_rows=lse.numel())
     if num_splits > 1:
         split = split._replace(
-            o_part=torch.empty((num_splits, lse.numel(), D), dtype=torch.float32,
+            o_part=torch.empty((num_splits, lse.numel(), Dv), dtype=torch.float32,
                                device=q.device),
             lse_part=torch.empty((num_splits, lse.numel()), dtype=torch.float32,
                                  device=q.device))
     args = dict(Q=pb.q, K=pb.k, V=pb.v, O=o4, LSE=lse,
                 stride_q=pb.strides(pb.q), stride_k=pb.strides(pb.k), stride_v=pb.strides(pb.v),
                 stride_o=pb.strides(o4), stride_lse=pb.lse_strides,
-                seq=pb.seq_args(lse, k_lens), score=score_args(call), drop=pb.drop_args(call),
-                split=split, **pb.tune_buckets(),
-                HEAD_DIM=D, BLOCK_D=block_d(D), CAUSAL=call.causal,
-                WINDOW=call.window is not None, VARLEN=pb.varlen, SEQUSED_K=k_lens is not None,
+                seq=pb.seq_args(lse, k_lens), score=score_args(call, lse),
+                drop=pb.drop_args(call), split=split, BUCKETS=pb.tune_buckets(),
+                HEAD_DIM=D, BLOCK_D=block_d(D), HEAD_DIM_V=Dv, BLOCK_DV=block_d(Dv),
+                SPEC=score_spec(call), VARLEN=pb.varlen, SEQUSED_K=k_lens is not None,
                 PACK_GQA=bool(pack_gqa), SPLIT=num_splits > 1, DROPOUT=call.dropout_mode,
                 WIDEN=widen_bf16(q.dtype), DOT_PRECISION=dot_precision(q.dtype))
 
@@ -293,5 +307,5 @@ def attention_forward(q, k, v, call=None, *, cu_seqlens_q=None, cu_seqlens_k=Non
         _attn_fwd[grid(config.kwargs)](**args, **config.kwargs, num_warps=config.num_warps,
                                        num_stages=config.num_stages)
     if num_splits > 1:
-        combine_splits(split.o_part, split.lse_part, o4, lse)
+        combine_splits(split.o_part, split.lse_part, o4, lse, call.mods.sinks)
     return o, lse

@@ -4,59 +4,99 @@ for the forward, dK/dV and dQ kernels.
 For a tile ``qk = Q Kᵀ`` of query ``rows`` × key ``cols`` (either orientation: the dK/dV kernel
 works on the transposed tile and passes its indices transposed)::
 
-    x, x_scale = scaled_scores(qk, score)     base-2 scores x · x_scale -- the one place for
-                                              score modifications
-    forward:   x = mask_scores(x, ...)        -inf where invisible (MASKED tiles only)
+    x, x_scale = scaled_scores(qk, ...)       base-2 scores x · x_scale: the score mods
+    forward:   x = mask_scores(x, ...)        -inf where invisible (masked tiles only)
                p, alpha, m_i, l_i = online_softmax(x, x_scale, m_i, l_i)
+               ... o, lse = finish_rows(acc, m_i, l_i, ...)      the sinks join the rows here
     backward:  p = probs_from_lse(x, x_scale, lse2, ...)   exp2(x·x_scale - lse·log2 e),
                                                           0 where invisible
-               ds = score_grad(p * (dp - delta), qk, score)   chain rule of the score mods
+               ds = score_grad(p * (dp - delta), qk, ...)   chain rule of the score mods
     both:      keep = dropout_keep(drop, ...)       the same Philox bits in all three kernels
 
 The plain score keeps the scale out of the tile (x = qk, x_scale = softmax_scale · log2 e):
 the row max is taken on qk and scaled once per row, and each weight costs one fused
 multiply-add, ``exp2(qk · x_scale - m)``, as in the Triton tutorial. (Scaling by a positive
 number preserves the order of the scores, so max(qk) · scale is the max of the scaled scores.)
+With score modifications (``SPEC.mods``: soft-capping, ALiBi, a user's mod; kernels/core/mods.py)
+the tile is s = f(scale · qk) in natural units and x_scale = log2 e.
 
-``score`` is the launch's ``ScoreArgs`` (kernels/core/call.py): ``qk_scale`` = softmax scale
-× log2(e), ``window``. Visibility is ``kernels/core/tiles.visible``; only tiles that cross an
-edge of it (MASKED) pay for the mask. The PyTorch fallback (kernels/core/fallback.py) mirrors
-each step in one function of its own.
+``score`` is the launch's ``ScoreArgs`` and ``SPEC`` its ``ScoreSpec`` constexpr
+(kernels/core/call.py): causal, the left edge (window / chunk), the mods, the mask mod, sinks.
+Visibility is ``kernels/core/tiles.visible`` and the mask mod; without a mask mod only tiles
+that cross an edge of the visibility rule (MASKED) pay for the mask, with one every tile does.
+The PyTorch fallback (kernels/core/fallback.py) mirrors each step in one function of its own.
 
-Adding a score modification s = f(scale · qk) means editing ``scaled_scores`` (return
-(f(scale · qk) · log2 e, 1.0)) and ``score_grad`` (multiply dS by f'), plus their PyTorch twins
-in the fallback and the oracle.
+Tile coordinates every mod gets: ``b`` (batch entry or packed sequence), ``h`` (query head:
+a scalar, or per row with packed GQA heads), ``rows`` (query indices, broadcastable), ``cols``
+(key indices, broadcastable) and ``diag`` = k_len - q_len: a mod sees the query's position on
+the key axis, ``rows + diag``.
 """
 import triton
 import triton.language as tl
 
+from .common import LN2, LOG2E
 from .dropout import dropout_keep_tile
 from .tiles import visible
 
+_LOG2E = tl.constexpr(LOG2E)
+_LN2 = tl.constexpr(LN2)
+
 
 @triton.jit
-def scaled_scores(qk, score):
+def _apply_mods(s, b, h, q_idx, kv_idx, score, SPEC: tl.constexpr, UPTO: tl.constexpr):
+    """The first UPTO score mods of SPEC applied in order to the natural-unit scores ``s``."""
+    for i in tl.static_range(UPTO):
+        s = SPEC.mods[i].fn(s, b, h, q_idx, kv_idx, score.aux[i])
+    return s
+
+
+@triton.jit
+def scaled_scores(qk, b, h, rows, cols, diag, score, SPEC: tl.constexpr):
     """(x, x_scale): the base-2 scores of the fp32 tile ``qk`` are ``x · x_scale``. For the
     plain score, ``(qk, softmax_scale · log2 e)``: the consumers fold the multiply into their
-    exp2's argument."""
-    return qk, score.qk_scale
+    exp2's argument. With score mods, ``(f(softmax_scale · qk), log2 e)``."""
+    N_MODS: tl.constexpr = len(SPEC.mods)
+    if N_MODS == 0:
+        return qk, score.qk_scale
+    else:
+        s = _apply_mods(qk * score.softmax_scale, b, h, rows + diag, cols, score, SPEC, N_MODS)
+        return s, _LOG2E
 
 
 @triton.jit
-def score_grad(ds, qk, score):
+def score_grad(ds, qk, b, h, rows, cols, diag, score, SPEC: tl.constexpr):
     """dS with respect to the unscaled ``qk``, up to the softmax scale that the kernels apply
-    once to the finished dQ and dK: ``ds · f'(scale · qk)`` for a score modification f. The
-    plain score has f' = 1."""
+    once to the finished dQ and dK: ``ds · f'(scale · qk)`` for the score mods f, applied last
+    to first (each mod's ``grad`` gets its own input, recomputed from ``qk``: the compiler
+    shares the recomputation with ``scaled_scores``). Mods without ``grad`` have f' = 1."""
+    N_MODS: tl.constexpr = len(SPEC.mods)
+    if N_MODS != 0:
+        s0 = qk * score.softmax_scale
+        q_idx = rows + diag
+        for j in tl.static_range(N_MODS):
+            if SPEC.mods[N_MODS - 1 - j].grad is not None:
+                ds = SPEC.mods[N_MODS - 1 - j].grad(
+                    ds, _apply_mods(s0, b, h, q_idx, cols, score, SPEC, N_MODS - 1 - j),
+                    b, h, q_idx, cols, score.aux[N_MODS - 1 - j])
     return ds
 
 
 @triton.jit
-def mask_scores(x, rows, cols, k_len, diag, score, MASKED: tl.constexpr,
-                CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
-    """``x`` with -inf where query ``rows`` do not see key ``cols`` (MASKED tiles only)."""
-    if MASKED:
-        x = tl.where(visible(rows, cols, k_len, diag, score.window, CAUSAL, WINDOW), x,
-                     float("-inf"))
+def _visible(b, h, rows, cols, k_len, diag, score, SPEC: tl.constexpr):
+    """The visibility rule (kernels/core/tiles.py) and the mask mod, if any."""
+    vis = visible(rows, cols, k_len, diag, score.window, SPEC.causal, SPEC.edge)
+    if SPEC.mask_mod is not None:
+        vis = vis & SPEC.mask_mod(b, h, rows + diag, cols, score.mask_aux)
+    return vis
+
+
+@triton.jit
+def mask_scores(x, b, h, rows, cols, k_len, diag, score, SPEC: tl.constexpr,
+                MASKED: tl.constexpr):
+    """``x`` with -inf where query ``rows`` do not see key ``cols`` (MASKED tiles only; every
+    tile with a mask mod)."""
+    if MASKED or SPEC.mask_mod is not None:
+        x = tl.where(_visible(b, h, rows, cols, k_len, diag, score, SPEC), x, float("-inf"))
     return x
 
 
@@ -68,7 +108,7 @@ def online_softmax(x, x_scale, m_i, l_i, MASKED: tl.constexpr):
     Returns (p, alpha, m_new, l_new): the tile's unnormalised weights ``exp2(x · x_scale -
     m_new)``, the factor ``exp2(m_i - m_new)`` that rescales what was accumulated before, and
     the updated running row max (base 2) and row sum. The row sum counts every weight: dropout
-    zeroes weights after it.
+    zeroes weights after it. MASKED: the tile may hold -inf scores.
     """
     m_new = tl.maximum(m_i, tl.max(x, 1) * x_scale)
     if MASKED:
@@ -84,17 +124,45 @@ def online_softmax(x, x_scale, m_i, l_i, MASKED: tl.constexpr):
 
 
 @triton.jit
-def probs_from_lse(x, x_scale, lse2, rows, cols, k_len, diag, score, MASKED: tl.constexpr,
-                   CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+def finish_rows(m_i, l_i, h, score, SINKS: tl.constexpr):
+    """(o_scale, lse) at the end of the online softmax: the factor that normalises a row's
+    accumulator and the row's natural-log log-sum-exp.
+
+    With SINKS (the launch's ``SPEC.sinks``, off for split-KV partials) the head's sink logit joins the denominator:
+    lse = log(exp(sink_h) + Σ_j exp(s_j)). Rows that saw no key (l_i = 0) get o_scale 0 and
+    lse -inf -- or, with a sink, lse = sink_h (their output stays 0: the sink has no value).
+    """
+    if SINKS:
+        sink2 = tl.load(score.sinks + h) * _LOG2E
+        m_f = tl.maximum(m_i, sink2)
+        m_f = tl.where(m_f == float("-inf"), 0.0, m_f)
+        seen = tl.exp2(m_i - m_f)
+        l_f = l_i * seen + tl.exp2(sink2 - m_f)
+        empty = l_f == 0.0
+        l_safe = tl.where(empty, 1.0, l_f)
+        o_scale = seen / l_safe
+    else:
+        m_f = m_i
+        empty = l_i == 0.0
+        l_safe = tl.where(empty, 1.0, l_i)
+        o_scale = 1.0 / l_safe
+    lse = tl.where(empty, float("-inf"), (m_f + tl.log2(l_safe)) * _LN2)
+    return o_scale, lse
+
+
+@triton.jit
+def probs_from_lse(x, x_scale, lse2, b, h, rows, cols, k_len, diag, score, SPEC: tl.constexpr,
+                   MASKED: tl.constexpr):
     """The forward's softmax weights, recomputed: ``exp2(x · x_scale - lse2)`` with ``lse2``
-    the rows' lse × log2(e) broadcast against ``x``, 0 where invisible (MASKED tiles only).
+    the rows' lse × log2(e) broadcast against ``x``, 0 where invisible (MASKED tiles only;
+    every tile with a mask mod).
 
     The mask is applied after the exp (to p, not to s) so that unmasked and masked tiles share
     one fused multiply-add per score.
     """
     p = tl.math.exp2(x * x_scale - lse2)
-    if MASKED:
-        p = tl.where(visible(rows, cols, k_len, diag, score.window, CAUSAL, WINDOW), p, 0.0)
+    if MASKED or SPEC.mask_mod is not None:
+        p = tl.where(_visible(b, h, rows, cols, k_len, diag, score, SPEC), p, 0.0)
     return p
 
 

@@ -4,9 +4,16 @@ One definition of the visibility rule, shared by the forward, dK/dV and dQ kerne
 ``diag = k_len - q_len`` (bottom-right alignment) query ``i`` sees key ``j`` iff
 
 * causal: ``j <= i + diag``;
-* sliding window (causal only): also ``j > i + diag - window`` (the ``window`` most recent
-  keys, itself included);
+* sliding window (causal only, EDGE_WINDOW): also ``j > i + diag - window`` (the ``window``
+  most recent keys, itself included);
+* chunked attention (causal only, EDGE_CHUNK, ``window`` = the chunk size C): also
+  ``j // C == (i + diag) // C`` (only keys of the query's own chunk of positions);
+* a user mask mod (kernels/core/mods.py), applied by the score pipeline on top of these;
 * always ``j < k_len``.
+
+Both edges bound each query from the left by a non-decreasing function of its position
+P = i + diag (``first_key``), and each key from below by a non-decreasing last position that
+sees it (``last_query``): the tile ranges below need nothing else.
 
 Loops are split so that only tiles crossing one of these edges pay for the mask; tiles that no
 row of the program sees are never visited, so a windowed call costs O(q_len · window).
@@ -46,24 +53,44 @@ def seq_bounds(pid_b, seq, VARLEN: tl.constexpr, SEQUSED_K: tl.constexpr):
 
 
 @triton.jit
-def visible(rows, cols, k_len, diag, window, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+def first_key(pos, window, EDGE: tl.constexpr):
+    """The first key a query at position ``pos`` (>= 0 for any query that sees a key) may see
+    under the left edge: the window's ``pos - window + 1``, or its chunk's start."""
+    if EDGE == 2:
+        return (tl.maximum(pos, 0) // window) * window
+    else:
+        return pos - window + 1
+
+
+@triton.jit
+def last_query(key, window, EDGE: tl.constexpr):
+    """The last position that sees key ``key`` (>= 0) under the left edge: ``key + window -
+    1``, or the end of the key's chunk."""
+    if EDGE == 2:
+        return (key // window) * window + window - 1
+    else:
+        return key + window - 1
+
+
+@triton.jit
+def visible(rows, cols, k_len, diag, window, CAUSAL: tl.constexpr, EDGE: tl.constexpr):
     """Boolean visibility of (query ``rows``, key ``cols``), both broadcastable int tensors:
-    inside k_len, and inside the causal band / sliding window when those are on."""
+    inside k_len, and inside the causal band / window / chunk when those are on."""
     vis = cols < k_len
     if CAUSAL:
         vis = vis & (cols <= rows + diag)
-        if WINDOW:
-            vis = vis & (cols > rows + diag - window)
+        if EDGE != 0:
+            vis = vis & (cols >= first_key(rows + diag, window, EDGE))
     return vis
 
 
 @triton.jit
-def key_range(m_lo, m_hi, q_len, k_len, window, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+def key_range(m_lo, m_hi, q_len, k_len, window, CAUSAL: tl.constexpr, EDGE: tl.constexpr,
               BLOCK_N: tl.constexpr):
     """Key tiles of a block of query rows with indices in [m_lo, m_hi):
     (lo, full_lo, full_hi, hi).
 
-    [lo, full_lo): the window's left edge (masked; empty without WINDOW);
+    [lo, full_lo): the window's or chunk's left edge (masked; empty without EDGE);
     [full_lo, full_hi): every row of the block sees every key (unmasked fast path);
     [full_hi, hi): the causal diagonal and the ragged k_len edge (masked).
     Keys outside [lo, hi) are invisible to every row. All bounds but ``hi`` are multiples of
@@ -75,12 +102,14 @@ def key_range(m_lo, m_hi, q_len, k_len, window, CAUSAL: tl.constexpr, WINDOW: tl
         # row) up to m_lo + diag.
         hi = tl.minimum(tl.maximum(m_hi + diag, 0), k_len)
         full_hi = (tl.minimum(tl.maximum(m_lo + 1 + diag, 0), k_len) // BLOCK_N) * BLOCK_N
-        if WINDOW:
-            # The first row sees keys from m_lo + diag - window + 1 on; the last row (hence
-            # every row) from m_hi + diag - window on.
-            lo = (tl.maximum(m_lo + diag - window + 1, 0) // BLOCK_N) * BLOCK_N
-            full_lo = tl.cdiv(tl.maximum(m_hi + diag - window, 0), BLOCK_N) * BLOCK_N
-            # A window narrower than the block leaves no tile every row sees.
+        if EDGE != 0:
+            # The first row sees keys from first_key(m_lo + diag) on; the last row (hence
+            # every row, the edge being non-decreasing) from first_key(m_hi - 1 + diag) on.
+            lo = (tl.maximum(first_key(m_lo + diag, window, EDGE), 0) // BLOCK_N) * BLOCK_N
+            full_lo = tl.cdiv(tl.maximum(first_key(m_hi - 1 + diag, window, EDGE), 0),
+                              BLOCK_N) * BLOCK_N
+            # A window narrower than the block (or a chunk boundary inside it) leaves fewer
+            # tiles, or none, that every row sees.
             full_lo = tl.minimum(full_lo, full_hi)
         else:
             lo = 0
@@ -94,13 +123,14 @@ def key_range(m_lo, m_hi, q_len, k_len, window, CAUSAL: tl.constexpr, WINDOW: tl
 
 
 @triton.jit
-def query_range(start_n, q_len, k_len, window, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+def query_range(start_n, q_len, k_len, window, CAUSAL: tl.constexpr, EDGE: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Query blocks that see the key block [start_n, start_n + BLOCK_N): (lo, full_lo, full_hi,
     hi), the transpose of ``key_range``.
 
     [lo, full_lo): the causal diagonal (masked); [full_lo, full_hi): every row sees every key of
-    the block (unmasked); [full_hi, hi): the window's far edge (masked; empty without WINDOW).
+    the block (unmasked); [full_hi, hi): the window's / chunk's far edge (masked; empty without
+    EDGE).
     Rows outside [lo, hi) see none of these keys. Bounds are multiples of BLOCK_M or q_len.
     Rows past q_len need no mask: their loads give lse = +inf, hence P = 0.
     """
@@ -111,13 +141,14 @@ def query_range(start_n, q_len, k_len, window, CAUSAL: tl.constexpr, WINDOW: tl.
         lo = (tl.maximum(start_n - diag, 0) // BLOCK_M) * BLOCK_M
         full_lo = tl.minimum(tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - diag, 0), BLOCK_M)
                              * BLOCK_M, q_len)
-        if WINDOW:
-            # Key j is seen up to row j - diag + window - 1: the last row that sees any key of
-            # the block is start_n + BLOCK_N - 2 - diag + window, the last that sees all of them
-            # start_n - diag + window - 1.
-            hi = tl.minimum(tl.maximum(start_n + BLOCK_N - 1 - diag + window, 0), q_len)
-            full_hi = tl.minimum((tl.maximum(start_n - diag + window, 0) // BLOCK_M) * BLOCK_M,
-                                 q_len)
+        if EDGE != 0:
+            # Key j is seen up to row last_query(j) - diag: the last row that sees any key of
+            # the block is last_query(start_n + BLOCK_N - 1) - diag, the last that sees all of
+            # them last_query(start_n) - diag (non-decreasing in j).
+            hi = tl.minimum(tl.maximum(
+                last_query(start_n + BLOCK_N - 1, window, EDGE) - diag + 1, 0), q_len)
+            full_hi = tl.minimum((tl.maximum(last_query(start_n, window, EDGE) - diag + 1, 0)
+                                  // BLOCK_M) * BLOCK_M, q_len)
             full_hi = tl.maximum(full_hi, full_lo)
         else:
             full_hi = q_len

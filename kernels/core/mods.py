@@ -1,0 +1,210 @@
+"""Score and mask modifications: the one extension point of the score pipeline.
+
+A modification is a pair of functions, one for the Triton kernels and its PyTorch twin for the
+CPU fallback (and for anyone checking the kernels against plain PyTorch), in the spirit of
+FlexAttention's ``score_mod`` / ``mask_mod`` but passed to the kernels as ``@triton.jit``
+functions: no ``torch.compile`` is involved, new shapes do not recompile (a new *function*
+compiles once, as any new constexpr does), and dropout and the deterministic backward work
+with them.
+
+The contract
+------------
+``ScoreMod(name, fn, torch_fn, grad=None)`` changes the scaled score ``s = softmax_scale · q·k``
+of every (query, key) pair before masking and the softmax::
+
+    fn(s, b, h, q_idx, kv_idx, aux) -> s'          (@triton.jit)
+    grad(ds, s, b, h, q_idx, kv_idx, aux) -> ds · ∂s'/∂s     (@triton.jit; None: ∂s'/∂s = 1)
+    torch_fn(s, b, h, q_idx, kv_idx, aux) -> s'    (PyTorch, differentiable in s)
+
+* ``s``: an fp32 tile of scores (the kernels' orientation: (queries, keys) in the forward and
+  dQ kernels, (keys, queries) in the dK/dV kernel -- write the function elementwise, with
+  broadcasting, and it works in both).
+* ``b``: the batch entry (or packed sequence) index, a scalar. ``h``: the query head, a scalar
+  or a tensor broadcastable against ``s``. ``q_idx``: the query's position on the key axis,
+  ``i + k_len - q_len`` (bottom-right alignment, so ``q_idx == kv_idx`` is the causal diagonal
+  whatever the lengths), ``kv_idx``: the key's index; int32 tensors broadcastable against ``s``.
+  With packed sequences both count from the start of the sequence.
+* ``aux``: the call's ``mod_aux`` tuple (tensors, received as pointers in Triton), the same
+  for every mod of the call; a mod may read it (``tl.load``) and must not write it.
+* ``grad`` gets the mod's *input* ``s`` and the gradient ``ds`` of its output and returns the
+  gradient of its input: the chain rule of the backward (kernels/core/score.py). A mod whose
+  derivative is 1 (an additive bias) leaves it None. Gradients do not flow into ``aux``.
+* ``torch_fn`` gets PyTorch tensors: ``s`` of shape (batch, heads, rows, keys) (or a block of
+  it), ``b``, ``h``, ``q_idx``, ``kv_idx`` int64 tensors broadcastable against it. The
+  fallback differentiates it with autograd.
+
+``MaskMod(name, fn, torch_fn)`` hides (query, key) pairs on top of the built-in rules (causal,
+window, chunk): ``fn(b, h, q_idx, kv_idx, aux) -> bool`` (True = visible), same arguments as
+above. Tile skipping: the kernels skip the tiles that the built-in rules hide (causal, window,
+chunk_size), and apply a mask mod to every tile they visit -- a call with a mask mod has no
+unmasked fast path. Rows that a mask leaves without any key give zeros (lse -inf), as always.
+
+Built-in mods (``softcap``, ``alibi``) are ScoreMods written against the same contract, each
+with its own ``aux`` (the cap; the slopes and their batch stride) instead of the call's
+``mod_aux``: ``score_mods_of`` lists a call's mods in their fixed order -- soft-capping, then
+ALiBi's bias, then the user's mod.
+
+Every mod has a unique ``name``: the custom ops (kernels/ops.py) carry mods by name, so
+``torch.compile`` sees a string, not a function. Creating a second mod with a name already
+taken by another object is an error.
+"""
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import LOG2E
+
+_LOG2E = tl.constexpr(LOG2E)
+_REGISTRY: dict = {}
+
+
+def _register(mod):
+    other = _REGISTRY.get(mod.name)
+    if other is not None and other is not mod:
+        raise ValueError(f"a modification named {mod.name!r} already exists ({other!r}); "
+                         f"give each ScoreMod / MaskMod its own name")
+    _REGISTRY[mod.name] = mod
+
+
+# What ``@triton.jit`` returns: a JITFunction, or under TRITON_INTERPRET=1 an InterpretedFunction.
+_JIT_TYPES = tuple(t for t in (getattr(triton.runtime.jit, "JITFunction", None),
+                               getattr(triton.runtime.interpreter, "InterpretedFunction", None))
+                   if t is not None)
+
+
+def _check_jit(what, fn, optional=False):
+    if fn is None and optional:
+        return
+    if not isinstance(fn, _JIT_TYPES):
+        raise TypeError(f"{what} must be a @triton.jit function, got {type(fn).__name__}")
+
+
+@dataclass(frozen=True, eq=False)
+class ScoreMod:
+    """A score modification (see the module docstring for the contract)."""
+    name: str
+    fn: object                      # @triton.jit (s, b, h, q_idx, kv_idx, aux) -> s'
+    torch_fn: Callable              # PyTorch twin, differentiable in s
+    grad: Optional[object] = None   # @triton.jit (ds, s, b, h, q_idx, kv_idx, aux); None: 1
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise TypeError(f"ScoreMod name must be a non-empty str, got {self.name!r}")
+        _check_jit("ScoreMod.fn", self.fn)
+        _check_jit("ScoreMod.grad", self.grad, optional=True)
+        if not callable(self.torch_fn):
+            raise TypeError(f"ScoreMod.torch_fn must be callable, got {self.torch_fn!r}")
+        _register(self)
+
+
+@dataclass(frozen=True, eq=False)
+class MaskMod:
+    """A mask modification (see the module docstring for the contract)."""
+    name: str
+    fn: object                      # @triton.jit (b, h, q_idx, kv_idx, aux) -> bool
+    torch_fn: Callable              # PyTorch twin -> bool tensor
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise TypeError(f"MaskMod name must be a non-empty str, got {self.name!r}")
+        _check_jit("MaskMod.fn", self.fn)
+        if not callable(self.torch_fn):
+            raise TypeError(f"MaskMod.torch_fn must be callable, got {self.torch_fn!r}")
+        _register(self)
+
+
+def lookup(name: str, kind):
+    """The registered ScoreMod / MaskMod called ``name`` ("" -> None)."""
+    if not name:
+        return None
+    mod = _REGISTRY.get(name)
+    if not isinstance(mod, kind):
+        raise ValueError(f"no {kind.__name__} named {name!r} exists in this process")
+    return mod
+
+
+# ------------------------------------------------------------------------- built-in: softcap
+@triton.jit
+def _tanh(x):
+    """tanh through exp2 (the interpreter and every GPU have it; one MUFU.EX2 + one MUFU.RCP):
+    1 - 2 / (exp(2x) + 1), exact at +-inf (exp2 -> inf or 0)."""
+    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * _LOG2E)) + 1.0)
+
+
+@triton.jit
+def _softcap_fn(s, b, h, q_idx, kv_idx, aux):
+    cap = aux[0]
+    return cap * _tanh(s / cap)
+
+
+@triton.jit
+def _softcap_grad(ds, s, b, h, q_idx, kv_idx, aux):
+    t = _tanh(s / aux[0])
+    return ds * (1.0 - t * t)
+
+
+def _softcap_torch(s, b, h, q_idx, kv_idx, aux):
+    return aux[0] * torch.tanh(s / aux[0])
+
+
+SOFTCAP = ScoreMod("softcap", _softcap_fn, _softcap_torch, _softcap_grad)
+
+
+# --------------------------------------------------------------------------- built-in: ALiBi
+@triton.jit
+def _alibi_fn(s, b, h, q_idx, kv_idx, aux):
+    # aux = (slopes, batch stride): slope of (b, h) at slopes[b * stride + h].
+    slope = tl.load(aux[0] + b * aux[1] + h)
+    dist = q_idx - kv_idx
+    return s - slope * tl.where(dist < 0, -dist, dist).to(tl.float32)
+
+
+def _alibi_torch(s, b, h, q_idx, kv_idx, aux):
+    slopes, stride_b = aux
+    slope = slopes.reshape(-1)[b * stride_b + h].to(s.dtype)
+    return s - slope * (q_idx - kv_idx).abs().to(s.dtype)
+
+
+ALIBI = ScoreMod("alibi", _alibi_fn, _alibi_torch)
+
+
+# --------------------------------------------------------------------------- a call's mods
+class ModFns(NamedTuple):
+    """The kernels' view of one score mod (part of the ``ScoreSpec`` constexpr)."""
+    fn: object
+    grad: object
+
+
+@dataclass(frozen=True)
+class CallMods:
+    """The modifications of one call: soft-capping, ALiBi slopes, a user score mod and mask
+    mod, sinks, and the user's aux tensors. Tensors live here, not in ``AttentionCall``."""
+    softcap: Optional[float] = None
+    alibi_slopes: Optional[torch.Tensor] = None   # fp32 (heads_q,) or (batch, heads_q)
+    score_mod: Optional[ScoreMod] = None
+    mask_mod: Optional[MaskMod] = None
+    sinks: Optional[torch.Tensor] = None          # fp32 (heads_q,)
+    aux: tuple = field(default=())
+
+    @property
+    def any(self) -> bool:
+        return any(x is not None for x in (self.softcap, self.alibi_slopes, self.score_mod,
+                                           self.mask_mod, self.sinks))
+
+    def score_mods(self):
+        """[(ScoreMod, its aux)] in the pipeline's order: softcap, ALiBi, the user's."""
+        mods = []
+        if self.softcap is not None:
+            mods.append((SOFTCAP, (float(self.softcap),)))
+        if self.alibi_slopes is not None:
+            a = self.alibi_slopes
+            mods.append((ALIBI, (a, a.stride(0) if a.dim() == 2 else 0)))
+        if self.score_mod is not None:
+            mods.append((self.score_mod, tuple(self.aux)))
+        return mods
+
+
+NO_MODS = CallMods()
