@@ -18,6 +18,7 @@ not install both in one environment.
 import sys as _sys
 
 from .ops import attention, attention_varlen, attention_with_kvcache
+from .core.mods import ALIBI, SOFTCAP, MaskMod, ScoreMod
 from .core import backward as _backward, forward as _forward
 from .integrations import book, distributed, fuse, hf, modules, sdpa
 from .integrations.fuse import fuse_attention
@@ -34,6 +35,7 @@ for _name, _module in (("forward", _forward), ("backward", _backward), ("book", 
     globals()[_name] = _module
 del _name, _module
 
-__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "FusedCausalAttention",
+__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "ScoreMod", "MaskMod",
+           "SOFTCAP", "ALIBI", "FusedCausalAttention",
            "FusedMultiHeadAttentionWrapper", "FusedMultiHeadAttention", "fuse_attention",
            "book", "distributed"]

@@ -27,8 +27,9 @@ from .core.configs import unsupported_gpu_reason
 from .core.backward import attention_backward
 from .core.forward import attention_forward
 from .core.kvcache import kvcache_forward
+from .core.mods import NO_MODS, CallMods, MaskMod, ScoreMod, lookup, sinks_grad
 from .validation import (SEED_LIMIT, check_cu_seqlens, check_drop_layout, check_kvcache,
-                         check_num_splits, validate_attention)
+                         check_mods, check_num_splits, validate_attention)
 
 # The seed of every call without dropout: one shared CPU tensor (the ops never write it). Under
 # torch.compile it enters the graph as an input, so Inductor emits no CPU C++ kernel to build it.
@@ -103,6 +104,21 @@ def _like(t):
                                                                       device=t.device)
 
 
+def _out_like(q, v):
+    """The output of attention(q, k, v): q's shape with v's head dim, q's layout when the head
+    dims agree (``_like``), else contiguous."""
+    if v.shape[-1] == q.shape[-1]:
+        return _like(q)
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+
+def _op_mods(softcap, alibi_slopes, sinks, score_mod, mask_mod, mod_aux):
+    """The ``CallMods`` of the custom ops' flat arguments (softcap 0 = none, mods by name)."""
+    return CallMods(softcap=softcap if softcap > 0 else None, alibi_slopes=alibi_slopes,
+                    score_mod=lookup(score_mod, ScoreMod), mask_mod=lookup(mask_mod, MaskMod),
+                    sinks=sinks, aux=tuple(mod_aux or ()))
+
+
 def _longest(cu, hint):
     """max_seqlen to launch with: the hint, or (-1) the longest sequence of ``cu`` (a sync)."""
     if cu is None or hint >= 0:
@@ -115,9 +131,13 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
             max_seqlen_q: int, max_seqlen_k: int, causal: bool, dropout_p: float,
             softmax_scale: float, seed: torch.Tensor, window: int, num_splits: int,
-            drop_layout: Optional[list[int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    call = AttentionCall.from_op(causal, softmax_scale, dropout_p, seed, window, drop_layout)
-    o = _like(q)
+            drop_layout: Optional[list[int]], chunk_size: int, softcap: float,
+            alibi_slopes: Optional[torch.Tensor], sinks: Optional[torch.Tensor],
+            score_mod: str, mask_mod: str, mod_aux: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    call = AttentionCall.from_op(causal, softmax_scale, dropout_p, seed, window, drop_layout,
+                                 chunk_size, _op_mods(softcap, alibi_slopes, sinks, score_mod,
+                                                      mask_mod, mod_aux))
+    o = _out_like(q, v)
     if q.shape[1] == 0:  # no query heads: an empty problem, like batch = 0 (validation.py)
         return o, q.new_empty(lse_shape(q, cu_seqlens_q is not None), dtype=torch.float32)
     if _use_fallback(q):
@@ -131,8 +151,10 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 @_fwd_op.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, dropout_p,
-      softmax_scale, seed, window, num_splits, drop_layout=None):
-    return _like(q), q.new_empty(lse_shape(q, cu_seqlens_q is not None), dtype=torch.float32)
+      softmax_scale, seed, window, num_splits, drop_layout, chunk_size, softcap, alibi_slopes,
+      sinks, score_mod, mask_mod, mod_aux):
+    return _out_like(q, v), q.new_empty(lse_shape(q, cu_seqlens_q is not None),
+                                        dtype=torch.float32)
 
 
 @torch.library.custom_op("fused_attention::bwd", mutates_args=())
@@ -141,9 +163,13 @@ def _bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
             max_seqlen_q: int, max_seqlen_k: int, causal: bool, dropout_p: float,
             softmax_scale: float, seed: torch.Tensor, window: int,
-            drop_layout: Optional[list[int]] = None
+            drop_layout: Optional[list[int]], chunk_size: int, softcap: float,
+            alibi_slopes: Optional[torch.Tensor], sinks: Optional[torch.Tensor],
+            score_mod: str, mask_mod: str, mod_aux: list[torch.Tensor]
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    call = AttentionCall.from_op(causal, softmax_scale, dropout_p, seed, window, drop_layout)
+    call = AttentionCall.from_op(causal, softmax_scale, dropout_p, seed, window, drop_layout,
+                                 chunk_size, _op_mods(softcap, alibi_slopes, sinks, score_mod,
+                                                      mask_mod, mod_aux))
     if q.shape[1] == 0:  # no query heads: nothing reads k or v, whose gradients are 0
         return _like(q), _like(k).zero_(), _like(v).zero_()
     if _use_fallback(q):
@@ -158,18 +184,31 @@ def _bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 @_bwd_op.register_fake
 def _(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-      dropout_p, softmax_scale, seed, window, drop_layout=None):
+      dropout_p, softmax_scale, seed, window, drop_layout, chunk_size, softcap, alibi_slopes,
+      sinks, score_mod, mask_mod, mod_aux):
     return _like(q), _like(k), _like(v)
+
+
+# The forward op's inputs after ``num_splits``, passed on to the backward op by name.
+_FWD_TAIL = ("drop_layout", "chunk_size", "softcap", "alibi_slopes", "sinks", "score_mod",
+             "mask_mod", "mod_aux")
+_SINKS_INPUT = 17  # position of ``sinks`` among the forward op's inputs
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, dropout_p,
-     softmax_scale, seed, window, _num_splits, drop_layout) = inputs
+     softmax_scale, seed, window, _num_splits) = inputs[:13]
+    tail = dict(zip(_FWD_TAIL, inputs[13:]))
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, seed, cu_seqlens_q, cu_seqlens_k)
+    aux = list(tail.get("mod_aux") or ())
+    ctx.save_for_backward(q, k, v, o, lse, seed, cu_seqlens_q, cu_seqlens_k,
+                          tail.get("alibi_slopes"), tail.get("sinks"), *aux)
     ctx.mark_non_differentiable(lse)
     ctx.args = (max_seqlen_q, max_seqlen_k, causal, dropout_p, softmax_scale)
-    ctx.window, ctx.drop_layout = window, drop_layout
+    ctx.window = window
+    ctx.tail = {name: tail.get(name) for name in ("drop_layout", "chunk_size", "softcap",
+                                                  "score_mod", "mask_mod")}
+    ctx.n_inputs = len(inputs)
 
 
 class _NoDoubleBackward(torch.autograd.Function):
@@ -191,14 +230,22 @@ class _NoDoubleBackward(torch.autograd.Function):
 
 
 def _backward(ctx, do, dlse):
-    q, k, v, o, lse, seed, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    (q, k, v, o, lse, seed, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks,
+     *aux) = ctx.saved_tensors
     create_graph = torch.is_grad_enabled()
     with torch.no_grad():
         grads = _bwd_op(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *ctx.args, seed,
-                        ctx.window, ctx.drop_layout)
+                        ctx.window, alibi_slopes=alibi_slopes, sinks=sinks, mod_aux=aux,
+                        **ctx.tail)
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[_SINKS_INPUT]:
+            dsinks = sinks_grad(sinks, lse, do, o, packed=cu_seqlens_q is not None)
     if create_graph:  # a later grad of these gradients must fail with a clear message
         grads = _NoDoubleBackward.apply(grads, q, k, v, do)
-    return (*grads,) + (None,) * 11
+    # One entry per input of the forward op, a list for mod_aux (its last: no gradient).
+    out = [*grads] + [None] * (ctx.n_inputs - 4) + [[None] * len(aux)]
+    out[_SINKS_INPUT] = dsinks
+    return tuple(out)
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -215,8 +262,18 @@ def _seed_tensor(dropout_p, seed):
     return torch.tensor(int(seed), dtype=torch.int64)
 
 
+def _mod_op_args(mods, chunk_size):
+    """The custom ops' keyword arguments of a call's ``CallMods`` and chunk size."""
+    return dict(chunk_size=int(chunk_size or 0), softcap=float(mods.softcap or 0.0),
+                alibi_slopes=mods.alibi_slopes, sinks=mods.sinks,
+                score_mod=mods.score_mod.name if mods.score_mod is not None else "",
+                mask_mod=mods.mask_mod.name if mods.mask_mod is not None else "",
+                mod_aux=list(mods.aux))
+
+
 def attention(q, k, v, *, causal=True, dropout_p=0.0, softmax_scale=None, seed=None,
-              window=None, num_splits=0, return_lse=False):
+              window=None, num_splits=0, return_lse=False, softcap=None, sinks=None,
+              chunk_size=None, alibi_slopes=None, score_mod=None, mask_mod=None, mod_aux=()):
     """Fused scaled-dot-product attention: softmax(mask(q kᵀ · scale)) → dropout → @ v.
 
     Never materialises the (q_len × k_len) matrix; differentiable (FlashAttention-2-style
@@ -224,13 +281,15 @@ def attention(q, k, v, *, causal=True, dropout_p=0.0, softmax_scale=None, seed=N
 
     Args:
         q: (batch, heads_q, q_len, head_dim) float16 / bfloat16 / float32.
-        k, v: (batch, heads_kv, k_len, head_dim), q's dtype and device. heads_q must be a
+        k: (batch, heads_kv, k_len, head_dim), v: (batch, heads_kv, k_len, head_dim_v), q's
+            dtype and device; v may have its own head dim (DeepSeek's MLA: 192 / 128), the
+            output has it and the default scale stays 1 / sqrt(head_dim). heads_q must be a
             multiple of heads_kv: query head h reads kv head h // (heads_q // heads_kv)
             (grouped-query attention; heads_kv = 1 is multi-query), the rule of
             ``repeat_interleave`` and of SDPA's ``enable_gqa=True``. k and v are never copied
             or expanded. Any strides: views such as ``x.view(b, s, h, d).transpose(1, 2)`` are
             read in place (a copy is made only when the last dim is not unit-stride, on every
-            path, the CPU fallback included). 1 <= head_dim <= 256. heads_q = 0 is an empty
+            path, the CPU fallback included). 1 <= head_dim, head_dim_v <= 512. heads_q = 0 is an empty
             problem (empty out and lse, zero gradients for k and v), like batch = 0;
             heads_kv = 0 with heads_q >= 1 is a ValueError.
         causal: mask keys in the future, aligned bottom-right when q_len != k_len::
@@ -272,10 +331,38 @@ def attention(q, k, v, *, causal=True, dropout_p=0.0, softmax_scale=None, seed=N
             (splits left without keys cost an empty program). Forward only; results stay
             within the parity rule and deterministic.
         return_lse: also return the row log-sum-exp of the scaled scores.
+        softcap: None, or > 0: Gemma 2's logit soft-capping of the scaled scores,
+            ``s = softcap * tanh(s / softcap)``, before masking.
+        sinks: None, or a float tensor (heads_q,) (float32; q's dtype accepted): gpt-oss's
+            per-head sink logit, one more term of every row's softmax denominator with no
+            value: ``w_ij = exp(s_ij) / (exp(sinks[h]) + sum_j exp(s_ij))``. Differentiable
+            (``sinks.grad``). Dropout drops key weights only (the same mask as without sinks);
+            lse includes the sink; a row that sees no key gives 0 (and lse = sinks[h]).
+        chunk_size: None, or chunked attention (Llama 4; requires causal, not with window):
+            query i at position P = i + k_len - q_len sees key j iff j <= P and
+            j // chunk_size == P // chunk_size::
+
+                q_len = k_len = 6, chunk_size = 3
+                      k0 k1 k2 k3 k4 k5
+                  q0   1  0  0  0  0  0
+                  q1   1  1  0  0  0  0
+                  q2   1  1  1  0  0  0
+                  q3   0  0  0  1  0  0
+                  q4   0  0  0  1  1  0
+                  q5   0  0  0  1  1  1
+
+            Key tiles outside a query block's chunk are never visited: O(q_len * chunk_size).
+        alibi_slopes: None, or float32 (heads_q,) or (batch, heads_q): ALiBi (FlashAttention's
+            convention), the bias ``-slope * |i + k_len - q_len - j|`` added to the (soft-capped)
+            score before masking. Not differentiable.
+        score_mod, mask_mod, mod_aux: a user's ``kernels.ScoreMod`` / ``kernels.MaskMod``
+            (@triton.jit functions with PyTorch twins; contract in kernels/core/mods.py) and
+            the tuple of tensors they read. The score mod applies after softcap and ALiBi, the
+            mask mod on top of causal / window / chunk.
 
     Returns:
-        out: (batch, heads_q, q_len, head_dim) in q's dtype. It has q's memory layout when q is
-            dense, so a head split by ``view().transpose(1, 2)`` merges back with a free
+        out: (batch, heads_q, q_len, head_dim_v) in q's dtype. It has q's memory layout when q
+            is dense (and head_dim_v == head_dim), so a head split by ``view().transpose(1, 2)`` merges back with a free
             ``out.transpose(1, 2).reshape(batch, q_len, heads * head_dim)``.
         lse (only with ``return_lse``): float32 (batch, heads_q, q_len), natural log, -inf for a
             row that sees no key. Not differentiable.
@@ -283,18 +370,22 @@ def attention(q, k, v, *, causal=True, dropout_p=0.0, softmax_scale=None, seed=N
         path, as in ``reference.attention`` (tests/core/test_layouts_property.py).
     """
     causal = validate_attention(q, k, v, causal, dropout_p, softmax_scale, seed, window)
+    mods, chunk_size = check_mods(q, causal, window, softcap, sinks, chunk_size, alibi_slopes,
+                                  score_mod, mask_mod, mod_aux, batch=q.shape[0])
     check_num_splits(num_splits)
     dropout_p = float(dropout_p)
     if softmax_scale is None:
         softmax_scale = default_softmax_scale(q.shape[-1])
     out, lse = _fwd_op(q, k, v, None, None, -1, -1, causal, dropout_p, float(softmax_scale),
-                       _seed_tensor(dropout_p, seed), int(window or 0), int(num_splits))
+                       _seed_tensor(dropout_p, seed), int(window or 0), int(num_splits),
+                       None, **_mod_op_args(mods, chunk_size))
     return (out, lse) if return_lse else out
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
                      *, causal=True, dropout_p=0.0, softmax_scale=None, seed=None, window=None,
-                     return_lse=False):
+                     return_lse=False, softcap=None, sinks=None, chunk_size=None,
+                     alibi_slopes=None, score_mod=None, mask_mod=None, mod_aux=()):
     """Attention over packed sequences of different lengths (FlashAttention's varlen layout).
 
     Sequence s is rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]`` of q and
@@ -311,7 +402,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
               q4    .  . |  x  x  x
 
     Args:
-        q: (total_q, heads_q, head_dim); k, v: (total_k, heads_kv, head_dim) with
+        q: (total_q, heads_q, head_dim); k: (total_k, heads_kv, head_dim), v: (total_k,
+            heads_kv, head_dim_v) with
             heads_q % heads_kv == 0 (grouped-query heads as in ``attention``; heads_q = 0 gives
             empty results). fp16 / bf16 / fp32, one dtype and device, any strides.
         cu_seqlens_q, cu_seqlens_k: int32 (num_seqs + 1,) on q's device, starting at 0,
@@ -327,9 +419,12 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
             gives every (sequence, query head, row, key column) its own Philox word;
             ``reference.dropout_keep_mask_varlen`` recomputes it.
         return_lse: also return the row log-sum-exp.
+        softcap, sinks, chunk_size, alibi_slopes, score_mod, mask_mod, mod_aux: as in
+            ``attention``, per sequence (positions and ``b`` count within each sequence);
+            alibi_slopes may be (num_seqs, heads_q).
 
     Returns:
-        out: (total_q, heads_q, head_dim) in q's dtype.
+        out: (total_q, heads_q, head_dim_v) in q's dtype.
         lse (only with ``return_lse``): float32 (heads_q, total_q), natural log, -inf for rows
             that see no key. Not differentiable.
     """
@@ -338,12 +433,15 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
                                 layout=layout, head_axis=1)
     max_seqlen_q, max_seqlen_k = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k,
                                                   max_seqlen_q, max_seqlen_k)
+    mods, chunk_size = check_mods(q, causal, window, softcap, sinks, chunk_size, alibi_slopes,
+                                  score_mod, mask_mod, mod_aux,
+                                  batch=cu_seqlens_q.numel() - 1)
     dropout_p = float(dropout_p)
     if softmax_scale is None:
         softmax_scale = default_softmax_scale(q.shape[-1])
     out, lse = _fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                        dropout_p, float(softmax_scale), _seed_tensor(dropout_p, seed),
-                       int(window or 0), 0)
+                       int(window or 0), 0, None, **_mod_op_args(mods, chunk_size))
     return (out, lse) if return_lse else out
 
 
@@ -351,21 +449,27 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
 def _kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 cache_seqlens: torch.Tensor, k: Optional[torch.Tensor],
                 v: Optional[torch.Tensor], causal: bool, softmax_scale: float, window: int,
-                num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    call = AttentionCall.from_op(causal, softmax_scale, 0.0, 0, window)
+                num_splits: int, chunk_size: int, softcap: float,
+                alibi_slopes: Optional[torch.Tensor], sinks: Optional[torch.Tensor],
+                score_mod: str, mask_mod: str, mod_aux: list[torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    call = AttentionCall.from_op(causal, softmax_scale, 0.0, 0, window, None, chunk_size,
+                                 _op_mods(softcap, alibi_slopes, sinks, score_mod, mask_mod,
+                                          mod_aux))
     if q.shape[1] == 0:  # no query heads (and so no kv heads: no cache entry to append)
-        return _like(q), q.new_empty(tuple(q.shape[:3]), dtype=torch.float32)
+        return _out_like(q, v_cache), q.new_empty(tuple(q.shape[:3]), dtype=torch.float32)
     if _use_fallback(q):
         return fallback.kvcache_forward(q, k_cache, v_cache, cache_seqlens, k, v, call,
-                                        _like(q))
+                                        _out_like(q, v_cache))
     return kvcache_forward(_unit_last(q), k_cache, v_cache, cache_seqlens,
                            None if k is None else _unit_last(k),
                            None if v is None else _unit_last(v), call, num_splits=num_splits)
 
 
 @_kvcache_op.register_fake
-def _(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, window, num_splits):
-    return _like(q), q.new_empty(tuple(q.shape[:3]), dtype=torch.float32)
+def _(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, window, num_splits,
+      chunk_size, softcap, alibi_slopes, sinks, score_mod, mask_mod, mod_aux):
+    return _out_like(q, v_cache), q.new_empty(tuple(q.shape[:3]), dtype=torch.float32)
 
 
 _KVCACHE_NO_BACKWARD = (
@@ -411,18 +515,21 @@ class _KVCacheForwardOnly(torch.autograd.Function):
 
 
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, *, causal=True,
-                           softmax_scale=None, window=None, num_splits=0, return_lse=False):
+                           softmax_scale=None, window=None, num_splits=0, return_lse=False,
+                           softcap=None, sinks=None, chunk_size=None, alibi_slopes=None,
+                           score_mod=None, mask_mod=None, mod_aux=()):
     """Attention of new query tokens against a preallocated KV cache (generation), optionally
     appending their keys and values first; FlashAttention's serving API in our layout.
 
     Args:
         q: (batch, heads_q, q_len, head_dim): 1 token when decoding, a few for speculative
             decoding (any q_len works).
-        k_cache, v_cache: (batch, heads_kv, max_len, head_dim), q's dtype and device,
-            heads_q % heads_kv == 0 (grouped-query heads read natively).
+        k_cache: (batch, heads_kv, max_len, head_dim), v_cache: (batch, heads_kv, max_len,
+            head_dim_v), q's dtype and device, heads_q % heads_kv == 0 (grouped-query heads
+            read natively).
         cache_seqlens: int32 (batch,): how many positions of each row's cache are filled
             (rows may differ). Not modified: the caller advances it.
-        k, v: optional (batch, heads_kv, q_len, head_dim): written into the caches **in
+        k, v: optional (batch, heads_kv, q_len, head_dim or head_dim_v): written into the caches **in
             place** at positions cache_seqlens[b] ... cache_seqlens[b] + q_len - 1 before
             attending. Lengths on the CPU are checked (negative, or past max_len: ValueError);
             lengths on the GPU are the caller's contract (not read, to avoid a sync), and the
@@ -434,9 +541,12 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, *
         num_splits: split-KV as in ``attention`` (0: heuristic; long caches at small batch get
             split across the GPU's SMs).
         return_lse: also return lse fp32 (batch, heads_q, q_len).
+        softcap, sinks, chunk_size, alibi_slopes, score_mod, mask_mod, mod_aux: as in
+            ``attention`` (positions count over the filled cache). Forward only here, so
+            ``sinks`` gets no gradient.
 
     Returns:
-        out (batch, heads_q, q_len, head_dim) in q's dtype [, lse]. heads = 0 (q of shape
+        out (batch, heads_q, q_len, head_dim_v) in q's dtype [, lse]. heads = 0 (q of shape
         (batch, 0, q_len, head_dim), caches with 0 heads) gives an empty out and lse. Forward
         only: ``.backward()`` through it raises a RuntimeError that says so (train with
         ``attention`` or ``attention_varlen``); works under ``torch.inference_mode()`` and
@@ -444,6 +554,8 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, *
     """
     causal = check_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale,
                            window, num_splits)
+    mods, chunk_size = check_mods(q, causal, window, softcap, sinks, chunk_size, alibi_slopes,
+                                  score_mod, mask_mod, mod_aux, batch=q.shape[0])
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a unit stride in head_dim (it is written in "
@@ -452,13 +564,14 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, *
         softmax_scale = default_softmax_scale(q.shape[-1])
     args = (q, k_cache, v_cache, cache_seqlens, k, v, causal, float(softmax_scale),
             int(window or 0), int(num_splits))
+    mod_args = _mod_op_args(mods, chunk_size)
     inputs = [t for t in (q, k_cache, v_cache, k, v) if t is not None]
     if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
         with torch.no_grad():
-            out, lse = _kvcache_op(*args)
+            out, lse = _kvcache_op(*args, **mod_args)
         out, lse = _KVCacheForwardOnly.apply(out, lse, *inputs)
     else:
-        out, lse = _kvcache_op(*args)
+        out, lse = _kvcache_op(*args, **mod_args)
     return (out, lse) if return_lse else out
 
 
@@ -495,7 +608,7 @@ def forward_with_lse(q, k, v, *, causal=True, dropout_p=0.0, softmax_scale=None,
                              cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     layout = check_drop_layout(drop_layout, q, k, cu_seqlens_q is not None)
     with torch.no_grad():
-        return _fwd_op(q, k, v, *args, 0, layout)
+        return _fwd_op(q, k, v, *args, 0, layout, **_mod_op_args(NO_MODS, None))
 
 
 def backward(do, q, k, v, out, lse, *, causal=True, dropout_p=0.0, softmax_scale=None, seed=0,
@@ -515,12 +628,15 @@ def backward(do, q, k, v, out, lse, *, causal=True, dropout_p=0.0, softmax_scale
     layout = check_drop_layout(drop_layout, q, k, cu_q is not None)
     with torch.no_grad():
         return _bwd_op(do, q, k, v, out, lse.float().contiguous(), cu_q, cu_k, max_q, max_k,
-                       causal, dropout_p, scale, seed_t, window, layout)
+                       causal, dropout_p, scale, seed_t, window, layout,
+                       **_mod_op_args(NO_MODS, None))
 
 
-def visible_mask(q_len, k_len, *, causal=True, window=None, device=None):
+def visible_mask(q_len, k_len, *, causal=True, window=None, chunk_size=None, device=None):
     """bool (q_len, k_len): True where query i sees key j under the kernels' rule (bottom-right
-    causal ``j <= i + k_len - q_len``, and with ``window`` also ``j > i + k_len - q_len -
-    window``; everything without causal). For integrations that must check that a model's own
-    mask is the pattern the kernels compute; never used to compute attention."""
-    return fallback.block_visible(0, q_len, 0, k_len, q_len, k_len, causal, window, device)
+    causal ``j <= P`` with P = i + k_len - q_len; with ``window`` also ``j > P - window``; with
+    ``chunk_size`` also ``j // chunk_size == P // chunk_size``; everything without causal). For
+    integrations that must check that a model's own mask is the pattern the kernels compute;
+    never used to compute attention."""
+    return fallback.block_visible(0, q_len, 0, k_len, q_len, k_len, causal, window, device,
+                                  chunk_size=chunk_size)

@@ -9,6 +9,7 @@ import numbers
 import torch
 
 from .core.common import MAX_HEAD_DIM
+from .core.mods import CallMods, MaskMod, ScoreMod
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Seeds are 64-bit Philox keys; keep them non-negative so they round-trip through int64.
@@ -54,9 +55,9 @@ def validate_attention(q, k, v, causal, dropout_p, softmax_scale, seed, window, 
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k and v must be on one device, got q {q.device}, k {k.device}, "
                          f"v {v.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape {layout}, got k {tuple(k.shape)} "
-                         f"and v {tuple(v.shape)}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"k and v must have the same shape {layout} but for head_dim (v may "
+                         f"have its own), got k {tuple(k.shape)} and v {tuple(v.shape)}")
     if dims == 4 and q.shape[0] != k.shape[0]:
         raise ValueError(f"q and k must have the same batch (dim 0), got q {tuple(q.shape)} "
                          f"and k {tuple(k.shape)}")
@@ -74,11 +75,12 @@ def validate_attention(q, k, v, causal, dropout_p, softmax_scale, seed, window, 
         raise ValueError(f"the query heads must be a multiple of the key/value heads "
                          f"(grouped-query attention), got heads_q={heads_q} (q "
                          f"{tuple(q.shape)}) and heads_kv={heads_kv} (k {tuple(k.shape)})")
-    head_dim = q.shape[-1]
-    if head_dim < 1:
-        raise ValueError(f"head_dim must be >= 1, got {head_dim}")
-    if head_dim > MAX_HEAD_DIM:
-        raise NotImplementedError(f"head_dim up to {MAX_HEAD_DIM} is supported, got {head_dim}")
+    for name, head_dim in (("head_dim", q.shape[-1]), ("v's head_dim", v.shape[-1])):
+        if head_dim < 1:
+            raise ValueError(f"{name} must be >= 1, got {head_dim}")
+        if head_dim > MAX_HEAD_DIM:
+            raise NotImplementedError(f"{name} up to {MAX_HEAD_DIM} is supported, got "
+                                      f"{head_dim}")
     if heads_q > MAX_GRID_YZ or dims == 4 and q.shape[0] > MAX_GRID_YZ:
         raise NotImplementedError(f"batch and heads must each be <= {MAX_GRID_YZ} (Triton grid "
                                   f"limit), got q {tuple(q.shape)}")
@@ -111,6 +113,83 @@ def validate_attention(q, k, v, causal, dropout_p, softmax_scale, seed, window, 
         if window > _MAX_INT32:
             raise ValueError(f"window must be < 2**31, got {window}")
     return causal
+
+
+def _check_positive_int(name, value, meaning):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int >= 1 or None, got {type(value).__name__}")
+    if not (1 <= value <= _MAX_INT32):
+        raise ValueError(f"{name} must be in [1, 2**31) ({meaning}), got {value}")
+
+
+def _check_head_vector(name, t, q, heads_q, shapes):
+    """A float tensor of one of ``shapes`` on q's device (sinks, ALiBi slopes)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor (float32 preferred), got "
+                        f"{t.dtype}")
+    if tuple(t.shape) not in shapes:
+        raise ValueError(f"{name} must have shape {' or '.join(str(x) for x in shapes)} "
+                         f"(heads_q = {heads_q}), got {tuple(t.shape)}")
+    if t.device != q.device:
+        raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
+
+
+def check_mods(q, causal, window, softcap, sinks, chunk_size, alibi_slopes, score_mod, mask_mod,
+               mod_aux, *, batch, head_axis=1):
+    """Checks of the score modifications (``softcap``, ``sinks``, ``chunk_size``,
+    ``alibi_slopes``, ``score_mod``, ``mask_mod``, ``mod_aux``) shared by every entry point;
+    ``batch``: the batch size (dense) or the number of packed sequences (ALiBi's per-batch
+    slopes). Returns the ``CallMods`` of the call (kernels/core/mods.py) and the chunk size."""
+    heads_q = q.shape[head_axis]
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+            raise TypeError(f"softcap must be a positive float or None, got "
+                            f"{type(softcap).__name__}")
+        if not (math.isfinite(softcap) and softcap > 0):
+            raise ValueError(f"softcap must be finite and > 0 (s = softcap * tanh(s / "
+                             f"softcap)), got {softcap}")
+        softcap = float(softcap)
+    if chunk_size is not None:
+        _check_positive_int("chunk_size", chunk_size, "positions per chunk")
+        if not causal:
+            raise ValueError("chunk_size requires causal=True (chunked attention is causal "
+                             "within each chunk), got causal=False")
+        if window is not None:
+            raise ValueError(f"chunk_size and window cannot be combined (both bound what a "
+                             f"query sees from the left), got chunk_size={chunk_size}, "
+                             f"window={window}")
+        chunk_size = int(chunk_size)
+    if sinks is not None:
+        _check_head_vector("sinks", sinks, q, heads_q, [(heads_q,)])
+        sinks = sinks.float()
+    if alibi_slopes is not None:
+        _check_head_vector("alibi_slopes", alibi_slopes, q, heads_q,
+                           [(heads_q,), (batch, heads_q)])
+        if alibi_slopes.requires_grad:
+            raise ValueError("alibi_slopes must not require grad (the kernels give no gradient "
+                             "for them)")
+        alibi_slopes = alibi_slopes.float().contiguous()
+    if score_mod is not None and not isinstance(score_mod, ScoreMod):
+        raise TypeError(f"score_mod must be a kernels.ScoreMod or None, got "
+                        f"{type(score_mod).__name__}")
+    if mask_mod is not None and not isinstance(mask_mod, MaskMod):
+        raise TypeError(f"mask_mod must be a kernels.MaskMod or None, got "
+                        f"{type(mask_mod).__name__}")
+    if not isinstance(mod_aux, (tuple, list)):
+        raise TypeError(f"mod_aux must be a tuple of tensors, got {type(mod_aux).__name__}")
+    for i, t in enumerate(mod_aux):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"mod_aux[{i}] must be a torch.Tensor (the mods read it through a "
+                            f"pointer), got {type(t).__name__}")
+        if t.device != q.device:
+            raise ValueError(f"mod_aux[{i}] must be on q's device {q.device}, got {t.device}")
+    if mod_aux and score_mod is None and mask_mod is None:
+        raise ValueError("mod_aux is given but there is no score_mod or mask_mod to read it")
+    mods = CallMods(softcap=softcap, alibi_slopes=alibi_slopes, score_mod=score_mod,
+                    mask_mod=mask_mod, sinks=sinks, aux=tuple(mod_aux))
+    return mods, chunk_size
 
 
 def check_num_splits(num_splits):
@@ -180,8 +259,9 @@ def check_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scal
     layout = "(batch, heads, seq, head_dim)"
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         check_tensor(name, t, 4, layout)
-    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
-        raise ValueError(f"k_cache and v_cache must have one shape and dtype, got k_cache "
+    if k_cache.shape[:-1] != v_cache.shape[:-1] or k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache and v_cache must have one shape (but for head_dim) and "
+                         f"dtype, got k_cache "
                          f"{tuple(k_cache.shape)} {k_cache.dtype}, v_cache "
                          f"{tuple(v_cache.shape)} {v_cache.dtype}")
     if (k is None) != (v is None):
@@ -191,11 +271,11 @@ def check_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scal
     B, heads_kv, max_len, D = k_cache.shape
     q_len = q.shape[2]
     if k is not None:
-        for name, t in (("k", k), ("v", v)):
+        for name, t, dim in (("k", k, D), ("v", v, v_cache.shape[3])):
             check_tensor(name, t, 4, layout)
-            if t.shape != (B, heads_kv, q_len, D) or t.dtype != k_cache.dtype:
+            if t.shape != (B, heads_kv, q_len, dim) or t.dtype != k_cache.dtype:
                 raise ValueError(f"{name} must be (batch, heads_kv, q_len, head_dim) = "
-                                 f"{(B, heads_kv, q_len, D)} in the cache's dtype "
+                                 f"{(B, heads_kv, q_len, dim)} in the cache's dtype "
                                  f"{k_cache.dtype}, got {tuple(t.shape)} {t.dtype}")
     if q.dtype != k_cache.dtype or q.shape[0] != B or q.shape[3] != D:
         raise ValueError(f"q must match the caches' dtype, batch and head_dim: q "

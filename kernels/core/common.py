@@ -8,7 +8,7 @@ import triton.language as tl
 # exp(x) == exp2(x * LOG2E): the kernels work in base 2 with log2(e) folded into the scale.
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = 512
 # tl.dot needs every dimension >= 16, so small head dims are padded up to this.
 MIN_BLOCK_D = 16
 

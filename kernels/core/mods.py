@@ -208,3 +208,22 @@ class CallMods:
 
 
 NO_MODS = CallMods()
+
+
+def sinks_grad(sinks, lse, do, o, packed):
+    """dL/d(sinks), fp32 (heads_q,), for every path (kernels and fallback alike).
+
+    A sink is one more softmax column with no value, so its weight in row i is
+    ``exp(sink_h - lse_i)`` and its gradient ``-exp(sink_h - lse_i) · delta_i`` with
+    ``delta_i = Σ_d dO_id · O_id`` (the same delta as the kernels' backward; with dropout too).
+    sinks (heads_q,); lse (B, heads_q, q_len) dense or (heads_q, total_q) packed; do, o shaped
+    like the output: (B, heads_q, q_len, Dv) or (total_q, heads_q, Dv). Summed in a fixed
+    order by PyTorch's reductions: deterministic.
+    """
+    delta = (do.float() * o.float()).sum(-1)
+    if packed:
+        delta = delta.transpose(0, 1)                  # (heads_q, total_q), lse's layout
+        weight = torch.exp(sinks.float()[:, None] - lse)
+        return -(weight * delta).sum(1)
+    weight = torch.exp(sinks.float()[None, :, None] - lse)
+    return -(weight * delta).sum((0, 2))
