@@ -3,8 +3,10 @@
 * ``modules``: the attention classes of "Build a Large Language Model (From Scratch)", ch. 3.
 * ``gpt``: the book's GPT-2 (124M) model, ch. 4.
 * ``functional``: ``attention`` (float64 oracle / low-precision baseline; grouped-query heads,
-  sliding window), ``attention_varlen`` (FlashAttention's packed variable-length layout) and
-  ``causal_mask`` (bottom-right, optional window).
+  a value head_dim of its own, sliding window, chunked attention, softcap, ALiBi, PyTorch
+  score_mod / mask_mod callables, attention sinks, optional lse), ``attention_varlen``
+  (FlashAttention's packed variable-length layout), ``attention_with_kvcache`` (a KV cache, row
+  by row) and ``causal_mask`` (bottom-right, optional window or chunks).
 * ``dropout``: the kernel's Philox dropout mask, bit for bit (``dropout_keep_mask`` dense,
   ``dropout_keep_mask_varlen`` packed, ``dropout_keep_rows`` selected rows).
 

@@ -1,0 +1,317 @@
+"""Soft-capping, sinks, chunked attention, ALiBi, a value head dim of its own and user score /
+mask mods, through the Triton kernels (the interpreter on CPU) against the float64 oracle
+(``reference.attention``) with the parity rule: forward, lse and gradients (``sinks.grad``
+included), alone and combined with GQA, windows, packed sequences, the KV cache, split-KV and
+dropout; the tiles a chunk hides are never read; bad values are clear errors."""
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+import kernels
+import reference
+from kernels import MaskMod, ScoreMod
+from tests.helpers import DEVICE, GRAD_FACTOR, assert_parity, randn
+
+SCALE_OF = {16: 0.25, 24: 24 ** -0.5, 32: 32 ** -0.5}
+
+
+# ------------------------------------------------------------------ two user-written mods
+@triton.jit
+def _rel_bias(s, b, h, q_idx, kv_idx, aux):
+    """A learned relative-position bias: table (heads, 2 * 8 - 1), distances clipped to 7."""
+    d = tl.minimum(tl.maximum(q_idx - kv_idx, -7), 7) + 7
+    return s + tl.load(aux[0] + h * 15 + d)
+
+
+def _rel_bias_torch(s, b, h, q_idx, kv_idx, aux):
+    d = (q_idx - kv_idx).clamp(-7, 7) + 7
+    return s + aux[0].reshape(-1)[h * 15 + d].to(s.dtype)
+
+
+REL_BIAS = ScoreMod("tests.rel_bias", _rel_bias, _rel_bias_torch)
+
+
+@triton.jit
+def _prefix_lm(b, h, q_idx, kv_idx, aux):
+    """Prefix-LM: the first aux[1][b] keys are seen by every query (bidirectional prefix)."""
+    return kv_idx < tl.load(aux[1] + b)
+
+
+def _prefix_lm_torch(b, h, q_idx, kv_idx, aux):
+    return kv_idx < aux[1].reshape(-1)[b]
+
+
+PREFIX_LM = MaskMod("tests.prefix_lm", _prefix_lm, _prefix_lm_torch)
+
+
+@triton.jit
+def _cube(s, b, h, q_idx, kv_idx, aux):
+    return s * s * s * 0.1
+
+
+@triton.jit
+def _cube_grad(ds, s, b, h, q_idx, kv_idx, aux):
+    return ds * s * s * 0.3
+
+
+CUBE = ScoreMod("tests.cube", _cube, lambda s, b, h, q, k, aux: s * s * s * 0.1, _cube_grad)
+
+
+def _prefix_or_causal(b, h, q_idx, kv_idx, aux):
+    """The prefix-LM pattern the kernels' causal=False + PREFIX_LM + a causal mask mod give."""
+    return (kv_idx <= q_idx) | _prefix_lm_torch(b, h, q_idx, kv_idx, aux)
+
+
+@triton.jit
+def _causal_or_prefix(b, h, q_idx, kv_idx, aux):
+    return (kv_idx <= q_idx) | (kv_idx < tl.load(aux[1] + b))
+
+
+PREFIX_OR_CAUSAL = MaskMod("tests.prefix_or_causal", _causal_or_prefix, _prefix_or_causal)
+
+
+# ------------------------------------------------------------------ helpers
+def _oracle_kwargs(case):
+    """The oracle takes the mods' PyTorch twins."""
+    return {key: getattr(value, "torch_fn", value) for key, value in case.items()}
+
+
+def _grads(out, inputs, do):
+    return torch.autograd.grad(out, inputs, do, allow_unused=True)
+
+
+def _check(case, dtype=torch.float32, b=2, hq=4, hkv=2, q_len=19, k_len=23, d=16, dv=16,
+           seed=None, dropout_p=0.0):
+    """Run ``kernels.attention(**case)`` and the oracle in float64 and in ``dtype``; assert the
+    parity rule on out, lse and every gradient (sinks included)."""
+    case = dict(case)
+    q = randn(b, hq, q_len, d, dtype=dtype, requires_grad=True)
+    k = randn(b, hkv, k_len, d, dtype=dtype, requires_grad=True)
+    v = randn(b, hkv, k_len, dv, dtype=dtype, requires_grad=True)
+    sinks = case.pop("sinks", None)
+    if sinks == "random":
+        sinks = randn(hq, requires_grad=True)
+    inputs = [q, k, v] + ([sinks] if sinks is not None else [])
+    keep = None
+    if dropout_p:
+        keep = reference.dropout_keep_mask(seed, b, hq, q_len, k_len, dropout_p, device=DEVICE)
+    out, lse = kernels.attention(q, k, v, sinks=sinks, dropout_p=dropout_p, seed=seed,
+                                 return_lse=True, **case)
+    assert out.shape == (b, hq, q_len, dv) and out.dtype == dtype
+    do = randn(*out.shape, dtype=dtype)
+    grads = _grads(out, inputs, do)
+
+    ref_in = [t.detach().double().requires_grad_() for t in inputs]
+    low_in = [t.detach().clone().requires_grad_() for t in inputs]
+    refs = {}
+    for name, ins, upcast in (("ref", ref_in, True), ("low", low_in, False)):
+        o, l = reference.attention(*ins[:3], sinks=ins[3] if sinks is not None else None,
+                                   dropout_p=dropout_p, keep_mask=keep, upcast=upcast,
+                                   return_lse=True, **_oracle_kwargs(case))
+        refs[name] = (o, l, _grads(o, ins, do.to(o.dtype)))
+    (ro, rl, rg), (lo, ll, lg) = refs["ref"], refs["low"]
+    assert_parity(out, ro, lo)
+    finite = torch.isfinite(rl)
+    assert torch.equal(torch.isfinite(lse), finite), "lse: -inf rows differ from the oracle"
+    assert_parity(lse[finite], rl[finite].float(), ll[finite].float(), name="lse")
+    for name, g, r, l in zip(("dq", "dk", "dv", "dsinks"), grads, rg, lg):
+        assert_parity(g, r, l, factor=GRAD_FACTOR, name=name)
+    return out, grads
+
+
+CASES = {
+    "softcap": dict(causal=True, softcap=2.0),
+    "softcap_noncausal": dict(causal=False, softcap=0.7),
+    "alibi": dict(causal=True, alibi_slopes="heads"),
+    "alibi_per_batch": dict(causal=False, alibi_slopes="batch"),
+    "sinks": dict(causal=True, sinks="random"),
+    "sinks_window": dict(causal=True, window=5, sinks="random"),
+    "chunk": dict(causal=True, chunk_size=5),
+    "chunk_wide": dict(causal=True, chunk_size=16),
+    "gemma2": dict(causal=True, window=7, softcap=5.0),
+    "everything": dict(causal=True, window=6, softcap=3.0, alibi_slopes="heads",
+                       sinks="random"),
+    "chunk_sinks_softcap": dict(causal=True, chunk_size=8, softcap=4.0, sinks="random"),
+    "score_mod": dict(causal=True, score_mod=REL_BIAS, mod_aux="table"),
+    "score_mod_grad": dict(causal=False, score_mod=CUBE),
+    "prefix_lm": dict(causal=False, mask_mod=PREFIX_OR_CAUSAL, mod_aux="table"),
+    "mods_and_builtins": dict(causal=True, softcap=3.0, score_mod=REL_BIAS,
+                              mask_mod=PREFIX_LM, mod_aux="table", sinks="random"),
+}
+
+
+def _materialise(case, b, hq):
+    case = dict(case)
+    if case.get("alibi_slopes") == "heads":
+        case["alibi_slopes"] = torch.rand(hq, device=DEVICE)
+    elif case.get("alibi_slopes") == "batch":
+        case["alibi_slopes"] = torch.rand(b, hq, device=DEVICE)
+    if case.get("mod_aux") == "table":
+        case["mod_aux"] = (randn(hq, 15), torch.tensor([3, 0], dtype=torch.int32,
+                                                        device=DEVICE)[:b])
+    return case
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_feature_parity(name):
+    _check(_materialise(CASES[name], 2, 4))
+
+
+@pytest.mark.parametrize("q_len,k_len", [(1, 17), (17, 1), (30, 13), (8, 40)])
+def test_lengths_chunk_sinks(q_len, k_len):
+    _check(dict(causal=True, chunk_size=6, sinks="random", softcap=3.0), q_len=q_len,
+           k_len=k_len)
+
+
+@pytest.mark.parametrize("d,dv", [(24, 16), (16, 32), (32, 8)])
+def test_value_head_dim(d, dv):
+    _check(dict(causal=True, sinks="random"), d=d, dv=dv)
+    _check(dict(causal=False), d=d, dv=dv, hkv=4)
+
+
+def test_fp16_everything():
+    _check(_materialise(CASES["everything"], 2, 4), dtype=torch.float16)
+
+
+def test_dropout_with_sinks_uses_the_same_mask():
+    """Dropout drops key weights only: the oracle given the kernels' Philox mask matches, and
+    the sinks change no bit of the mask (same seed: the kept pattern of out is the same)."""
+    _check(dict(causal=True, sinks="random", softcap=2.0), seed=1234, dropout_p=0.3)
+
+
+# ------------------------------------------------------------------ packed, cache, split
+def test_varlen_features():
+    cu = torch.tensor([0, 5, 5, 17, 30], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 9, 12, 12, 33], dtype=torch.int32, device=DEVICE)
+    hq, hkv = 4, 2
+    q = randn(30, hq, 16, requires_grad=True)
+    k = randn(33, hkv, 16, requires_grad=True)
+    v = randn(33, hkv, 24, requires_grad=True)
+    sinks = randn(hq, requires_grad=True)
+    slopes = torch.rand(4, hq, device=DEVICE)
+    kw = dict(causal=True, chunk_size=4, softcap=2.5, alibi_slopes=slopes)
+    out, lse = kernels.attention_varlen(q, k, v, cu, cu_k, sinks=sinks, return_lse=True, **kw)
+    do = randn(*out.shape)
+    grads = _grads(out, (q, k, v, sinks), do)
+    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v, sinks)]
+    low_in = [t.detach().clone().requires_grad_() for t in (q, k, v, sinks)]
+    ro, rl = reference.attention_varlen(*ref_in[:3], cu, cu_k, sinks=ref_in[3],
+                                        return_lse=True, **kw)
+    lo, ll = reference.attention_varlen(*low_in[:3], cu, cu_k, sinks=low_in[3], upcast=False,
+                                        return_lse=True, **kw)
+    assert_parity(out, ro, lo)
+    assert_parity(lse, rl.float(), ll.float(), name="lse")
+    for name, g, r, l in zip(("dq", "dk", "dv", "dsinks"), grads, _grads(ro, ref_in, do.double()),
+                             _grads(lo, low_in, do)):
+        assert_parity(g, r, l, factor=GRAD_FACTOR, name=name)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_kvcache_features(num_splits):
+    b, hq, hkv, max_len, q_len = 2, 4, 2, 40, 3
+    k_cache, v_cache = randn(b, hkv, max_len, 16), randn(b, hkv, max_len, 8)
+    q, k, v = randn(b, hq, q_len, 16), randn(b, hkv, q_len, 16), randn(b, hkv, q_len, 8)
+    lens = torch.tensor([20, 33], dtype=torch.int32, device=DEVICE)
+    sinks = randn(hq)
+    kw = dict(causal=True, chunk_size=8, softcap=3.0, sinks=sinks)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    out, lse = kernels.attention_with_kvcache(q, kc, vc, lens, k, v, num_splits=num_splits,
+                                              return_lse=True, **kw)
+    ro, rl = reference.attention_with_kvcache(q.double(), k_cache.double(), v_cache.double(),
+                                              lens, k.double(), v.double(), return_lse=True,
+                                              **kw)
+    lo, ll = reference.attention_with_kvcache(q, k_cache.clone(), v_cache.clone(), lens, k, v,
+                                              upcast=False, return_lse=True, **kw)
+    assert out.shape == (b, hq, q_len, 8)
+    assert_parity(out, ro, lo)
+    assert_parity(lse, rl.float(), ll.float(), name="lse")
+
+
+def test_split_kv_sinks_matches_unsplit():
+    q, k, v = randn(1, 4, 2, 16), randn(1, 2, 70, 16), randn(1, 2, 70, 16)
+    sinks = randn(4) * 3
+    kw = dict(causal=True, sinks=sinks, softcap=2.0, return_lse=True)
+    o1, l1 = kernels.attention(q, k, v, num_splits=1, **kw)
+    o3, l3 = kernels.attention(q, k, v, num_splits=3, **kw)
+    torch.testing.assert_close(o3, o1, rtol=0, atol=2e-6)
+    torch.testing.assert_close(l3, l1, rtol=0, atol=2e-6)
+
+
+# ------------------------------------------------------------------ edge cases
+def test_chunk_never_reads_hidden_keys():
+    """Queries at positions 32..39 with chunk 16 see keys 32..39 only: NaN keys and values in
+    positions 0..31 (two whole 16-key tiles) are never loaded."""
+    q, k, v = randn(1, 2, 8, 16), randn(1, 2, 40, 16), randn(1, 2, 40, 16)
+    clean = kernels.attention(q, k, v, causal=True, chunk_size=16)
+    k[:, :, :32], v[:, :, :32] = float("nan"), float("nan")
+    poisoned = kernels.attention(q, k, v, causal=True, chunk_size=16)
+    assert torch.equal(poisoned, clean)
+    ref = reference.attention(q.double(), k[:, :, 32:].double(), v[:, :, 32:].double(),
+                              causal=True)
+    assert_parity(clean, ref, reference.attention(q, k[:, :, 32:], v[:, :, 32:], causal=True,
+                                                  upcast=False))
+
+
+# tanh's exp2 overflows to +inf on purpose (tanh = 1 there); numpy says so in the interpreter.
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp2:RuntimeWarning")
+def test_softcap_keeps_huge_logits_finite():
+    q, k, v = randn(1, 2, 9, 16) * 1e4, randn(1, 2, 9, 16) * 1e4, randn(1, 2, 9, 16)
+    out, lse = kernels.attention(q, k, v, softcap=30.0, return_lse=True)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert lse.max() <= 30.0 + torch.log(torch.tensor(9.0)) + 1e-4
+    assert_parity(out, reference.attention(q.double(), k.double(), v.double(), softcap=30.0),
+                  reference.attention(q, k, v, softcap=30.0, upcast=False))
+
+
+def test_row_without_keys_with_sinks():
+    """q_len > k_len causal: the first rows see no key; with sinks they give 0 and lse = sink."""
+    q, k, v = randn(1, 2, 6, 16), randn(1, 2, 3, 16), randn(1, 2, 3, 16)
+    sinks = torch.tensor([0.5, -1.0], device=DEVICE)
+    out, lse = kernels.attention(q, k, v, causal=True, sinks=sinks, return_lse=True)
+    assert torch.equal(out[:, :, :3], torch.zeros_like(out[:, :, :3]))
+    torch.testing.assert_close(lse[0, :, :3], sinks[:, None].expand(2, 3))
+
+
+def test_backward_bit_identical():
+    q, k, v = (randn(2, 4, 21, 16, requires_grad=True) for _ in range(3))
+    sinks = randn(4, requires_grad=True)
+    kw = dict(causal=True, window=9, softcap=2.0, sinks=sinks, dropout_p=0.2, seed=7)
+    runs = []
+    for _ in range(2):
+        out = kernels.attention(q, k, v, **kw)
+        runs.append((out,) + _grads(out, (q, k, v, sinks), torch.ones_like(out)))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_user_mod_twin_contract():
+    """A ScoreMod's name is its identity across the custom op; a second one by that name is an
+    error, and fn must be a @triton.jit function."""
+    with pytest.raises(ValueError, match="already exists"):
+        ScoreMod("tests.rel_bias", _rel_bias, _rel_bias_torch)
+    with pytest.raises(TypeError, match=r"@triton.jit"):
+        ScoreMod("tests.not_jit", _rel_bias_torch, _rel_bias_torch)
+
+
+BAD = [
+    (dict(softcap=0.0), ValueError, "softcap must be finite and > 0"),
+    (dict(softcap=float("nan")), ValueError, "softcap must be finite and > 0"),
+    (dict(softcap="1"), TypeError, "softcap must be a positive float"),
+    (dict(sinks=torch.zeros(3)), ValueError, r"sinks must have shape \(4,\)"),
+    (dict(sinks=torch.zeros(4, dtype=torch.int64)), TypeError, "sinks must be a floating"),
+    (dict(chunk_size=0), ValueError, "chunk_size must be in"),
+    (dict(chunk_size=4, causal=False), ValueError, "chunk_size requires causal=True"),
+    (dict(chunk_size=4, window=3), ValueError, "chunk_size and window cannot be combined"),
+    (dict(alibi_slopes=torch.zeros(2, 3)), ValueError, "alibi_slopes must have shape"),
+    (dict(score_mod=_rel_bias), TypeError, "score_mod must be a kernels.ScoreMod"),
+    (dict(mod_aux=(torch.zeros(1),)), ValueError, "no score_mod or mask_mod"),
+    (dict(score_mod=REL_BIAS, mod_aux=(1.0,)), TypeError, r"mod_aux\[0\] must be a torch"),
+]
+
+
+@pytest.mark.parametrize("kwargs,exc,match", BAD)
+def test_bad_values(kwargs, exc, match):
+    q, k, v = randn(2, 4, 5, 16), randn(2, 2, 5, 16), randn(2, 2, 5, 16)
+    with pytest.raises(exc, match=match):
+        kernels.attention(q, k, v, **kwargs)
