@@ -263,7 +263,8 @@ def _stages_ok(config, kwargs) -> bool:
 
 def _padded_width(args) -> int:
     """The widest padded head dim of a launch: q/k's or v's (kernels/core/common.block_d)."""
-    dims = [int(args[k]) for k in ("HEAD_DIM", "HEAD_DIM_V") if k in args] or [64]
+    dims = [int(args[k]) for k in ("HEAD_DIM", "HEAD_DIM_V", "BLOCK_D", "BLOCK_DV")
+            if k in args] or [64]
     return max(16, triton.next_power_of_2(max(dims)))
 
 

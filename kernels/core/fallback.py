@@ -1,26 +1,37 @@
 """PyTorch fallback for CPU tensors when Triton's interpreter is off: the kernels' semantics
-(bottom-right causal, sliding window, grouped-query heads, packed sequences, rows without keys
--> zeros / lse -inf, and the same Philox dropout mask) in O(seq) memory.
+(bottom-right causal, sliding window, chunked attention, grouped-query heads, packed sequences,
+score and mask modifications, sinks, a value head_dim of its own, rows without keys -> zeros /
+lse -inf, and the same Philox dropout mask) in O(seq) memory.
 
 * Where PyTorch's own CPU flash attention computes exactly the same thing (no dropout, no
-  window, dense, non-causal or causal with q_len == k_len, where top-left and bottom-right
-  alignment agree), its aten ops do the work: they return the lse too, and are PyTorch's
+  window or chunks, no modification or sinks, v's head_dim that of q and k, dense, non-causal
+  or causal with q_len == k_len, where top-left and bottom-right alignment agree), its aten
+  ops do the work: they return the lse too, and are PyTorch's
   speed. Two things those ops assume are made true here: a unit stride in head_dim (they read
   each row as a contiguous vector; any other last-dim stride gave wrong output and gradients,
   so such a tensor is copied first, as the kernels' launchers do), and finite q and k (with
   fewer than 16 keys, a row whose scores are all NaN came back as zeros with lse 0 instead of
   NaN; inputs with a NaN or an infinity take the blockwise path below, where NaN in gives NaN
   out for every row it reaches, as in the kernels and the oracle).
-* Everything else (our dropout mask, windows, q_len != k_len causal, packed sequences) is
-  computed block by block over query rows, each block against only the keys it can see, so
-  memory stays O(block · k_len) instead of O(q_len · k_len); with more than one PyTorch
-  thread, by worker threads over independent parts (see "Worker threads" below).
+* Everything else (our dropout mask, windows, chunks, q_len != k_len causal, packed
+  sequences, modifications, sinks) is computed block by block over query rows, each block
+  against only the keys it can see, so memory stays O(block · k_len) instead of
+  O(q_len · k_len) (and work O(q_len · window) or O(q_len · chunk_size)); with more than one
+  PyTorch thread, by worker threads over independent parts (see "Worker threads" below).
+
+The score pipeline of a block (kernels/core/score.py, kernels/core/mods.py) is the kernels':
+s = scale · q·kᵀ in fp32, each score mod's PyTorch twin in order (``CallMods.score_mods``),
+then -inf where the built-in rules (causal, window, chunk) or the mask mod hide the pair, then
+the softmax, whose denominator holds exp(sink) too when the call has sinks. The backward
+recomputes the same scores and chains dS back through the mods with autograd (their twins are
+differentiable in s); the sinks' own gradient is not the fallback's (kernels/ops.py).
 
 The visibility rule and the dropout row ids mirror kernels/core/tiles.py and
 kernels/core/dropout.py; the dropout bits come from ``dropout_mask_block`` there (the kernels'
 Philox counter in PyTorch; ``reference.dropout`` is the tests' independent oracle of it).
 """
 import functools
+import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -36,29 +47,52 @@ _BLOCK_ELEMS = 1 << 20
 # fp32 K and V bytes per task of a large problem (see _split): about what a core's share of
 # the L3 cache holds next to the block's own buffers.
 _TASK_KV_BYTES = 4 << 20
+# Rows per block of a chunked call: at most max(chunk_size, this). A block of r rows visits the
+# keys from its first row's chunk start to its last row, about r + chunk_size of them, while
+# each row sees chunk_size / 2 on average: without a cap, r grows to ~sqrt(_BLOCK_ELEMS) and
+# the work to O(q_len · 1000) instead of O(q_len · chunk_size). The floor keeps the number of
+# blocks (each costs a few dozen PyTorch calls) in check for tiny chunks.
+_CHUNK_MIN_ROWS = 64
+# ln of the smallest normal fp32: exp of anything below is a denormal or 0. PyTorch's CPU exp
+# takes a slow path there (measured: 20x slower per element for inputs near -95, 7x near
+# -1000; ALiBi at seq 2048: exp 350 -> 120 ms of a 950 ms forward + backward), and score mods
+# put many scores there (ALiBi's bias grows with the distance), so with mods such inputs
+# become -inf first. No result moves: each row's largest weight is 1 (the exp is taken after
+# subtracting the row max or the lse), and 1e-38 of it is far below fp32's resolution.
+_EXP_FLOOR = math.log(torch.finfo(torch.float32).tiny)
 
 
-def _key_span(i0, i1, q_len, k_len, causal, window):
-    """[k0, k1): the keys any of the query rows [i0, i1) can see (kernels/core/tiles.key_range)."""
+def _key_span(i0, i1, q_len, k_len, causal, window, chunk_size=None):
+    """[k0, k1): the keys any of the query rows [i0, i1) can see (kernels/core/tiles.key_range).
+    Row i sits at position P = i + k_len - q_len on the key axis; with ``chunk_size`` it sees
+    keys from the start of its chunk, (P // chunk_size) * chunk_size, on."""
     if not causal:
         return 0, k_len
     diag = k_len - q_len
     k1 = min(max(i1 + diag, 0), k_len)
-    k0 = 0 if window is None else min(max(i0 + diag - window + 1, 0), k1)
+    if window is not None:
+        k0 = min(max(i0 + diag - window + 1, 0), k1)
+    elif chunk_size is not None:
+        # Python's // floors, so a row before the first key (P < 0) gives a start <= 0.
+        k0 = min(max((i0 + diag) // chunk_size * chunk_size, 0), k1)
+    else:
+        k0 = 0
     return k0, k1
 
 
-def _row_blocks(rows_cost, q_len, k_span, elems):
+def _row_blocks(rows_cost, q_len, k_span, elems, max_rows=None):
     """[start, end) query-row blocks whose ``rows_cost`` (batch * heads) x rows x visible keys
-    fit ``elems`` (at least one row per block). ``k_span(i0, i1)`` = the keys rows [i0, i1)
-    see: causal blocks near the top and windowed blocks see few keys, so they take more rows."""
+    fit ``elems`` (at least one row per block, at most ``max_rows`` when given).
+    ``k_span(i0, i1)`` = the keys rows [i0, i1) see: causal blocks near the top and windowed
+    blocks see few keys, so they take more rows."""
     def fits(i0, rows):
         k0, k1 = k_span(i0, i0 + rows)
         return rows_cost * rows * max(k1 - k0, 1) <= elems
 
     blocks, i0 = [], 0
     while i0 < q_len:
-        lo, hi = 1, q_len - i0  # lo fits (or is the 1-row minimum); find the largest that fits
+        # lo fits (or is the 1-row minimum); find the largest that fits
+        lo, hi = 1, q_len - i0 if max_rows is None else min(q_len - i0, max_rows)
         if not fits(i0, hi):
             while lo * 2 < hi and fits(i0, lo * 2):
                 lo *= 2
@@ -73,66 +107,82 @@ def _row_blocks(rows_cost, q_len, k_span, elems):
     return blocks
 
 
-def _partial_columns(i0, i1, k0, k1, q_len, k_len, causal, window):
+def _partial_columns(i0, i1, k0, k1, q_len, k_len, causal, window, chunk_size=None):
     """[c0, c1) column ranges of keys [k0, k1) that some but not all of the rows [i0, i1) see
     (kernels/core/tiles.visible): only those need a mask, the columns between are seen by
-    every row of the block."""
+    every row of the block. (The ranges may overlap: masking a column twice is harmless.)"""
     if not causal:
         return []
     diag = k_len - q_len
     spans = [(max(k0, i0 + diag + 1), k1)]  # the diagonal: row i sees keys <= i + diag
     if window is not None:  # the window's edge: row i sees keys > i + diag - window
         spans.append((k0, min(k1, i1 + diag - window)))
+    elif chunk_size is not None:
+        # The chunk's edge: the last row's chunk starts at (P_last // chunk_size) * chunk_size;
+        # the rows of earlier chunks do not see from there on (beyond their diagonal, covered
+        # above), and the last row does not see what lies before it.
+        spans.append((k0, min(k1, (i1 - 1 + diag) // chunk_size * chunk_size)))
     return [(c0, c1) for c0, c1 in spans if c0 < c1]
 
 
-def block_visible(i0, i1, k0, k1, q_len, k_len, causal, window, device):
-    """Bool (i1 - i0, k1 - k0): query i sees key j (kernels/core/tiles.visible, in PyTorch)."""
+def block_visible(i0, i1, k0, k1, q_len, k_len, causal, window, device, *, chunk_size=None):
+    """Bool (i1 - i0, k1 - k0): query i sees key j (kernels/core/tiles.visible, in PyTorch).
+    Causal: j <= P with P = i + k_len - q_len; with ``window`` also j > P - window; with
+    ``chunk_size`` also j // chunk_size == P // chunk_size."""
     rows = torch.arange(i0, i1, device=device)[:, None]
     cols = torch.arange(k0, k1, device=device)[None, :]
     diag = k_len - q_len
     vis = torch.ones((i1 - i0, k1 - k0), dtype=torch.bool, device=device)
     if causal:
-        vis = cols <= rows + diag
+        pos = rows + diag
+        vis = cols <= pos
         if window is not None:
-            vis = vis & (cols > rows + diag - window)
+            vis = vis & (cols > pos - window)
+        if chunk_size is not None:
+            # Floor division: a position before the first key (P < 0) is in chunk -1 or below,
+            # never key 0's (it sees nothing anyway: j <= P fails).
+            vis = vis & (torch.div(cols, chunk_size, rounding_mode="floor")
+                         == torch.div(pos, chunk_size, rounding_mode="floor"))
     return vis
 
 
-def _mask_invisible(s, i0, i1, k0, spans, q_len, k_len, causal, window):
-    """-inf into the scores ``s`` (..., i1 - i0, k1 - k0) where query i does not see key j,
-    in the column ``spans`` (the only ones where some row does not)."""
-    for c0, c1 in spans:
-        hidden = ~block_visible(i0, i1, c0, c1, q_len, k_len, causal, window, s.device)
-        s[..., c0 - k0:c1 - k0].masked_fill_(hidden, float("-inf"))
-
-
 class _Dense:
-    """One dense problem: q (B, H, q_len, D), k/v (B, H_kv, k_len, D), fp32 math; dropout rows
-    ``row_base[b, h] + i`` with ``groups`` counters per row (kernels/core/dropout.py).
+    """One dense problem: q (B, H, q_len, D), k (B, H_kv, k_len, D), v (B, H_kv, k_len, Dv), fp32
+    math; dropout rows ``row_base[b, h] + i`` with ``groups`` counters per row
+    (kernels/core/dropout.py). ``b0``, ``h0``: the batch entry (or packed sequence) and the
+    query head that this problem's first ones are in the call, as the mods see them.
 
     Grouped-query heads are computed per kv head with the group's query heads stacked as rows
     (B, H_kv, group * rows, D): k and v are read as they are (never expanded), and dK / dV
-    come out summed over the group by the matmuls themselves."""
+    come out summed over the group by the matmuls themselves. Every block-sized tensor below
+    has that layout, (B, H_kv, group * rows, keys): row ``g * rows + r`` is query head
+    ``h0 + kv_head * group + g``, query row ``i0 + r``."""
 
-    def __init__(self, q, k, v, call, row_base, groups, col_offset=0):
+    def __init__(self, q, k, v, call, row_base, groups, col_offset=0, b0=0, h0=0):
         self.B, self.H, self.q_len, self.D = q.shape
         self.H_kv, self.k_len = k.shape[1], k.shape[2]
         self.group = self.H // self.H_kv if self.H_kv else 1
         self.q, self.k, self.v = q.detach(), k.detach(), v.detach()
         self.call = call
         self.causal, self.window, self.scale = call.causal, call.window, call.softmax_scale
+        self.chunk = call.chunk_size
         self.dropout_p, self.seed = call.dropout_p, call.seed
         self.drop_scale = call.drop_scale  # 1 / (1 - p), as the kernels scale kept weights
         self.row_base, self.groups, self.col_offset = row_base, groups, col_offset
+        self.b0, self.h0 = b0, h0
+        mods = call.mods
+        self.score_mods, self.mask_mod, self.mask_aux = (mods.score_mods(), mods.mask_mod,
+                                                         tuple(mods.aux))
+        self.sinks = None if mods.sinks is None else mods.sinks.detach()
         self.elems = _BLOCK_ELEMS
 
     def sub(self, bs, hs):
-        """The sub-problem of the batches ``bs`` and kv heads ``hs`` (slices), with their query
-        heads, and its index into (q-side, kv-side) tensors."""
+        """The sub-problem of the batches ``bs`` and kv heads ``hs`` (slices with a start), with
+        their query heads, and its index into (q-side, kv-side) tensors."""
         g = slice(hs.start * self.group, hs.stop * self.group)
         sub = _Dense(self.q[bs, g], self.k[bs, hs], self.v[bs, hs], self.call,
-                     self.row_base[bs, g], self.groups, self.col_offset)
+                     self.row_base[bs, g], self.groups, self.col_offset,
+                     self.b0 + bs.start, self.h0 + g.start)
         return sub, (bs, g), (bs, hs)
 
     def work(self, blocks=None):
@@ -142,11 +192,13 @@ class _Dense:
                 for i0, i1 in blocks for k0, k1 in [self.keys(i0, i1)]]
 
     def blocks(self):
-        return _row_blocks(self.B * self.H, self.q_len, self.keys, self.elems)
+        max_rows = (max(self.chunk, _CHUNK_MIN_ROWS)
+                    if self.causal and self.chunk is not None else None)
+        return _row_blocks(self.B * self.H, self.q_len, self.keys, self.elems, max_rows)
 
     def keys(self, i0, i1):
-        """[k0, k1): the only keys rows [i0, i1) see (causal and window bound the work)."""
-        return _key_span(i0, i1, self.q_len, self.k_len, self.causal, self.window)
+        """[k0, k1): the only keys rows [i0, i1) see (causal, window and chunk bound the work)."""
+        return _key_span(i0, i1, self.q_len, self.k_len, self.causal, self.window, self.chunk)
 
     def scratch(self, blocks, n):
         """``n`` fp32 buffers and one bool buffer, each the size of the largest block's
@@ -167,18 +219,77 @@ class _Dense:
         value = value.view(self.B, self.H_kv, self.group, i1 - i0, *value.shape[3:])
         x[:, :, i0:i1] = value.flatten(1, 2)
 
-    def scores(self, q_s, i0, i1, k0, k1, buf):
-        """Scores of the scaled query rows ``q_s`` (B, H_kv, group * rows, D) x keys [k0, k1),
-        -inf where invisible, in ``buf``: (B, H_kv, group * rows, k1 - k0)."""
+    def head_rows(self, x, i0, i1):
+        """A per-query-head value ``x`` (H,) (this problem's heads) as (1, H_kv, group * rows,
+        1): each row gets its head's."""
+        x = x.view(1, self.H_kv, self.group, 1, 1).expand(-1, -1, -1, i1 - i0, -1)
+        return x.reshape(1, self.H_kv, -1, 1)
+
+    @property
+    def needs_index(self):
+        """Whether a block needs the mods' index tensors (``index``)."""
+        return bool(self.score_mods) or self.mask_mod is not None
+
+    def index(self, i0, i1, k0, k1):
+        """The mods' (b, h, q_idx, kv_idx) of the block rows [i0, i1) x keys [k0, k1): int64
+        (B, 1, 1, 1), (1, H_kv, group * rows, 1), (1, 1, group * rows, 1) and (1, 1, 1,
+        k1 - k0), broadcastable against its scores. q_idx is the row's position on the key
+        axis, i + k_len - q_len (kernels/core/mods.py)."""
+        dev = self.k.device
+        b = (self.b0 + torch.arange(self.B, device=dev)).view(-1, 1, 1, 1)
+        h = self.head_rows(self.h0 + torch.arange(self.H, device=dev), i0, i1)
+        q_idx = (torch.arange(i0, i1, device=dev) + (self.k_len - self.q_len)).repeat(
+            self.group).view(1, 1, -1, 1)
+        kv_idx = torch.arange(k0, k1, device=dev).view(1, 1, 1, -1)
+        return b, h, q_idx, kv_idx
+
+    def raw_scores(self, q_s, k0, k1, buf):
+        """s = (scale q) kᵀ of the scaled query rows ``q_s`` (B, H_kv, group * rows, D) x keys
+        [k0, k1), in ``buf``: (B, H_kv, group * rows, k1 - k0)."""
         n = k1 - k0
         s = buf[:q_s.shape[2] * n * self.B * self.H_kv].view(self.B, self.H_kv, -1, n)
-        torch.matmul(q_s, self.k[:, :, k0:k1].float().transpose(-2, -1), out=s)
+        return torch.matmul(q_s, self.k[:, :, k0:k1].float().transpose(-2, -1), out=s)
+
+    def modded(self, s, idx):
+        """The score mods' PyTorch twins applied to ``s`` in the pipeline's order (``s`` itself
+        without any; else a new tensor, or ``s`` if the mods return it). Differentiable in
+        ``s``: the backward chains dS through this."""
+        for mod, aux in self.score_mods:
+            s = mod.torch_fn(s, *idx, aux)
+        return s.contiguous()
+
+    def mask(self, s, i0, i1, k0, k1, idx):
+        """-inf into ``s`` (B, H_kv, group * rows, k1 - k0), in place, where query i does not
+        see key j: the built-in rules (causal, window, chunk) in the columns where they hide
+        something from some row, the mask mod (which can hide anything) everywhere."""
+        n = k1 - k0
         spans = _partial_columns(i0, i1, k0, k1, self.q_len, self.k_len, self.causal,
-                                 self.window)
+                                 self.window, self.chunk)
         if spans:
-            _mask_invisible(s.view(self.B, self.H_kv, self.group, i1 - i0, n), i0, i1, k0, spans,
-                            self.q_len, self.k_len, self.causal, self.window)
+            per_row = s.view(self.B, self.H_kv, self.group, i1 - i0, n)
+            for c0, c1 in spans:
+                hidden = ~block_visible(i0, i1, c0, c1, self.q_len, self.k_len, self.causal,
+                                        self.window, s.device, chunk_size=self.chunk)
+                per_row[..., c0 - k0:c1 - k0].masked_fill_(hidden, float("-inf"))
+        if self.mask_mod is not None:
+            vis = self.mask_mod.torch_fn(*idx, self.mask_aux)
+            s.masked_fill_(~vis, float("-inf"))
         return s
+
+    def scores(self, q_s, i0, i1, k0, k1, buf):
+        """The forward's scores of the scaled query rows ``q_s`` (B, H_kv, group * rows, D) x
+        keys [k0, k1): raw, modded, -inf where invisible; (B, H_kv, group * rows, k1 - k0), in
+        ``buf`` unless a mod made a new tensor."""
+        idx = self.index(i0, i1, k0, k1) if self.needs_index else None
+        s = self.modded(self.raw_scores(q_s, k0, k1, buf), idx)
+        return self.mask(s, i0, i1, k0, k1, idx)
+
+    def sink_rows(self, i0, i1):
+        """The sink logit of each row's head, fp32 (1, H_kv, group * rows, 1); None without
+        sinks."""
+        if self.sinks is None:
+            return None
+        return self.head_rows(self.sinks[self.h0:self.h0 + self.H].float(), i0, i1)
 
     def kept(self, i0, i1, k0, k1, buf):
         """Bool (B, H_kv, group * rows, k1 - k0) in ``buf``: True where dropout keeps the
@@ -195,10 +306,13 @@ class _Dense:
         return out.view(self.B, self.H_kv, -1, n)
 
 
-def _sdpa_applies(q, k, cu_q, call):
+def _sdpa_applies(q, k, cu_q, call, v=None):
     """Whether PyTorch's CPU flash attention computes exactly our result (see the docstring):
-    the forward and the backward of one call decide alike (same q, k and arguments)."""
+    the forward and the backward of one call decide alike (same q, k, v and arguments). ``v``:
+    when given, its head_dim must be q's (the aten ops assume it)."""
     return (q.device.type == "cpu" and cu_q is None and call.window is None and not call.dropout
+            and call.chunk_size is None and not call.mods.any
+            and (v is None or v.shape[-1] == q.shape[-1])
             and (not call.causal or q.shape[2] == k.shape[2]) and min(q.shape[2], k.shape[2]) > 0
             and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward")
             and bool(torch.isfinite(q).all()) and bool(torch.isfinite(k).all()))
@@ -343,6 +457,14 @@ def _split(pb):
     return tasks
 
 
+def _exp_(x, flush):
+    """exp of ``x`` in place; with ``flush``, results below the smallest normal fp32 are 0
+    (see _EXP_FLOOR). NaN stays NaN (NaN < floor is False)."""
+    if flush:
+        x.masked_fill_(x < _EXP_FLOOR, float("-inf"))
+    return x.exp_()
+
+
 def _finite_or_zero(x):
     """``x`` with -inf (rows that see no key) replaced by 0, so exp(-inf - x) = 0."""
     return x.masked_fill(x == float("-inf"), 0.0)
@@ -351,20 +473,32 @@ def _finite_or_zero(x):
 def _forward_blocks(pb, o, lse, blocks):
     """Per block: scores, row max, exp in place, row sums; lse = max + log(sum); the dropout
     mask zeroes weights in place; out = (weights @ v) / (sum * (1 - p)) (rows that see no key:
-    zeros and lse -inf)."""
+    zeros and lse -inf). With sinks, exp(sink - max) joins each row's sum (and the max takes
+    the sink into account, so that the exp cannot overflow) but no value: a row that sees no
+    key gets zeros and lse = its sink."""
     (buf,), mask_buf = pb.scratch(blocks, 1)
     keep_scale = pb.drop_scale
     for i0, i1 in blocks:
         k0, k1 = pb.keys(i0, i1)
-        if k0 == k1:  # no row of the block sees a key
-            lse[:, :, i0:i1] = float("-inf")
+        sink = pb.sink_rows(i0, i1)
+        if k0 == k1:  # no row of the block sees a key: zeros, lse = the sink (-inf without)
+            empty = torch.full((pb.B, pb.H_kv, pb.group * (i1 - i0)), float("-inf"),
+                               device=lse.device)
+            if sink is not None:
+                empty.copy_(sink.squeeze(-1))  # the same for every batch entry
+            pb.put_rows(lse, i0, i1, empty)
             o[:, :, i0:i1] = 0.0
             continue
         q_s = pb.rows(pb.q, i0, i1) * pb.scale
         s = pb.scores(q_s, i0, i1, k0, k1, buf)
-        m = _finite_or_zero(s.amax(-1, keepdim=True))
-        s.sub_(m).exp_()
+        m = s.amax(-1, keepdim=True)
+        if sink is not None:
+            m = torch.maximum(m, sink)  # NaN stays NaN: torch.maximum propagates it
+        m = _finite_or_zero(m)
+        _exp_(s.sub_(m), flush=bool(pb.score_mods))
         total = s.sum(-1, keepdim=True)
+        if sink is not None:
+            total.add_((sink - m).exp_())
         pb.put_rows(lse, i0, i1, (m + total.log()).squeeze(-1))
         keep = pb.kept(i0, i1, k0, k1, mask_buf)
         if keep is not None:
@@ -390,8 +524,14 @@ def _backward_blocks(pb, do, o, lse, dq, dk_acc, dv_acc, blocks):
     dS = P * (Z * (dO V^T) - rowsum(dO * O)); dQ = dS K scale, dK += dS^T Q scale,
     dV += (P * Z)^T dO. The 1 / (1 - p) is taken out of the block-sized work: with
     ``ds' = P * (keep * (dO V^T) - rowsum * (1 - p))``, dS = ds' / (1 - p).
-    ``dk_acc``, ``dv_acc``: fp32 (B * H_kv, k_len, D) accumulators."""
-    (p_buf, ds_buf), mask_buf = pb.scratch(blocks, 2)
+    With score mods, P comes from the modded scores and dS (with respect to them) is chained
+    back to the raw score s = scale q·kᵀ through the mods' twins by autograd before the
+    matmuls. Sinks change nothing here: they are in the forward's lse already.
+    ``dk_acc``, ``dv_acc``: fp32 (B * H_kv, k_len, D) and (B * H_kv, k_len, Dv) accumulators."""
+    # With mods, the raw scores must outlive P and dS (autograd reads them, and perhaps the
+    # mods saved them), so they get a buffer of their own.
+    bufs, mask_buf = pb.scratch(blocks, 3 if pb.score_mods else 2)
+    p_buf, ds_buf = bufs[:2]
     keep_scale = pb.drop_scale
     for i0, i1 in blocks:
         k0, k1 = pb.keys(i0, i1)
@@ -401,14 +541,28 @@ def _backward_blocks(pb, do, o, lse, dq, dk_acc, dv_acc, blocks):
         q_s = pb.rows(pb.q, i0, i1) * pb.scale
         do_b = pb.rows(do, i0, i1)
         delta = (do_b * pb.rows(o, i0, i1)).sum(-1, keepdim=True)  # right with dropout too
-        p = pb.scores(q_s, i0, i1, k0, k1, p_buf)
-        p.sub_(_finite_or_zero(pb.rows(lse[..., None], i0, i1))).exp_()
+        lse_b = _finite_or_zero(pb.rows(lse[..., None], i0, i1))
+        idx = pb.index(i0, i1, k0, k1) if pb.needs_index else None
+        if pb.score_mods:
+            s_raw = pb.raw_scores(q_s, k0, k1, bufs[2]).detach().requires_grad_()
+            with torch.enable_grad():  # the worker threads run under no_grad
+                s_mod = pb.modded(s_raw, idx)
+            # Out of place: autograd may have saved s_mod (tanh saves its output).
+            p = torch.sub(s_mod.detach(), lse_b, out=p_buf[:s_mod.numel()].view(s_mod.shape))
+        else:
+            p = pb.raw_scores(q_s, k0, k1, p_buf).sub_(lse_b)
+        _exp_(pb.mask(p, i0, i1, k0, k1, idx), flush=bool(pb.score_mods))
         ds = ds_buf[:p.numel()].view(p.shape)
         torch.matmul(do_b, pb.v[:, :, k0:k1].float().transpose(-2, -1), out=ds)
         keep = pb.kept(i0, i1, k0, k1, mask_buf)
         if keep is not None:  # dO V^T can hold NaN in single columns (a NaN in v): where
             torch.where(keep, ds, ds.new_zeros(()), out=ds)
         ds.sub_(delta.div_(keep_scale)).mul_(p)
+        if pb.score_mods:
+            # ds' · ∂s_mod/∂s_raw (the 1 / (1 - p) factor commutes with the chain rule). A mod
+            # that ignores s altogether leaves nothing to differentiate: dS = 0.
+            ds = (torch.autograd.grad(s_mod, s_raw, ds)[0].contiguous() if s_mod.requires_grad
+                  else torch.zeros_like(ds))
         pb.put_rows(dq, i0, i1, torch.matmul(ds, pb.k[:, :, k0:k1].float()).mul_(
             pb.scale * keep_scale))
         n, rows = k1 - k0, p.shape[2]
@@ -459,9 +613,10 @@ def _backward_dense(pb, do, o, lse, dq, dk, dv):
                 out.copy_(total.view(out.shape))
 
 
-def _problems(q, k, v, cu_q, cu_k, call):
+def _problems(q, k, v, cu_q, cu_k, call, batch0=0):
     """(dense problem, q-row slice, k-row slice) per batch or packed sequence. Dense: one
-    problem for the whole batch; packed: one per sequence on (1, H, len, D) views. The dropout
+    problem for the whole batch, whose first entry is the call's batch entry ``batch0`` (the
+    mods' b); packed: one per sequence on (1, H, len, D) views, b the sequence. The dropout
     row ids and Philox strides are the kernels' (``Problem.drop_args``, kernels/core/call.py),
     including a context-parallel block's ``call.drop_layout``."""
     packed = cu_q is not None
@@ -471,8 +626,8 @@ def _problems(q, k, v, cu_q, cu_k, call):
     if not packed:
         B = q.shape[0]
         row_base = torch.arange(B, device=q.device)[:, None] * drop.row_stride_b + head_rows
-        return [(_Dense(q, k, v, call, row_base, drop.groups, drop.col0), slice(None),
-                 slice(None))]
+        return [(_Dense(q, k, v, call, row_base, drop.groups, drop.col0, b0=batch0),
+                 slice(None), slice(None))]
     bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()
     out = []
     for s in range(len(bounds_q) - 1):
@@ -480,7 +635,7 @@ def _problems(q, k, v, cu_q, cu_k, call):
         rk = slice(bounds_k[s], bounds_k[s + 1])
         row_base = (head_rows + bounds_q[s]).view(1, H)
         views = [x[r].transpose(0, 1).unsqueeze(0) for x, r in ((q, rq), (k, rk), (v, rk))]
-        out.append((_Dense(*views, call, row_base, drop.groups), rq, rk))
+        out.append((_Dense(*views, call, row_base, drop.groups, b0=s), rq, rk))
     return out
 
 
@@ -491,12 +646,17 @@ def _view(x, r, packed):
 
 def forward(q, k, v, cu_q, cu_k, call, o):
     """(o, lse) as the forward kernel returns them for ``call`` (an ``AttentionCall``,
-    kernels/core/call.py); ``o`` is written in place."""
-    if _sdpa_applies(q, k, cu_q, call):
+    kernels/core/call.py); ``o`` (q's layout with v's head_dim) is written in place."""
+    return _forward(q, k, v, cu_q, cu_k, call, o)
+
+
+def _forward(q, k, v, cu_q, cu_k, call, o, batch0=0):
+    """``forward``, the dense batch being entries ``batch0``... of the call (the mods' b)."""
+    if _sdpa_applies(q, k, cu_q, call, v):
         return _sdpa_forward(q, k, v, call.causal, call.softmax_scale, o)
     packed = cu_q is not None
     lse = torch.empty(lse_shape(q, packed), dtype=torch.float32, device=q.device)
-    for pb, rq, _ in _problems(q, k, v, cu_q, cu_k, call):
+    for pb, rq, _ in _problems(q, k, v, cu_q, cu_k, call, batch0):
         lse_v = lse[:, rq].unsqueeze(0) if packed else lse
         _forward_dense(pb, _view(o, rq, packed), lse_v)
     return o, lse
@@ -504,8 +664,8 @@ def forward(q, k, v, cu_q, cu_k, call, o):
 
 def backward(do, q, k, v, o, lse, cu_q, cu_k, call, dq, dk, dv):
     """(dq, dk, dv) as the backward kernels return them for ``call``, written into the given
-    tensors."""
-    if _sdpa_applies(q, k, cu_q, call):
+    tensors (do, o and dv with v's head_dim)."""
+    if _sdpa_applies(q, k, cu_q, call, v):
         return _sdpa_backward(do, q, k, v, o, lse, call.causal, call.softmax_scale, dq, dk, dv)
     packed = cu_q is not None
     dq.zero_()  # rows of no sequence (none when cu_seqlens are valid) stay 0
@@ -520,7 +680,9 @@ def backward(do, q, k, v, o, lse, cu_q, cu_k, call, dq, dk, dv):
 
 def kvcache_forward(q, k_cache, v_cache, cache_seqlens, k, v, call, o):
     """``attention_with_kvcache`` row by row: append (k, v) in place, then each row b attends
-    to its first n_b cache positions as ``call`` says. Returns (o, lse (B, H_q, q_len))."""
+    to its first n_b cache positions as ``call`` says (its queries at positions n_b - q_len...
+    on the key axis, for the causal rules and the mods' q_idx). Returns (o, lse (B, H_q,
+    q_len)); o and v_cache have v's head_dim."""
     B, H, q_len, _ = q.shape
     lens = cache_seqlens.tolist()
     if k is not None:
@@ -530,7 +692,7 @@ def kvcache_forward(q, k_cache, v_cache, cache_seqlens, k, v, call, o):
     lse = torch.empty((B, H, q_len), dtype=torch.float32, device=q.device)
     for b, n in enumerate(lens):
         n = n + (q_len if k is not None else 0)
-        o_b, lse_b = forward(q[b:b + 1], k_cache[b:b + 1, :, :n], v_cache[b:b + 1, :, :n], None,
-                             None, call, o[b:b + 1])
+        o_b, lse_b = _forward(q[b:b + 1], k_cache[b:b + 1, :, :n], v_cache[b:b + 1, :, :n],
+                              None, None, call, o[b:b + 1], batch0=b)
         lse[b:b + 1] = lse_b
     return o, lse

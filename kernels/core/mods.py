@@ -70,9 +70,13 @@ def _register(mod):
 
 
 # What ``@triton.jit`` returns: a JITFunction, or under TRITON_INTERPRET=1 an InterpretedFunction.
-_JIT_TYPES = tuple(t for t in (getattr(triton.runtime.jit, "JITFunction", None),
-                               getattr(triton.runtime.interpreter, "InterpretedFunction", None))
-                   if t is not None)
+def _jit_types():
+    from triton.runtime import interpreter, jit
+    return tuple(t for t in (getattr(jit, "JITFunction", None),
+                             getattr(interpreter, "InterpretedFunction", None)) if t is not None)
+
+
+_JIT_TYPES = _jit_types()
 
 
 def _check_jit(what, fn, optional=False):

@@ -11,8 +11,8 @@
 ``import kernels`` never needs transformers):
 
 * an attention function (``transformers.AttentionInterface``), called by every attention layer
-  with q (batch, heads, q_len, head_dim) and k, v (batch, heads_kv, k_len, head_dim); it returns
-  (batch, q_len, heads, head_dim) and ``None`` weights, like transformers' own ``sdpa`` and
+  with q (batch, heads, q_len, head_dim) and k, v (batch, heads_kv, k_len, head_dim / v_dim); it
+  returns (batch, q_len, heads, v_dim) and ``None`` weights, like transformers' own ``sdpa`` and
   ``flash_attention_2`` functions;
 * a mask hook (``transformers.masking_utils.AttentionMaskInterface``). Without one, transformers
   builds no mask for a custom name and passes ``attention_mask=None``: padding would be silently
@@ -27,25 +27,37 @@ Supported exactly (the same attention as ``attn_implementation="eager"``):
   training, 0 in eval; the in-kernel Philox mask, seeded from PyTorch's generator so
   ``torch.manual_seed`` reproduces it), grouped-query k/v natively (never repeated);
 * ``sliding_window`` (transformers' convention: key j is visible from query i iff
-  ``i - window < j <= i``, the same as ``kernels.attention(window=...)``);
-* padding masks, left or right (or holes, without a sliding window), through
+  ``i - window < j <= i``, the same as ``kernels.attention(window=...)``), e.g. Gemma 2/3/4,
+  gpt-oss and Qwen2 sliding layers;
+* chunked attention (Llama 4's ``chunked_attention`` layers, ``config.attention_chunk_size``):
+  transformers' chunked mask, whose chunks start at each row's first token (after its left
+  padding), as ``kernels.attention(chunk_size=...)`` over keys starting at a chunk boundary;
+* attention logit soft-capping (the ``softcap`` keyword, Gemma 2's ``attn_logit_softcapping``:
+  ``softcap * tanh(scaling * q·k / softcap)`` before the mask, as eager);
+* attention sinks (the ``s_aux`` / ``sinks`` keyword: one learned logit per query head in every
+  softmax denominator, no value, as gpt-oss' eager; differentiable);
+* a value head_dim different from the query's (DeepSeek V2/V3 multi-head latent attention),
+  head_dim up to 512 (Gemma 4's global layers);
+* padding masks, left or right (or holes, without a sliding window or chunks), through
   ``kernels.attention_varlen``; query rows at padding positions return zeros, as with
   ``flash_attention_2`` (their value is undefined in transformers: eager gives garbage there);
 * KV-cache generation (q_len != k_len, dynamic, sliding-window and static caches; our causal mask
-  is aligned bottom-right, where the new queries are);
+  is aligned bottom-right, where the new queries are), and the query rows a model keeps of a
+  mask (``mask[:, :, -n:, :]``, Gemma 4's KV-shared layers under ``generate``);
 * padding-free packed batches (``position_ids`` restarting inside a row, no attention mask).
 
 Anything else raises ``NotImplementedError`` naming it, never a silently different answer: a
 non-causal layer or bidirectional mask (encoders, cross-attention, ``config.is_causal=False``), a
 custom 4-D mask or any mask transformers' masking utilities did not build through our hook,
-extra mask functions (``or_mask_function``/``and_mask_function``, block-wise or chunked
-attention), softcapping, attention sinks (``s_aux``/``sinks``), position biases, paged caches,
-value head dims different from the query's, and a sliding window over a padding mask with holes.
-A layer called with no mask at all (a model that does not build masks through transformers'
-masking utilities) gets causal attention with its ``sliding_window``, as with
+extra mask functions (``or_mask_function``/``and_mask_function``, block-wise attention), sinks
+that are not one logit per query head, position biases, paged caches, a sliding window or
+chunks over a padding mask with holes, and a chunked layer whose cache dropped keys of the
+queries' chunk. A layer called with no mask at all (a model that does not build masks through
+transformers' masking utilities) gets causal attention with its ``sliding_window``, as with
 ``flash_attention_2``. ``output_attentions=True`` warns and returns ``None`` weights, as ``sdpa``.
 """
 import warnings
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -57,9 +69,6 @@ _HINT = ("use attn_implementation='eager' or 'sdpa' for this model, or call kern
 # Keyword arguments some transformers models pass to attention functions that would change the
 # result and that we cannot honour: raise when one is given (not None).
 _UNSUPPORTED_KWARGS = {
-    "softcap": "attention logit softcapping (softcap)",
-    "s_aux": "attention sinks (s_aux)",
-    "sinks": "attention sinks (sinks)",
     "position_bias": "an additive position bias (position_bias)",
     "head_mask": "a head mask (head_mask)",
     "indices": "sparse attention indices (indices)",
@@ -100,11 +109,14 @@ class MaskInfo:
     """What our mask hook hands to every attention layer instead of a dense mask.
 
     ``unsupported``: None, or why the requested mask cannot be computed exactly (raised when a
-    layer uses it). Otherwise the layers compute causal attention with ``window`` over their
-    keys ``[0, kv_used)`` (the keys of absolute positions ``kv_offset ...``; keys past the last
-    query are never visible), either densely (``dense``) or over the packed rows
-    ``indices_q`` / ``indices_k`` of the flattened (batch * len) queries / keys with int32
-    ``cu_seqlens_q`` / ``cu_seqlens_k``.
+    layer uses it). Otherwise the layers compute causal attention with ``window`` or
+    ``chunk_size`` over their keys ``[kv_start, kv_used)`` (the keys of absolute positions
+    ``kv_offset ...``; keys past the last query are never visible, keys before ``kv_start``
+    are padding or before the queries' chunk), either densely (``dense``) or over the packed
+    rows ``indices_q`` / ``indices_k`` of the flattened (batch * len) queries / keys with int32
+    ``cu_seqlens_q`` / ``cu_seqlens_k``. ``valid_q`` (batch, q_length), packed layouts only:
+    which query rows are kept (to re-derive the layout when a model keeps only the last query
+    rows, see ``__getitem__``).
     """
     # Mask-like duck typing for transformers' own plumbing: generate() calls .contiguous() on
     # masks it prepares in advance (static caches) and passes them back into the model, whose
@@ -113,25 +125,67 @@ class MaskInfo:
     ndim = -1
 
     def __init__(self, *, batch_size=None, q_length=None, kv_length=None, q_offset=None,
-                 kv_offset=None, window=None, unsupported=None):
+                 kv_offset=None, window=None, chunk_size=None, unsupported=None):
         self.unsupported = unsupported
         self.batch_size, self.q_length, self.kv_length = batch_size, q_length, kv_length
-        self.q_offset, self.kv_offset, self.window = q_offset, kv_offset, window
+        self.q_offset, self.kv_offset = q_offset, kv_offset
+        self.window, self.chunk_size = window, chunk_size
         self.dense = True
-        self.kv_used = None
+        self.kv_start, self.kv_used = 0, None
         self.indices_q = self.indices_k = self.cu_seqlens_q = self.cu_seqlens_k = None
         self.max_seqlen_q = self.max_seqlen_k = None
+        self.valid_q = None
 
     def contiguous(self):
         return self
 
+    def __getitem__(self, key):
+        """``mask[:, :, -n:, :]``: the mask of the last ``n`` query rows only (Gemma 4 keeps the
+        last ``logits_to_keep`` rows of its masks for its KV-shared layers under ``generate``).
+        The keys and the bottom-right alignment are unchanged: the last query stays where it
+        was. Any other index gives a MaskInfo that raises when a layer uses it."""
+        rows = _kept_query_rows(key, self.q_length)
+        if self.unsupported or rows == self.q_length:
+            return self
+        if rows is None:
+            return MaskInfo(unsupported=f"an attention mask indexed with {key!r} (only the last "
+                                        f"query rows, mask[:, :, -n:, :], are understood)")
+        if not self.dense and self.indices_q is None:
+            return MaskInfo(unsupported="keeping only some query rows of packed sequences")
+        drop = self.q_length - rows
+        out = MaskInfo(batch_size=self.batch_size, q_length=rows, kv_length=self.kv_length,
+                       q_offset=self.q_offset + drop, kv_offset=self.kv_offset,
+                       window=self.window, chunk_size=self.chunk_size)
+        out.dense, out.kv_start, out.kv_used = self.dense, self.kv_start, self.kv_used
+        if not self.dense:
+            out.indices_k, out.cu_seqlens_k = self.indices_k, self.cu_seqlens_k
+            out.max_seqlen_k = self.max_seqlen_k
+            out.valid_q = self.valid_q[:, drop:]
+            out.indices_q, out.cu_seqlens_q, out.max_seqlen_q = _packed_rows(out.valid_q)
+        return out
+
     def __repr__(self):
         if self.unsupported:
             return f"MaskInfo(unsupported={self.unsupported!r})"
-        layout = "dense" if self.dense else f"packed, cu_seqlens_k={self.cu_seqlens_k.tolist()}"
-        return (f"MaskInfo(causal, window={self.window}, batch={self.batch_size}, "
-                f"q_length={self.q_length}, kv_length={self.kv_length}, "
-                f"q_offset={self.q_offset}, kv_offset={self.kv_offset}, {layout})")
+        layout = ("dense" if self.dense
+                  else f"packed, cu_seqlens_k={self.cu_seqlens_k.tolist()}")
+        return (f"MaskInfo(causal, window={self.window}, chunk_size={self.chunk_size}, "
+                f"batch={self.batch_size}, q_length={self.q_length}, "
+                f"kv_length={self.kv_length}, q_offset={self.q_offset}, "
+                f"kv_offset={self.kv_offset}, kv_start={self.kv_start}, {layout})")
+
+
+def _kept_query_rows(key, q_length):
+    """How many query rows ``mask[key]`` keeps when ``key`` selects the last rows of a
+    (batch, 1, q_length, kv_length) mask and nothing else; None for any other index."""
+    full = slice(None)
+    if not (isinstance(key, tuple) and len(key) == 4 and key[0] == full and key[1] == full
+            and key[3] == full and isinstance(key[2], slice) and key[2].step in (None, 1)):
+        return None
+    kept = range(q_length)[key[2]]
+    if len(kept) == 0 or kept.stop != q_length:
+        return None
+    return len(kept)
 
 
 def _cells(fn):
@@ -143,47 +197,93 @@ def _cells(fn):
 
 
 def _same_code(fn, factory, *args):
-    """Whether ``fn`` is a closure made by transformers' ``factory`` (same code object)."""
+    """Whether ``fn`` is a closure made by transformers' ``factory`` (same code object); False
+    when this transformers has no such factory."""
+    if factory is None:
+        return False
     return getattr(fn, "__code__", None) is factory(*args).__code__
 
 
+def _positive_int(x):
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+
+
+class _Pattern(NamedTuple):
+    """A mask pattern the kernels compute: causal, with at most one of ``window`` and
+    ``chunk_size``. ``left_padding`` (chunked): transformers' count of padding tokens before
+    each row's first token, where its chunks start. ``seq_ids`` / ``positions``: padding-free
+    packed sequences (their ids, and the position ids transformers remaps the pattern to)."""
+    window: Optional[int] = None
+    chunk_size: Optional[int] = None
+    left_padding: Optional[torch.Tensor] = None
+    seq_ids: Optional[torch.Tensor] = None
+    positions: Optional[torch.Tensor] = None
+
+
 def _pattern(mask_function, mu, *, packed_ok=True):
-    """Read transformers' mask function: (window or None, packed sequence ids or None), or a
-    str saying why it is not a pattern we compute exactly. Only the closures transformers'
-    own mask creation builds are recognised; anything else is refused."""
+    """Read transformers' mask function: a ``_Pattern``, or a str saying why it is not a
+    pattern we compute exactly. Only the closures transformers' own mask creation builds are
+    recognised; anything else is refused."""
     if mask_function is mu.causal_mask_function:
-        return None, None
+        return _Pattern()
     if _same_code(mask_function, mu.and_masks, mu.causal_mask_function):
         parts = _cells(mask_function).get("mask_functions", ())
-        # sliding_window_causal_mask_function(w) = and_masks(sliding_window_overlay(w), causal)
-        if (len(parts) == 2 and parts[1] is mu.causal_mask_function
-                and _same_code(parts[0], mu.sliding_window_overlay, 1)):
-            window = _cells(parts[0]).get("sliding_window")
-            if isinstance(window, int) and not isinstance(window, bool) and window >= 1:
-                return window, None
+        if len(parts) == 2 and parts[1] is mu.causal_mask_function:
+            overlay, cells = parts[0], _cells(parts[0])
+            # sliding_window_causal_mask_function(w) = and_masks(sliding_window_overlay(w), causal)
+            if _same_code(overlay, mu.sliding_window_overlay, 1):
+                if _positive_int(cells.get("sliding_window")):
+                    return _Pattern(window=cells["sliding_window"])
+            # chunked_causal_mask_function(c, left_padding) = and_masks(chunked_overlay, causal)
+            if _same_code(overlay, getattr(mu, "chunked_overlay", None), 1, None):
+                left_padding = cells.get("left_padding")
+                if (_positive_int(cells.get("chunk_size"))
+                        and isinstance(left_padding, torch.Tensor) and left_padding.dim() == 1):
+                    return _Pattern(chunk_size=cells["chunk_size"], left_padding=left_padding)
         # packed_sequence_compatibility_function: and_masks(packed ids, remapped positions)
         if (packed_ok and len(parts) == 2
                 and _same_code(parts[0], mu.packed_sequence_mask_function, None)
                 and _same_code(parts[1], mu.remap_positions_for_packed_sequence,
                                mu.causal_mask_function, None)):
-            inner = _pattern(_cells(parts[1]).get("mask_function"), mu, packed_ok=False)
+            remap = _cells(parts[1])
+            inner = _pattern(remap.get("mask_function"), mu, packed_ok=False)
             seq_ids = _cells(parts[0]).get("packed_sequence_mask")
-            if not isinstance(inner, str) and isinstance(seq_ids, torch.Tensor):
-                return inner[0], seq_ids
+            positions = remap.get("position_ids")
+            if (not isinstance(inner, str) and isinstance(seq_ids, torch.Tensor)
+                    and isinstance(positions, torch.Tensor)):
+                return inner._replace(seq_ids=seq_ids, positions=positions)
     if mask_function is mu.bidirectional_mask_function or (
             _same_code(mask_function, mu.and_masks, mu.bidirectional_mask_function)
             and any(f is mu.bidirectional_mask_function
                     for f in _cells(mask_function).get("mask_functions", ()))):
         return "non-causal (bidirectional) attention"
     name = getattr(mask_function, "__qualname__", type(mask_function).__name__)
-    return (f"the attention pattern {name!r} (only transformers' plain causal and "
-            f"sliding-window causal masks, with padding or packed sequences, are computed by "
-            f"triton_fused; extra or_mask_function/and_mask_function, block-wise, chunked or "
+    return (f"the attention pattern {name!r} (only transformers' plain causal, sliding-window "
+            f"causal and chunked causal masks, with padding or packed sequences, are computed "
+            f"by triton_fused; extra or_mask_function/and_mask_function, block-wise or "
             f"bidirectional patterns are not)")
 
 
 def _as_int(x):
     return int(x.item()) if isinstance(x, torch.Tensor) else int(x)
+
+
+def _packed_rows(valid):
+    """The packed layout of the True entries of ``valid`` (batch, len): their indices in the
+    flattened (batch * len) rows, int32 cu_seqlens (one sequence per batch row) and the
+    longest sequence."""
+    lengths = valid.sum(dim=1, dtype=torch.int32)
+    zero = torch.zeros(1, dtype=torch.int32, device=valid.device)
+    cu = torch.cat([zero, lengths.cumsum(0, dtype=torch.int32)])
+    longest = int(lengths.max().item()) if valid.shape[0] else 0
+    return valid.flatten().nonzero().flatten(), cu, longest
+
+
+def _runs(valid):
+    """(batch,) the number of runs of consecutive True entries in each row of ``valid``."""
+    if valid.shape[1] == 0:
+        return valid.new_zeros(valid.shape[0], dtype=torch.long)
+    return valid.int().diff(dim=1).eq(1).sum(dim=1) + valid[:, 0].int()
 
 
 def mask_hook(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
@@ -203,13 +303,15 @@ def mask_hook(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fun
     pattern = _pattern(mask_function, mu)
     if isinstance(pattern, str):
         return MaskInfo(unsupported=pattern)
-    window, seq_ids = pattern
-    if local_size is not None and local_size != window:
-        return MaskInfo(unsupported=f"a sliding window of {local_size} announced for a mask "
-                                    f"whose pattern has window {window}")
+    window, chunk = pattern.window, pattern.chunk_size
+    extent = window if window is not None else chunk
+    if local_size is not None and local_size != extent:
+        what = "chunk size" if chunk is not None else "window"
+        return MaskInfo(unsupported=f"a local size of {local_size} announced for a mask whose "
+                                    f"pattern has {what} {extent}")
     q_offset, kv_offset = _as_int(q_offset), int(kv_offset)
     info = MaskInfo(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
-                    q_offset=q_offset, kv_offset=kv_offset, window=window)
+                    q_offset=q_offset, kv_offset=kv_offset, window=window, chunk_size=chunk)
     end = q_offset + q_length  # one past the last query's absolute position
     if q_offset < kv_offset or end > kv_offset + kv_length:
         info.unsupported = (f"queries at positions [{q_offset}, {end}) outside the keys at "
@@ -219,55 +321,115 @@ def mask_hook(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fun
     info.kv_used = end - kv_offset  # keys after the last query are never visible (causal)
     device = kwargs.get("device")
 
-    if seq_ids is not None:  # padding-free packed rows: one sequence per run of ids
-        if attention_mask is not None or q_offset or kv_offset or q_length != kv_length or (
-                tuple(seq_ids.shape) != (batch_size, q_length)):
-            info.unsupported = "packed sequences combined with a padding mask or a cache"
-            return info
-        starts = torch.ones_like(seq_ids, dtype=torch.bool)
-        starts[:, 1:] = seq_ids[:, 1:] != seq_ids[:, :-1]
-        n = batch_size * q_length
-        cu = torch.cat([starts.flatten().nonzero().flatten(),
-                        torch.tensor([n], device=seq_ids.device)]).to(torch.int32)
-        cu = cu.to(device or seq_ids.device)
-        info.dense = False
-        info.indices_q = info.indices_k = None  # every row is kept, in order
-        info.cu_seqlens_q = info.cu_seqlens_k = cu
-        info.max_seqlen_q = info.max_seqlen_k = int((cu[1:] - cu[:-1]).max().item()) if n else 0
-        return info
+    if pattern.seq_ids is not None:
+        return _packed_sequences(info, pattern, attention_mask, device)
 
     if attention_mask is None:
-        return info  # dense: causal (+ window) over keys [0, kv_used)
-    if attention_mask.dim() != 2 or attention_mask.shape[0] != batch_size:
-        info.unsupported = (f"an attention mask of shape {tuple(attention_mask.shape)} "
-                            f"(expected a 2-D (batch, length) padding mask)")
-        return info
-    mask = attention_mask.to(device=device or attention_mask.device, dtype=torch.bool)
-    if mask.shape[1] < kv_offset + kv_length:  # positions past the mask: not attended
-        mask = torch.nn.functional.pad(mask, (0, kv_offset + kv_length - mask.shape[1]))
-    valid_k = mask[:, kv_offset:kv_offset + kv_length].clone()
-    valid_k[:, info.kv_used:] = False  # (batch, kv_length): indices into the layer's keys
-    valid_q = mask[:, q_offset:end]
-    if bool(valid_k[:, :info.kv_used].all()):
-        return info  # no padding among the visible keys: dense
-    if window is not None:
+        if chunk is None:
+            return info  # dense: causal (+ window) over keys [0, kv_used)
+        dev = device or pattern.left_padding.device
+        valid_q = torch.ones(batch_size, q_length, dtype=torch.bool, device=dev)
+        valid_k = torch.ones(batch_size, kv_length, dtype=torch.bool, device=dev)
+        valid_k[:, info.kv_used:] = False
+    else:
+        if attention_mask.dim() != 2 or attention_mask.shape[0] != batch_size:
+            info.unsupported = (f"an attention mask of shape {tuple(attention_mask.shape)} "
+                                f"(expected a 2-D (batch, length) padding mask)")
+            return info
+        mask = attention_mask.to(device=device or attention_mask.device, dtype=torch.bool)
+        if mask.shape[1] < kv_offset + kv_length:  # positions past the mask: not attended
+            mask = torch.nn.functional.pad(mask, (0, kv_offset + kv_length - mask.shape[1]))
+        valid_k = mask[:, kv_offset:kv_offset + kv_length].clone()
+        valid_k[:, info.kv_used:] = False  # (batch, kv_length): indices into the layer's keys
+        valid_q = mask[:, q_offset:end]
+    if chunk is not None:
+        valid_k = _keys_of_chunks(info, pattern.left_padding, valid_q, valid_k)
+        if info.unsupported:
+            return info
+    elif window is not None and bool((_runs(valid_k) > 1).any()):
         # Packing keys drops the padding; a window counts positions, so packed indices must be
         # positions: the valid keys of each row must be one run (left or right padding).
-        starts = valid_k.int().diff(dim=1).eq(1).sum(dim=1) + valid_k[:, 0].int()
-        if bool((starts > 1).any()):
-            info.unsupported = ("a sliding window over a padding mask with holes (padding "
-                                "between tokens of one sequence)")
+        info.unsupported = ("a sliding window over a padding mask with holes (padding "
+                            "between tokens of one sequence)")
+        return info
+    return _layout(info, valid_q, valid_k)
+
+
+def _keys_of_chunks(info, left_padding, valid_q, valid_k):
+    """Chunked layers: ``valid_k`` without the keys before each row's first chunk that one of
+    its queries is in (sets ``info.unsupported`` where that cannot be computed exactly).
+
+    transformers counts chunks from each row's first token (after its ``left_padding``); the
+    kernel counts them from the first key it is given (``j // chunk_size``, with the queries
+    at the last positions). So every row must start its keys at one of its chunk boundaries:
+    the start of its first query's chunk (keys before it are invisible to all its queries),
+    and its kept keys must be one run of consecutive positions from there."""
+    size, batch, dev = info.chunk_size, info.batch_size, valid_k.device
+    left_padding = left_padding.to(device=dev, dtype=torch.long)
+    if tuple(left_padding.shape) != (batch,):
+        info.unsupported = (f"a chunked mask with left padding of shape "
+                            f"{tuple(left_padding.shape)} for a batch of {batch}")
+        return valid_k
+    has_q = valid_q.any(dim=1)
+    first_q = info.q_offset + valid_q.int().argmax(dim=1)  # absolute position of the first query
+    start = left_padding + torch.div(first_q - left_padding, size, rounding_mode="floor") * size
+    if bool((has_q & (start < info.kv_offset)).any()):
+        info.unsupported = (f"a chunked layer whose cache no longer holds the first keys of the "
+                            f"queries' chunk (keys from position {info.kv_offset}, chunks of "
+                            f"{size})")
+        return valid_k
+    positions = info.kv_offset + torch.arange(info.kv_length, device=dev)
+    valid_k = valid_k & (positions >= start[:, None]) & has_q[:, None]
+    first_k = info.kv_offset + valid_k.int().argmax(dim=1)
+    if bool(((_runs(valid_k) > 1) | (valid_k.any(dim=1) & (first_k != start))).any()):
+        info.unsupported = ("chunked attention over a padding mask with holes (padding "
+                            "between tokens of one sequence)")
+    return valid_k
+
+
+def _layout(info, valid_q, valid_k):
+    """Dense or packed, given the kept queries (batch, q_length) and keys (batch, kv_length)."""
+    kept = valid_k[:, :info.kv_used]
+    row = kept[0]
+    if bool(row.any()):
+        first = int(row.int().argmax().item())
+        # Dense when every row keeps the same run of keys up to the last query and every query:
+        # one call over keys [first, kv_used), the causal diagonal bottom-right.
+        if bool(row[first:].all()) and bool((kept == row).all()) and bool(valid_q.all()):
+            info.kv_start = first
             return info
-    seqlens_q = valid_q.sum(dim=1, dtype=torch.int32)
-    seqlens_k = valid_k.sum(dim=1, dtype=torch.int32)
-    zero = torch.zeros(1, dtype=torch.int32, device=mask.device)
     info.dense = False
-    info.indices_q = valid_q.flatten().nonzero().flatten()
-    info.indices_k = valid_k.flatten().nonzero().flatten()
-    info.cu_seqlens_q = torch.cat([zero, seqlens_q.cumsum(0, dtype=torch.int32)])
-    info.cu_seqlens_k = torch.cat([zero, seqlens_k.cumsum(0, dtype=torch.int32)])
-    info.max_seqlen_q = int(seqlens_q.max().item()) if batch_size else 0
-    info.max_seqlen_k = int(seqlens_k.max().item()) if batch_size else 0
+    info.valid_q = valid_q
+    info.indices_q, info.cu_seqlens_q, info.max_seqlen_q = _packed_rows(valid_q)
+    info.indices_k, info.cu_seqlens_k, info.max_seqlen_k = _packed_rows(valid_k)
+    return info
+
+
+def _packed_sequences(info, pattern, attention_mask, device):
+    """Padding-free packed rows: one sequence per run of ids, every row kept in order."""
+    seq_ids, batch_size, q_length = pattern.seq_ids, info.batch_size, info.q_length
+    if attention_mask is not None or info.q_offset or info.kv_offset or (
+            q_length != info.kv_length or tuple(seq_ids.shape) != (batch_size, q_length)):
+        info.unsupported = "packed sequences combined with a padding mask or a cache"
+        return info
+    starts = torch.ones_like(seq_ids, dtype=torch.bool)
+    starts[:, 1:] = seq_ids[:, 1:] != seq_ids[:, :-1]
+    if pattern.chunk_size is not None:
+        # transformers counts chunks in position ids; the kernel from each sequence's start.
+        first_positions = pattern.positions.expand(batch_size, -1)[starts]
+        if bool(pattern.left_padding.ne(0).any()) or bool(
+                (first_positions % pattern.chunk_size).ne(0).any()):
+            info.unsupported = ("chunked attention over packed sequences whose position ids do "
+                                "not start at a chunk boundary")
+            return info
+    n = batch_size * q_length
+    cu = torch.cat([starts.flatten().nonzero().flatten(),
+                    torch.tensor([n], device=seq_ids.device)]).to(torch.int32)
+    cu = cu.to(device or seq_ids.device)
+    info.dense = False
+    info.indices_q = info.indices_k = None  # every row is kept, in order
+    info.cu_seqlens_q = info.cu_seqlens_k = cu
+    info.max_seqlen_q = info.max_seqlen_k = int((cu[1:] - cu[:-1]).max().item()) if n else 0
     return info
 
 
@@ -281,10 +443,29 @@ def _not_implemented(what):
                                f"{_HINT}")
 
 
+def _sinks_of(s_aux, sinks, heads):
+    """The per-head sink logits a layer passes (gpt-oss and its kin pass ``s_aux``, others
+    ``sinks``), or None. Only one logit per query head is the kernels' (and gpt-oss eager's)
+    sink; other shapes mean something else and are refused."""
+    given = [t for t in (s_aux, sinks) if t is not None]
+    if not given:
+        return None
+    if len(given) == 2 and given[0] is not given[1]:
+        raise _not_implemented("two different attention sinks (both s_aux and sinks)")
+    t = given[0]
+    if not isinstance(t, torch.Tensor) or tuple(t.shape) != (heads,):
+        shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise _not_implemented(f"attention sinks of shape {shape} (only one sink logit per "
+                               f"query head, shape ({heads},), is computed)")
+    return t
+
+
 def attention_function(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                       sliding_window=None, is_causal=None, **kwargs):
-    """transformers' ``AttentionInterface`` entry: q (batch, heads, q_len, head_dim), k, v
-    (batch, heads_kv, k_len, head_dim) -> ((batch, q_len, heads, head_dim), None)."""
+                       sliding_window=None, is_causal=None, softcap=None, s_aux=None,
+                       sinks=None, **kwargs):
+    """transformers' ``AttentionInterface`` entry: q (batch, heads, q_len, head_dim), k
+    (batch, heads_kv, k_len, head_dim), v (batch, heads_kv, k_len, v_dim) ->
+    ((batch, q_len, heads, v_dim), None)."""
     for name, what in _UNSUPPORTED_KWARGS.items():
         if kwargs.get(name) is not None:
             raise _not_implemented(what)
@@ -299,11 +480,9 @@ def attention_function(module, query, key, value, attention_mask, dropout=0.0, s
     if not causal:
         raise _not_implemented("non-causal attention (an encoder, cross-attention or "
                                "is_causal=False layer)")
-    if value.shape[-1] != query.shape[-1]:
-        raise _not_implemented(f"a value head_dim ({value.shape[-1]}) different from the query's "
-                               f"({query.shape[-1]})")
     batch, heads, q_len, head_dim = query.shape
-    k_len = key.shape[2]
+    k_len, v_dim = key.shape[2], value.shape[-1]
+    sinks = _sinks_of(s_aux, sinks, heads)
     dropout_p = float(dropout or 0.0)
 
     if attention_mask is None:
@@ -330,30 +509,31 @@ def attention_function(module, query, key, value, attention_mask, dropout=0.0, s
                                f"pre-built mask; triton_fused reads the padding through its mask "
                                f"hook, registered by kernels.hf.register)")
     _check_flash_kwargs(kwargs, info)
+    options = dict(causal=True, dropout_p=dropout_p, softmax_scale=scaling, window=info.window,
+                   chunk_size=info.chunk_size, softcap=softcap, sinks=sinks)
 
     if info.dense:
         k, v = key, value
-        if info.kv_used != k_len:
-            k, v = key[:, :, :info.kv_used], value[:, :, :info.kv_used]
-        out = ops.attention(query, k, v, causal=True, dropout_p=dropout_p,
-                            softmax_scale=scaling, window=info.window)
+        if (info.kv_start, info.kv_used) != (0, k_len):
+            k = key[:, :, info.kv_start:info.kv_used]
+            v = value[:, :, info.kv_start:info.kv_used]
+        out = ops.attention(query, k, v, **options)
         return out.transpose(1, 2), None
 
     # Packed: rows of (batch * len, heads, head_dim), the kept ones in order.
     heads_kv = key.shape[1]
     q = query.transpose(1, 2).reshape(batch * q_len, heads, head_dim)
     k = key.transpose(1, 2).reshape(batch * k_len, heads_kv, head_dim)
-    v = value.transpose(1, 2).reshape(batch * k_len, heads_kv, head_dim)
+    v = value.transpose(1, 2).reshape(batch * k_len, heads_kv, v_dim)
     if info.indices_q is not None:
         q = q.index_select(0, info.indices_q)
         k, v = k.index_select(0, info.indices_k), v.index_select(0, info.indices_k)
     out = ops.attention_varlen(q, k, v, info.cu_seqlens_q, info.cu_seqlens_k,
-                               info.max_seqlen_q, info.max_seqlen_k, causal=True,
-                               dropout_p=dropout_p, softmax_scale=scaling, window=info.window)
+                               info.max_seqlen_q, info.max_seqlen_k, **options)
     if info.indices_q is not None:
-        full = out.new_zeros(batch * q_len, heads, head_dim)
+        full = out.new_zeros(batch * q_len, heads, v_dim)
         out = full.index_copy(0, info.indices_q, out)
-    return out.view(batch, q_len, heads, head_dim), None
+    return out.view(batch, q_len, heads, v_dim), None
 
 
 def _effective(window, kv_used):

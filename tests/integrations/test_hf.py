@@ -169,6 +169,9 @@ _CASES = {
     "static-cache": (2, 12, 5, 0, 7, None, ("1111111", "0001111")),
     "static-cache-no-pad": (2, 12, 5, 0, 7, None, ("1111111", "1111111")),
     "holes": (6, 6, 0, 0, 6, None, ("101101", "111111")),
+    # Every row padded alike: one dense call over the keys after the padding (kv_start 2).
+    "same-left-pad-decode": (1, 6, 5, 0, 6, None, ("001111", "001111")),
+    "same-left-pad-window": (2, 6, 4, 0, 6, 3, ("011111", "011111")),
 }
 
 
@@ -187,7 +190,10 @@ def test_attention_matches_transformers_mask(case):
     assert info.unsupported is None, info.unsupported
     # Dense where no key the queries can see is padding (the cache dropped row 1's padding).
     assert info.dense == (case in ("prefill-window-no-pad", "sliding-cache-pad-dropped",
-                                   "static-cache-no-pad"))
+                                   "static-cache-no-pad", "same-left-pad-decode",
+                                   "same-left-pad-window"))
+    assert info.kv_start == (2 if case == "same-left-pad-decode" else
+                             1 if case == "same-left-pad-window" else 0)
 
     q = torch.randn(batch, heads, q_len, dim)
     k, v = torch.randn(batch, heads_kv, kv_len, dim), torch.randn(batch, heads_kv, kv_len, dim)
@@ -211,7 +217,8 @@ def test_unsupported_patterns_raise():
     cases = {
         "or_mask_function": mu.or_masks(mu.causal_mask_function, lambda b, h, q, k: q == k),
         "non-causal": mu.bidirectional_mask_function,
-        "chunked": mu.chunked_causal_mask_function(2, torch.zeros(1, dtype=torch.long)),
+        "block-wise": mu.and_masks(mu.causal_mask_function,
+                                   mu.blockwise_overlay(torch.zeros(1, 4, dtype=torch.long))),
     }
     for what, fn in cases.items():
         info = hf.mask_hook(**sizes, mask_function=fn)
@@ -222,15 +229,15 @@ def test_unsupported_patterns_raise():
                          attention_mask=torch.tensor([[True, False, True, True]]), local_size=2)
     with pytest.raises(NotImplementedError, match="holes"):
         hf.attention_function(module, x, x, x, holes, sliding_window=2)
-    for kwargs, what in (({"softcap": 30.0}, "softcap"), ({"s_aux": torch.zeros(2)}, "sinks"),
-                         ({"sinks": torch.zeros(2)}, "sinks"), ({"is_causal": False}, "non-causal"),
+    # softcap, sinks (one per head), chunks and value head dims are supported: see
+    # test_hf_new_models.py, which also checks their refusals.
+    for kwargs, what in (({"s_aux": torch.zeros(1, 2, 4, 1)}, "sinks of shape"),
+                         ({"is_causal": False}, "non-causal"),
                          ({"position_bias": torch.zeros(1, 2, 4, 4)}, "position bias")):
         with pytest.raises(NotImplementedError, match=what):
             hf.attention_function(module, x, x, x, None, **kwargs)
     with pytest.raises(NotImplementedError, match="attention mask tensor"):
         hf.attention_function(module, x, x, x, torch.zeros(1, 1, 4, 4))
-    with pytest.raises(NotImplementedError, match="value head_dim"):
-        hf.attention_function(module, x, x, x[..., :4], None)
     with pytest.raises(NotImplementedError, match="sliding_window=2"):  # layer vs mask window
         hf.attention_function(module, x, x, x, hf.mask_hook(**sizes), sliding_window=2)
 

@@ -1,0 +1,94 @@
+#!/usr/bin/env python3
+"""Compile-only check of the feature variants the shared static tool does not launch: head
+dims up to 512 with a value head dim of its own, soft-capping, sinks, ALiBi, chunked attention.
+
+Uses ``sm90_static.py`` (the shared tool, default ``../shared/tools``) as a library: the same
+stand-in driver and the same patched launch that compiles each kept config for one GPU
+generation instead of running it, so registers, spills, shared memory, wgmma and C7515 come
+from the real launchers' arguments. Nothing is timed; no GPU is needed.
+
+Usage (the tool's venv: triton 3.6, a CPU torch)::
+
+    ~/.cache/sm90-venv/bin/python benchmarks/static_features.py [--arch 90] [--json out.json]
+        [--only dims|features]
+"""
+import argparse
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PROJECT = os.path.dirname(HERE)
+
+# (label, q/k head dim, v head dim): Gemma 4's global layers, DeepSeek's MLA, the old maximum.
+DIMS = [("d512", 512, 512), ("mla 192/128", 192, 128), ("d256", 256, 256)]
+# (label, AttentionCall fields + mods) at head_dim 128, causal.
+FEATURES = ["softcap", "sinks", "alibi", "chunk", "gpt-oss (window+sinks)",
+            "gemma2 (window+softcap)", "dropout+sinks"]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tools", default=os.path.join(PROJECT, "..", "shared", "tools"))
+    ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--only", choices=["dims", "features"])
+    ap.add_argument("--backward", action="store_true", help="also compile the backward")
+    ap.add_argument("--json")
+    a = ap.parse_args(argv)
+
+    sys.path.insert(0, os.path.abspath(a.tools))
+    import sm90_static as st
+    st.setup_triton(st._default_cache_dir(), a.arch)
+    sys.path.insert(0, PROJECT)
+    import torch
+    from kernels.core.backward import attention_backward
+    from kernels.core.call import AttentionCall
+    from kernels.core.forward import attention_forward
+    from kernels.core.mods import CallMods
+
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[a.dtype]
+    B, H, S = 1, 16, a.seq
+
+    def launch(label, d, dv, call):
+        q, k = (torch.empty((B, H, S, d), dtype=dt) for _ in range(2))
+        v = torch.empty((B, H, S, dv), dtype=dt)
+        st.LABEL.clear()
+        st.LABEL.update(side="project", dtype=a.dtype, head_dim=f"{d}/{dv}", flags=label)
+        attention_forward(q, k, v, call)
+        if a.backward:
+            o, do = (torch.empty((B, H, S, dv), dtype=dt) for _ in range(2))
+            lse = torch.empty((B, H, S), dtype=torch.float32)
+            attention_backward(do, q, k, v, o, lse, call)
+
+    sinks = torch.zeros(H)
+    slopes = torch.ones(H)
+    with st.compile_instead_of_launch(all_configs=False):
+        if a.only in (None, "dims"):
+            for label, d, dv in DIMS:
+                launch(f"causal {label}", d, dv, AttentionCall(causal=True,
+                                                               softmax_scale=d ** -0.5))
+        if a.only in (None, "features"):
+            d = 128
+            calls = {
+                "softcap": dict(mods=CallMods(softcap=30.0)),
+                "sinks": dict(mods=CallMods(sinks=sinks)),
+                "alibi": dict(mods=CallMods(alibi_slopes=slopes)),
+                "chunk": dict(chunk_size=1024),
+                "gpt-oss (window+sinks)": dict(window=128, mods=CallMods(sinks=sinks)),
+                "gemma2 (window+softcap)": dict(window=1024, mods=CallMods(softcap=50.0)),
+                "dropout+sinks": dict(dropout_p=0.1, seed=1, mods=CallMods(sinks=sinks)),
+            }
+            for label in FEATURES:
+                launch(label, d, d, AttentionCall(causal=True, softmax_scale=d ** -0.5,
+                                                  **calls[label]))
+    st.print_table(st.RECORDS)
+    st.print_summary(st.RECORDS)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(st.RECORDS, f, default=str, indent=1)
+
+
+if __name__ == "__main__":
+    main()
