@@ -382,6 +382,9 @@ def _local_checks(q, k, v, causal, dropout_p, softmax_scale, seed, layout, world
     """This rank's own verdict (raises); returns causal as a bool."""
     _check_layout(layout)
     causal = validate_attention(q, k, v, causal, dropout_p, softmax_scale, seed, None)
+    if v.shape[-1] != q.shape[-1]:
+        raise NotImplementedError(f"ring attention needs v's head_dim to be q's, got q "
+                                  f"{tuple(q.shape)} and v {tuple(v.shape)}")
     if backend == "nccl" and q.device.type != "cuda":
         raise ValueError(f"the group's backend is NCCL, which needs CUDA tensors; q is on "
                          f"{q.device} (use gloo for CPU tensors)")
@@ -399,8 +402,26 @@ def _local_checks(q, k, v, causal, dropout_p, softmax_scale, seed, layout, world
     return causal
 
 
+# Options of kernels.attention that the ring does not pass on (its merge and its chunks of the
+# sequence would each need their own handling of them): refused by name.
+_NOT_IN_RING = ("window", "softcap", "sinks", "chunk_size", "alibi_slopes", "score_mod",
+                "mask_mod", "mod_aux")
+
+
+def _refuse_options(options):
+    unknown = sorted(set(options) - set(_NOT_IN_RING))
+    if unknown:
+        raise TypeError(f"ring_attention() got unexpected keyword arguments {unknown}")
+    given = sorted(name for name, value in options.items() if value not in (None, ()))
+    if given:
+        raise NotImplementedError(
+            f"ring_attention does not support {', '.join(given)}: these kernels.attention "
+            f"options are not passed through the ring (its per-chunk calls and lse merge); "
+            f"use kernels.attention on one device for them")
+
+
 def ring_attention(q, k, v, *, group=None, causal=True, dropout_p=0.0, softmax_scale=None,
-                   seed=None, layout="zigzag"):
+                   seed=None, layout="zigzag", **options):
     """Context-parallel (ring) attention: this rank's shard of ``kernels.attention`` over the
     whole sequence sharded across ``group``.
 
@@ -415,6 +436,9 @@ def ring_attention(q, k, v, *, group=None, causal=True, dropout_p=0.0, softmax_s
             group draws one from PyTorch's generator (as ``kernels.attention`` does) and sends
             it to the others, so ``torch.manual_seed`` on rank 0 reproduces a run.
         layout: ``"zigzag"`` (balanced causal work) or ``"contiguous"``; see the module doc.
+        options: kernels.attention's ``window``, ``softcap``, ``sinks``, ``chunk_size``,
+            ``alibi_slopes``, ``score_mod``, ``mask_mod``, ``mod_aux`` are refused by name
+            (NotImplementedError) when given; v must have q's head_dim.
 
     Returns:
         This rank's rows of the output, in q's dtype (``unshard`` gathers them), equal to the
@@ -426,6 +450,7 @@ def ring_attention(q, k, v, *, group=None, causal=True, dropout_p=0.0, softmax_s
         on every rank, before any ring traffic, when any rank's input is bad or the ranks
         disagree on shapes, dtype, device type or options (one small all-gather decides).
     """
+    _refuse_options(options)
     world, rank = _group_info(group, "ring_attention")
     backend = str(dist.get_backend(group)).lower()
     error, causal_b = None, causal

@@ -451,3 +451,17 @@ def test_needs_an_initialized_process_group():
     for fn in (lambda: kd.ring_attention(q, q, q), lambda: kd.shard(q), lambda: kd.unshard(q)):
         with pytest.raises(RuntimeError, match="init_process_group"):
             fn()
+
+
+@pytest.mark.parametrize("option,value", [("softcap", 30.0), ("chunk_size", 4), ("window", 3),
+                                          ("sinks", "tensor"), ("alibi_slopes", "tensor")])
+def test_unsupported_options_are_refused_by_name(option, value):
+    """kernels.attention's options that the ring does not pass on: a clear error before any
+    process-group work, naming the option; a misspelled keyword stays a TypeError."""
+    import kernels.distributed as kd
+    q = torch.randn(1, 2, 8, 8)
+    value = torch.zeros(2) if value == "tensor" else value
+    with pytest.raises(NotImplementedError, match=f"ring_attention does not support {option}"):
+        kd.ring_attention(q, q, q, **{option: value})
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        kd.ring_attention(q, q, q, softcapp=1.0)
