@@ -149,6 +149,17 @@ BLACKWELL = Family(
     dq=((128, 32, 8, 2), (128, 64, 8, 2), (64, 64, 8, 2)),
     fwd_smem_cap=200 * 1024, bwd_smem_cap=160 * 1024, register_model=True, max_head_dim=())
 
+# Head dims above 256 (Gemma 4's 512; padded widths 512): every generation takes these small
+# tiles instead of its family's. At width 512 no wgmma tile compiled spill-free on sm_90
+# (the 64-row forward needs 128 fp32 accumulator registers per thread at 8 warps, and Triton
+# caps 16-warp kernels at 128 registers: every 64-row config spilled 136 B - 7 KB; triton 3.6,
+# benchmarks/NOTES.md), so these are mma.sync tiles: the forward 32 x 32 (210 registers) and
+# 32 x 16 (173), dK/dV 16 x 32 (245) and 32 x 16 (207), dQ 16 x 16 (250), all spill-free.
+WIDE_MIN_WIDTH = 512
+WIDE = dict(fwd=((32, 32, 8, 1), (32, 16, 8, 2)),
+            dkdv=((16, 32, 8, 2), (32, 16, 8, 1)),
+            dq=((16, 16, 8, 1),))
+
 _INTERPRET = triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=1, num_stages=1)
 _KERNELS = ("fwd", "dkdv", "dq")
 
@@ -166,10 +177,10 @@ def _configs(table):
 
 
 def _union(kernel):
-    """Every family's entries for ``kernel``, in order, once: what an autotuner is built with
-    (its pruning then keeps the running GPU's own)."""
-    return list(dict.fromkeys(e for fam in (HOPPER, BLACKWELL, AMPERE)
-                              for e in getattr(fam, kernel)))
+    """Every family's entries for ``kernel`` and the wide tiles, in order, once: what an
+    autotuner is built with (its pruning then keeps the running GPU's own)."""
+    return list(dict.fromkeys([e for fam in (HOPPER, BLACKWELL, AMPERE)
+                               for e in getattr(fam, kernel)] + list(WIDE[kernel])))
 
 
 def fwd_configs(interpret: bool = False):
@@ -227,7 +238,10 @@ def _family_entries(configs, family, kernel, width):
     """``configs`` that ``family`` lists for ``kernel`` at this padded head_dim, in the family's
     order of preference."""
     table = getattr(family, kernel)
-    if family.register_model:
+    if width >= WIDE_MIN_WIDTH:
+        table = WIDE[kernel]
+        allowed = set(table)
+    elif family.register_model:
         allowed = set(table)
     else:
         limits = family.max_head_dim[_KERNELS.index(kernel)]
@@ -291,7 +305,8 @@ def prune_configs(configs, named_args, **kwargs):
     fitting = [c for c in candidates if smem_bytes(c, block_d, elem_bytes) <= budget]
     dropout = bool(args.get("DROPOUT", False))
     in_registers = [c for c in fitting if _stages_ok(c, args) and (
-        not family.register_model or _fwd_fits_registers(c, block_d, dropout))]
+        not family.register_model or block_d >= WIDE_MIN_WIDTH
+        or _fwd_fits_registers(c, block_d, dropout))]
     if in_registers:
         return in_registers
     if fitting:
@@ -348,7 +363,8 @@ def prune_bwd_configs(configs, named_args, **kwargs):
 
     def fits(cfg):
         return (_bwd_smem_bytes(cfg, width, elem, dkdv) <= budget and _stages_ok(cfg, args)
-                and (not family.register_model or fits_registers(cfg)))
+                and (not family.register_model or width >= WIDE_MIN_WIDTH
+                     or fits_registers(cfg)))
 
     kept = [cfg for cfg in candidates if fits(cfg)]
     if kept:
