@@ -6,8 +6,9 @@
    training step without / with kernels.fuse_attention (``--no-modules`` to skip).
 3. The attention sweep over seq_len x mode x dtype x head_dim x dropout x provider; right after
    its primary config, the feature rows (features.py: grouped-query heads, sliding window,
-   packed sequences, decoding against a KV cache, a transformers model and SDPA's flash
-   backend with ours; ``--features`` / ``--no-features``), so that
+   chunked attention, packed sequences, a value head dim of its own (MLA), decoding against
+   a KV cache, a transformers model and SDPA's flash backend with ours; ``--features`` /
+   ``--no-features``), so that
    the time budget cuts the secondary configs first.
 3a. With ``--book-models`` (opt-in): llms-from-scratch's models, original vs
    ``kernels.fuse_attention``, generation tokens/s and a training step (book_models.py); they
@@ -44,12 +45,14 @@ DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16",
                  "float32": "float32"}
 
 # Defaults per device type; --quick swaps in the smaller set. See README.md for the reasoning.
+# GPU head_dims: 128 (primary) and 64 as in the FlashAttention papers, then 512, the largest the
+# kernels take (at hidden 2048: 4 heads); a secondary config, after d64 in the run order.
 # CPU: PyTorch only (ours = the PyTorch fallback), fp32 as CPU users run it; the run is sized to
 # take about a minute on an idle 2-core machine (measured: benchmarks/README.md).
 DEFAULTS = {
     "cuda": dict(seq_lens=[128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768],
                  modes=["fwd", "bwd", "fwd_bwd"], dtypes=["bfloat16", "float16"],
-                 head_dims=[128, 64], dropout=[0.0, 0.1], tokens=16384, hidden=2048,
+                 head_dims=[128, 64, 512], dropout=[0.0, 0.1], tokens=16384, hidden=2048,
                  quadratic_max_seq=8192, time_budget=300.0),
     "cuda_quick": dict(seq_lens=[1024, 4096], modes=["fwd", "bwd", "fwd_bwd"],
                        dtypes=["bfloat16"], head_dims=[128], dropout=[0.0, 0.1], tokens=16384,
@@ -140,8 +143,10 @@ def build_parser():
                    help="feature rows to run (default: all; on CPU none, or with --interpreter "
                         "all but hf, in Triton's interpreter): gqa = "
                         "grouped-query heads vs MHA and SDPA enable_gqa, window = sliding "
-                        "window vs full causal, varlen = "
-                        "packed sequences vs the dense kernel on the same tokens, decode = one "
+                        "window vs full causal, chunk = chunked attention (Llama 4) vs full "
+                        "causal and vs the chunks as a batch, varlen = "
+                        "packed sequences vs the dense kernel on the same tokens, mla = q/k "
+                        "head dim 192 with v 128 vs v padded to 192 and SDPA, decode = one "
                         "query token against KV caches of 1k-128k keys, split-KV vs unsplit vs "
                         "SDPA, in GB/s of K and V read, hf = a transformers Llama model's "
                         "training step and generation, attn_implementation sdpa vs "

@@ -1,5 +1,6 @@
 """Feature rows (issue 9): grouped-query heads, a sliding window, packed variable-length
-sequences, (issue 10) decoding against a KV cache, and (issue 12) a transformers model and
+sequences; chunked attention and a value head dim of its own (MLA); (issue 10) decoding against
+a KV cache; and (issue 12) a transformers model and
 SDPA's flash backend with ours installed (``hf``, ``sdpa_impl``: see the comment above
 HF_SHAPES), each against what it should be at
 least as good as. ``--features`` picks them, ``--no-features`` skips them; in the run order
@@ -8,8 +9,11 @@ the time budget say ``skipped: time budget``.
 
 Modes ``fwd`` and ``fwd_bwd`` (decode: ``fwd``), causal, the sweep's first dtype, measured like
 every other row (measure.py). Rows have every ``sweep.ROW_KEYS`` field (``heads`` = query heads)
-plus ``heads_kv`` and ``window`` (None = none); the comparison fields sit on the row of ours
-that the target is about, with ``target`` (the issue's target, in words) and ``target_met``
+plus ``heads_kv`` and ``window`` (None = none), chunk rows also ``chunk_size`` (None on the
+full causal row) and mla rows ``head_dim_v`` (``head_dim`` is q's and k's); the comparison
+fields sit on the row of ours
+that the target is about, with ``target`` (in words: the issue's; for chunk and mla the one
+TARGETS justifies) and ``target_met``
 (True / False on a GPU when both rows ran; None on CPU, where the kernel runs in Triton's
 interpreter and the figures say nothing about GPU speed, or when a row is missing).
 
@@ -30,6 +34,22 @@ window     kernels_causal          ours, full causal, same inputs: ``speedup_vs_
 window     torch_varlen            PyTorch's packed flash attention
                                    (``torch.nn.attention.varlen.varlen_attn``, window_size
                                    (W-1, 0)) on the one sequence; CUDA only
+chunk      kernels                 ``kernels.attention(chunk_size=C)`` (Llama 4's chunked
+                                   attention: a query sees the keys of its own chunk of C
+                                   positions, up to itself)
+chunk      kernels_causal          ours, full causal, same inputs: ``speedup_vs_full`` =
+                                   causal ms / chunk ms, target >= 3.2 (0.8 x the ideal, see
+                                   TARGETS); ``ideal_speedup`` = visible pairs causal / chunked
+                                   (flops.ideal_chunk_speedup: 4.0 at chunk 8192 / 32k)
+chunk      kernels_chunks_batched  ours, plain causal, on the chunks as a batch of B * L / C
+                                   sequences of C (the same pairs: at q_len = k_len chunked
+                                   attention is causal attention within each chunk; contiguous
+                                   copies made outside the timed call): ``speedup_vs_batched``
+                                   = batched ms / chunk ms on the kernels row, no target
+                                   (about 1 when the chunk rule costs nothing over the same
+                                   work done as separate sequences)
+chunk      torch_varlen            ``varlen_attn`` on the chunks as packed sequences
+                                   (cu_seqlens every C tokens, window_size (-1, 0)); CUDA only
 varlen     kernels_varlen          ``kernels.attention_varlen`` on the packed batch
 varlen     kernels_dense_each      ours dense, each sequence run alone (one call per sequence,
                                    batch 1, in order; views of the same packed tokens)
@@ -37,11 +57,28 @@ varlen     kernels_dense_padded    ours dense, one call on the batch right-padde
                                    longest sequence (padding keys come after every real query,
                                    so the real rows are exact); its padding work is not counted
 varlen     torch_varlen            ``varlen_attn`` (window_size (-1, 0): causal); CUDA only
+mla        kernels                 ``kernels.attention`` with q, k of ``head_dim`` (192) and v
+                                   of ``head_dim_v`` (128): DeepSeek V2 / V3's multi-head
+                                   latent attention as prefill and training compute it
+mla        kernels_padded          ours with v zero-padded to ``head_dim`` (how a kernel that
+                                   needs one head dim runs it; the padding is made outside
+                                   the timed call; the output's padding columns are computed,
+                                   their upstream gradient is 0): ``speedup_vs_padded`` =
+                                   padded ms / mla ms, target >= 1 (the native call's matmuls
+                                   are a subset of the padded call's)
+mla        sdpa_*                  ``F.scaled_dot_product_attention`` with v's own head dim,
+                                   forced to one backend (CPU: math, flash; CUDA: flash,
+                                   efficient, cudnn; a backend that refuses Dv != D says so
+                                   in its ``unsupported: ...`` status); ``speedup_vs_best_sdpa``
+                                   on the kernels row
 =========  ======================  =========================================================
 
 Varlen rows: ``batch`` = number of sequences, ``seq_len`` = the longest, extra ``seqlens``
 and ``total_tokens``; every varlen row counts the same FLOPs, each sequence's own causal work
-(flops.varlen_flops: sum of len^2 / 2-based), so their TFLOP/s compare directly.
+(flops.varlen_flops: sum of len^2 / 2-based), so their TFLOP/s compare directly. Likewise every
+chunk row but ``kernels_causal`` counts the chunked problem's visible pairs
+(flops.attention_flops(chunk_size=C)), and every mla row the MLA problem
+(flops.attention_flops(head_dim_v=...); the padded row's padding work is not counted).
 ``tflops_vs_dense_each`` (target >= 0.9: varlen within 10 % of the dense kernel at the same
 lengths) and ``tflops_vs_dense_padded`` sit on the kernels_varlen row.
 
@@ -84,14 +121,14 @@ import time
 
 import torch
 
-from .flops import (attention_flops, gbps, ideal_window_speedup, kv_read_bytes, tflops,
-                    varlen_flops)
+from .flops import (attention_flops, gbps, ideal_chunk_speedup, ideal_window_speedup,
+                    kv_read_bytes, tflops, varlen_flops)
 from .measure import MEASURE_KEYS, classify_failure, measure, mode_maker
 from .providers import Case, SdpaProvider
 from .sweep import add_speedups, new_row
 from .timing import free_memory
 
-FEATURES = ("gqa", "window", "varlen", "decode", "hf", "sdpa_impl")
+FEATURES = ("gqa", "window", "chunk", "varlen", "mla", "decode", "hf", "sdpa_impl")
 # The default set per device type: on CPU ``hf`` is left out (its tiny model's rows took ~8 s,
 # mostly our attention in the interpreter, against ~5 s allowed in the default run);
 # ``--features hf`` selects it.
@@ -105,26 +142,45 @@ SHAPES = {
     "cuda": dict(
         gqa=dict(batch=4, heads=32, heads_kv=8, seq_len=4096, head_dim=128),
         window=dict(batch=1, heads=16, seq_len=32768, head_dim=128, window=4096),
+        chunk=dict(batch=1, heads=16, seq_len=32768, head_dim=128, chunk_size=8192),
         varlen=dict(total=16384, lo=128, hi=4096, heads=16, head_dim=128, seed=0),
+        # DeepSeek V3's q/k and v head dims (128 no-RoPE + 64 RoPE; 128) at the sweep's 16384
+        # tokens and the other features' 16 heads.
+        mla=dict(batch=4, heads=16, seq_len=4096, head_dim=192, head_dim_v=128),
         decode=dict(batches=(1, 8), heads=32, heads_kv=8, head_dim=128, num_splits=0,
                     cache_lens=tuple(1024 << i for i in range(8)))),  # 1k ... 128k
     # CPU: a handful of 16x16 tiles per call (each interpreted call still takes 0.1-1 s).
     "cpu": dict(
         gqa=dict(batch=1, heads=2, heads_kv=1, seq_len=32, head_dim=32),
         window=dict(batch=1, heads=1, seq_len=64, head_dim=32, window=16),
+        chunk=dict(batch=1, heads=1, seq_len=64, head_dim=32, chunk_size=16),
         varlen=dict(total=64, lo=8, hi=32, heads=1, head_dim=32, seed=0),
+        # The GPU's head dims (their padding to the kernel's tile widths is the code path to
+        # exercise), 32 tokens: ~0.3 s per interpreted fwd_bwd call.
+        mla=dict(batch=1, heads=2, seq_len=32, head_dim=192, head_dim_v=128),
         # num_splits forced to 4 (4 tiles of 16 keys at cache 64): the heuristic gives 1 in
         # the interpreter, and the split + merge path is the one to exercise.
         decode=dict(batches=(1, 2), heads=4, heads_kv=1, head_dim=16, num_splits=4,
                     cache_lens=(64, 128))),
 }
 GQA_SDPA = {"cuda": ("sdpa_flash", "sdpa_efficient", "sdpa_cudnn"),
-            "cpu": ("sdpa_math", "sdpa_flash")}
+            "cpu": ("sdpa_math", "sdpa_flash")}  # also the mla rows' SDPA backends
 DECODE_SDPA = ("sdpa_flash", "sdpa_efficient")  # on CPU efficient is "unsupported: CUDA-only"
 TARGETS = {"gqa": ("speedup_vs_mha", 1.0, "GQA at least as fast as MHA with the same query "
                                           "heads (speedup_vs_mha >= 1)"),
            "window": ("speedup_vs_full", 3.5, "window at least 3.5x faster than full causal "
                                               "(speedup_vs_full >= 3.5)"),
+           # Not the issue's number (it asks for O(q_len * chunk_size) tiles and the ideal):
+           # 0.8 x the ideal, 4.0 at chunk 8192 / 32k (flops.ideal_chunk_speedup), about the
+           # share of its ideal the window's target asks for (3.5 of 4.27 = 0.82). A kernel
+           # that visited every causal tile would stay near 1x.
+           "chunk": ("speedup_vs_full", 3.2, "chunked at least 3.2x faster than full causal "
+                                             "(speedup_vs_full >= 3.2: 0.8 x the ideal 4.0 of "
+                                             "chunk 8192 at 32k)"),
+           # The native call's matmul work is a subset of the padded call's (v's 128 columns
+           # against 192): it should not be slower.
+           "mla": ("speedup_vs_padded", 1.0, "MLA (v head dim 128) at least as fast as v "
+                                             "zero-padded to q's 192 (speedup_vs_padded >= 1)"),
            "varlen": ("tflops_vs_dense_each", 0.9, "varlen TFLOP/s within 10% of the dense "
                                                   "kernel's at the same lengths "
                                                   "(tflops_vs_dense_each >= 0.9)")}
@@ -278,6 +334,57 @@ def _window_specs(sh, device, dtype):
     return case, specs, flops
 
 
+def _chunk_specs(sh, device, dtype):
+    """Chunked attention (chunk_size C) vs full causal on the same inputs, and the same pairs
+    computed as separate causal sequences of C (ours batched; PyTorch's varlen_attn packed)."""
+    B, H, L, D, C = sh["batch"], sh["heads"], sh["seq_len"], sh["head_dim"], sh["chunk_size"]
+    g = torch.Generator(device=device).manual_seed(L)
+    q, k, v, do = (_randn(g, (B, H, L, D), device, dtype) for _ in range(4))
+    case = Case(batch=B, heads=H, seq_len=L, head_dim=D, dtype=dtype, dropout_p=0.0,
+                device=device)
+    # At q_len = k_len chunk c holds positions [c*C, (c+1)*C): whole chunks only when C | L.
+    split = None if L % C == 0 else f"seq_len {L} is not a multiple of chunk_size {C}"
+    n = L // C
+
+    def ours(chunk_size):
+        def build():
+            import kernels
+
+            qq, kk, vv = _leaf(q), _leaf(k), _leaf(v)
+            return (lambda: [kernels.attention(qq, kk, vv, causal=True,
+                                               chunk_size=chunk_size)]), (qq, kk, vv)
+        return build
+
+    def as_batch(x):
+        # (B, H, L, D) -> (B * n, H, C, D): chunk c of batch entry b is sequence b * n + c.
+        return x.view(B, H, n, C, D).transpose(1, 2).reshape(B * n, H, C, D).contiguous()
+
+    def batched_build():
+        import kernels
+
+        qq, kk, vv = (_leaf(as_batch(x)) for x in (q, k, v))
+        return (lambda: [kernels.attention(qq, kk, vv, causal=True)]), (qq, kk, vv)
+
+    def varlen_build():
+        # The B * L tokens packed (B*L, H, D); a sequence boundary every C tokens.
+        qq, kk, vv = (_leaf(x.transpose(1, 2).reshape(B * L, H, D)) for x in (q, k, v))
+        cu = torch.arange(0, B * L + 1, C, dtype=torch.int32, device=device)
+        return (lambda: [_torch_varlen(qq, kk, vv, cu, C, None)]), (qq, kk, vv)
+
+    extra = dict(heads_kv=H, chunk_size=C)
+    varlen_static = split or _torch_varlen_reason(device)
+    specs = [_Spec("kernels", ours(C), [do], extra=extra),
+             _Spec("kernels_causal", ours(None), [do], extra=dict(extra, chunk_size=None)),
+             _Spec("kernels_chunks_batched", batched_build,
+                   [as_batch(do)] if split is None else [], static=split, extra=extra),
+             _Spec("torch_varlen", varlen_build,
+                   [do.transpose(1, 2).reshape(B * L, H, D)], static=varlen_static,
+                   unsupported=_torch_varlen_refused, extra=extra)]
+    flops = {(m, c): attention_flops(B, H, L, L, D, causal=True, mode=m, chunk_size=c)
+             for m in FEATURE_MODES for c in (C, None)}
+    return case, specs, flops
+
+
 def _varlen_specs(sh, device, dtype):
     lens = mixed_lengths(sh["total"], sh["lo"], sh["hi"], sh["seed"])
     H, D, total, n, longest = sh["heads"], sh["head_dim"], sh["total"], len(lens), max(lens)
@@ -336,6 +443,55 @@ def _varlen_specs(sh, device, dtype):
     return case, specs, flops
 
 
+def _mla_specs(sh, device, dtype, sdpa_names):
+    """A value head dim of its own (DeepSeek's MLA: q, k of ``head_dim``, v of ``head_dim_v``):
+    ours native vs ours with v zero-padded to ``head_dim``, and SDPA's backends."""
+    B, H, L, D, Dv = (sh["batch"], sh["heads"], sh["seq_len"], sh["head_dim"],
+                      sh["head_dim_v"])
+    g = torch.Generator(device=device).manual_seed(L)
+    q, k = (_randn(g, (B, H, L, D), device, dtype) for _ in range(2))
+    v, do = (_randn(g, (B, H, L, Dv), device, dtype) for _ in range(2))
+    case = Case(batch=B, heads=H, seq_len=L, head_dim=D, dtype=dtype, dropout_p=0.0,
+                device=device)
+    extra = dict(heads_kv=H, head_dim_v=Dv)
+
+    def pad(x):
+        return torch.nn.functional.pad(x, (0, D - Dv))
+
+    def ours(padded):
+        def build():
+            import kernels
+
+            qq, kk = _leaf(q), _leaf(k)
+            vv = _leaf(pad(v) if padded else v)
+            return (lambda: [kernels.attention(qq, kk, vv, causal=True)]), (qq, kk, vv)
+        return build
+
+    def sdpa(name):
+        prov = SdpaProvider(name)
+
+        def build():
+            import torch.nn.functional as F
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            backend = getattr(SDPBackend, prov.backend_name)
+            qq, kk, vv = _leaf(q), _leaf(k), _leaf(v)
+
+            def f():
+                with sdpa_kernel(backend):
+                    return [F.scaled_dot_product_attention(qq, kk, vv, is_causal=True)]
+            return f, (qq, kk, vv)
+        return _Spec(name, build, [do], static=prov.static_reason(case),
+                     unsupported=prov.unsupported_reason, extra=extra)
+
+    specs = [_Spec("kernels", ours(False), [do], extra=extra),
+             _Spec("kernels_padded", ours(True), [pad(do)], extra=extra)]
+    specs += [sdpa(n) for n in sdpa_names]
+    flops = {m: attention_flops(B, H, L, L, D, causal=True, mode=m, head_dim_v=Dv)
+             for m in FEATURE_MODES}
+    return case, specs, flops
+
+
 def _measure_spec(spec, mode, device, opts):
     try:
         forward, grads = spec.build()
@@ -371,7 +527,9 @@ def feature_rows(device, dtype, features=FEATURES, opts=None, deadline=float("in
         raise ValueError(f"unknown feature(s) {unknown}; choose from {FEATURES}")
     build = {"gqa": lambda sh: _gqa_specs(sh, device, dtype, sdpa),
              "window": lambda sh: _window_specs(sh, device, dtype),
-             "varlen": lambda sh: _varlen_specs(sh, device, dtype)}
+             "chunk": lambda sh: _chunk_specs(sh, device, dtype),
+             "varlen": lambda sh: _varlen_specs(sh, device, dtype),
+             "mla": lambda sh: _mla_specs(sh, device, dtype, sdpa)}
     rows = []
     for feature in features:
         sh = shapes.get(feature)
@@ -407,8 +565,8 @@ def feature_rows(device, dtype, features=FEATURES, opts=None, deadline=float("in
                 else:
                     row.update(_measure_spec(spec, mode, device, opts))
                     if row["status"] == "ok":
-                        key = (mode, row["window"]) if feature == "window" else mode
-                        row["tflops"] = tflops(flops[key], row["ms"])
+                        row["tflops"] = tflops(flops[_flops_key(feature, mode, row)],
+                                               row["ms"])
                 rows.append(row)
                 frows.append(row)
         free_memory(device)
@@ -416,11 +574,22 @@ def feature_rows(device, dtype, features=FEATURES, opts=None, deadline=float("in
     return rows
 
 
+def _flops_key(feature, mode, row):
+    """The key of a feature's FLOP table for one row: window and chunk rows count their own
+    mask's visible pairs (the full causal row the causal count)."""
+    if feature == "window":
+        return mode, row["window"]
+    if feature == "chunk":
+        return mode, row["chunk_size"]
+    return mode
+
+
 def _failed_row(feature, sh, dtype, status):
     case = Case(batch=sh.get("batch", 1), heads=sh["heads"], seq_len=sh.get("seq_len", sh.get(
         "hi", 1)), head_dim=sh["head_dim"], dtype=dtype, dropout_p=0.0, device="cpu")
     row = new_row("kernels", "fwd", case, bench=feature)
     row.update(heads_kv=sh.get("heads_kv", sh["heads"]), window=sh.get("window"), status=status)
+    row.update({key: sh[key] for key in ("chunk_size", "head_dim_v") if key in sh})
     return row
 
 
@@ -439,6 +608,17 @@ def _compare(feature, rows, device, sh):
             if mine is not None:
                 mine["ideal_speedup"] = ideal_window_speedup(sh["seq_len"], sh["seq_len"],
                                                              sh["window"])
+        elif feature == "chunk":
+            mine, other = by.get(("kernels", mode)), by.get(("kernels_causal", mode))
+            value = _ratio(other, mine, "ms")
+            if mine is not None:
+                mine["ideal_speedup"] = ideal_chunk_speedup(sh["seq_len"], sh["seq_len"],
+                                                            sh["chunk_size"])
+                mine["speedup_vs_batched"] = _ratio(
+                    by.get(("kernels_chunks_batched", mode)), mine, "ms")
+        elif feature == "mla":
+            mine, other = by.get(("kernels", mode)), by.get(("kernels_padded", mode))
+            value = _ratio(other, mine, "ms")
         else:
             mine = by.get(("kernels_varlen", mode))
             other = by.get(("kernels_dense_each", mode))
@@ -451,7 +631,7 @@ def _compare(feature, rows, device, sh):
         mine[field] = value
         mine["target"] = text
         mine["target_met"] = (value >= threshold) if (gpu and value is not None) else None
-    if feature == "gqa":
+    if feature in ("gqa", "mla"):
         add_speedups(rows)
 
 

@@ -12,6 +12,15 @@ Sliding window (``window < k_len``): forward = 4 * batch * heads * head_dim * (v
 the exact number of (query, key) pairs the mask keeps (:func:`visible_pairs`), since the
 causal half-convention has no window analogue; a window >= k_len is plain causal (above). The
 two counts differ by less than 1/seq_len (n*(n+1)/2 pairs vs n^2/2), 0.003 % at 32k.
+Chunked attention (Llama 4, ``chunk_size < k_len``): the same, 4 * batch * heads * head_dim *
+(visible pairs), each query seeing the keys of its own chunk up to itself
+(:func:`visible_pairs`: with q_len = k_len = m * chunk + r, m * chunk * (chunk + 1) / 2 +
+r * (r + 1) / 2 pairs); ``chunk_size >= k_len`` is plain causal.
+A value head dim of its own (``head_dim_v``, DeepSeek's MLA: q/k 192, v 128): each visible
+pair costs 2 * head_dim FLOPs in q @ k^T and 2 * head_dim_v in p @ v, so forward =
+2 * batch * heads * (pairs) * (head_dim + head_dim_v), and the backward's five matmuls
+(q @ k^T again, dO @ v^T, p^T @ dO, dS @ k, dS^T @ q) 2 * (pairs) * (3 * head_dim +
+2 * head_dim_v): with head_dim_v = head_dim these are the 4 * ... * head_dim and 2.5x above.
 Grouped-query heads: ``heads`` is the number of query heads (k/v heads change no FLOPs).
 Packed sequences (varlen): the sum of each sequence's own count (:func:`varlen_flops`), i.e.
 sum(len^2)/2-based for causal, never the padded batch's.
@@ -24,25 +33,51 @@ MODE_FACTORS = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
 MODES = tuple(MODE_FACTORS)
 
 
-def visible_pairs(q_len, k_len, *, causal=True, window=None):
+def visible_pairs(q_len, k_len, *, causal=True, window=None, chunk_size=None):
     """Exact number of (query, key) pairs the mask keeps, with the kernels' bottom-right rule:
-    query i sees key j iff ``j <= i + d`` (causal) and ``j > i + d - window`` (window), with
-    ``d = k_len - q_len``.
+    query i, at position ``P = i + d`` on the key axis (``d = k_len - q_len``), sees key j iff
+    ``j <= P`` (causal) and ``j > P - window`` (window) or ``j // chunk_size == P //
+    chunk_size`` (chunked attention).
+
+    Chunked: a query at P >= 0 sees the keys from its chunk's start, ``(P // chunk_size) *
+    chunk_size``, to P: ``P % chunk_size + 1`` of them (queries at P < 0 see none, as in
+    plain causal). Summed over P in [0, n) that is ``(n // c) * c * (c + 1) / 2 + (n % c) *
+    (n % c + 1) / 2`` (c = chunk_size: each whole chunk is a causal triangle, then the partial
+    one), and the rows' P run over [max(d, 0), k_len), so the count is that sum at ``k_len``
+    minus the sum at ``max(d, 0)``.
 
     >>> visible_pairs(4, 4), visible_pairs(4, 4, causal=False), visible_pairs(6, 6, window=3)
     (10, 16, 15)
+    >>> visible_pairs(6, 6, chunk_size=3), visible_pairs(7, 7, chunk_size=3)  # 2 * 6; + 1
+    (12, 13)
+    >>> visible_pairs(32768, 32768, chunk_size=8192) == 4 * 8192 * 8193 // 2
+    True
     """
+    if window is not None and chunk_size is not None:
+        raise ValueError("window and chunk_size cannot be combined")
     if not causal:
-        if window is not None:
-            raise ValueError("a window needs causal=True")
+        if window is not None or chunk_size is not None:
+            raise ValueError("a window or chunk_size needs causal=True")
         return q_len * k_len
     d = k_len - q_len
+    if chunk_size is not None:
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        return _chunk_prefix_pairs(k_len, chunk_size) - _chunk_prefix_pairs(max(d, 0),
+                                                                             chunk_size)
     total = 0
     for i in range(q_len):
         hi = min(i + d, k_len - 1)
         lo = 0 if window is None else max(0, i + d - window + 1)
         total += max(0, hi - lo + 1)
     return total
+
+
+def _chunk_prefix_pairs(n, chunk_size):
+    """Pairs seen by the queries at positions 0 .. n-1 under chunked causal attention:
+    ``sum(P % chunk_size + 1 for P in range(n))`` in closed form."""
+    whole, rest = divmod(n, chunk_size)
+    return whole * chunk_size * (chunk_size + 1) // 2 + rest * (rest + 1) // 2
 
 
 def ideal_window_speedup(q_len, k_len, window):
@@ -52,25 +87,56 @@ def ideal_window_speedup(q_len, k_len, window):
     return visible_pairs(q_len, k_len) / visible_pairs(q_len, k_len, window=window)
 
 
+def ideal_chunk_speedup(q_len, k_len, chunk_size):
+    """Full causal over chunked work, by visible (query, key) pairs, as
+    :func:`ideal_window_speedup`: 32769 / 8193 = 4.00 for chunk 8192 at 32k (four chunks, each
+    a causal triangle a quarter as long, so a sixteenth of the pairs each).
+
+    >>> round(ideal_chunk_speedup(32768, 32768, 8192), 4)
+    3.9996
+    """
+    return visible_pairs(q_len, k_len) / visible_pairs(q_len, k_len, chunk_size=chunk_size)
+
+
 def attention_flops(batch, heads, q_len, k_len, head_dim, *, causal=True, mode="fwd",
-                    window=None):
+                    window=None, chunk_size=None, head_dim_v=None):
     """FLOPs of one attention call in ``mode`` ("fwd", "bwd" or "fwd_bwd"); ``heads`` = query
-    heads; ``window``: sliding window (counted by visible pairs, see the module docstring).
+    heads; ``window`` (sliding window) or ``chunk_size`` (chunked attention): counted by visible
+    pairs; ``head_dim_v``: v's head dim when it is not ``head_dim`` (see the module docstring).
 
     >>> attention_flops(1, 1, 128, 128, 64, causal=False)
     4194304.0
     >>> attention_flops(1, 1, 128, 128, 64, causal=True, mode="fwd_bwd")
     7340032.0
+    >>> attention_flops(1, 1, 6, 6, 64, chunk_size=3)  # 12 pairs
+    3072.0
+    >>> attention_flops(1, 1, 8, 8, 192, causal=False, head_dim_v=128, mode="bwd")  # 64 pairs
+    106496.0
+    >>> 2 * 64 * (3 * 192 + 2 * 128)
+    106496
     """
     if mode not in MODE_FACTORS:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if window is not None and causal and window < k_len:
         fwd = 4.0 * batch * heads * head_dim * visible_pairs(q_len, k_len, window=window)
+    elif chunk_size is not None and causal and chunk_size < k_len:
+        fwd = 4.0 * batch * heads * head_dim * visible_pairs(q_len, k_len,
+                                                             chunk_size=chunk_size)
     else:
         fwd = 4.0 * batch * heads * q_len * k_len * head_dim
         if causal:
             fwd /= 2.0
-    return fwd * MODE_FACTORS[mode]
+    if head_dim_v is None or head_dim_v == head_dim:
+        return fwd * MODE_FACTORS[mode]
+    # fwd / head_dim = 4 * batch * heads * pairs: the per-matmul weights of _DV_FACTORS.
+    qk, pv = _DV_FACTORS[mode]
+    return fwd / (4.0 * head_dim) * 2.0 * (qk * head_dim + pv * head_dim_v)
+
+
+# Matmuls per mode with head_dim (q @ k^T, dS @ k, dS^T @ q) and with head_dim_v (p @ v,
+# dO @ v^T, p^T @ dO): forward 1 + 1, backward 3 + 2 (FlashAttention-2's backward recomputes
+# q @ k^T), fwd_bwd 4 + 3; equal head dims give MODE_FACTORS' 1, 2.5, 3.5 x 2 matmuls.
+_DV_FACTORS = {"fwd": (1, 1), "bwd": (3, 2), "fwd_bwd": (4, 3)}
 
 
 def varlen_flops(seqlens_q, seqlens_k, heads, head_dim, *, causal=True, mode="fwd",

@@ -77,9 +77,12 @@ def collect_meta(device, args_dict, repo_dir, interpreter=None):
                      "fallback* rows: resident memory of a fresh process (cpu_fallback.py)"),
         "flops": ("forward = 4*batch*heads*q_len*k_len*head_dim, halved for causal; "
                   "bwd = 2.5x forward; fwd_bwd = 3.5x forward (benchmarks/flops.py); heads = "
-                  "query heads; window < k_len: 4*batch*heads*head_dim*(visible pairs); "
-                  "packed sequences: the sum of each sequence's own count"),
-        "features": ("bench gqa / window / varlen / decode (benchmarks/features.py): targets "
+                  "query heads; window or chunk_size < k_len: 4*batch*heads*head_dim*(visible "
+                  "pairs); v head dim Dv != D: forward 2*batch*heads*pairs*(D + Dv), backward "
+                  "2*batch*heads*pairs*(3*D + 2*Dv); packed sequences: the sum of each "
+                  "sequence's own count"),
+        "features": ("bench gqa / window / chunk / varlen / mla / decode "
+                     "(benchmarks/features.py): targets "
                      "on ours' rows (target, target_met; target_met null on CPU, where the "
                      "kernel runs in Triton's interpreter)"),
         "decode": ("bench decode: q_len 1 against a filled KV cache of seq_len keys; gbps = "
@@ -225,14 +228,16 @@ def format_tables(rows, metric="tflops", memory=False):
     return "\n".join(out)
 
 
-FEATURE_BENCHES = ("gqa", "window", "varlen", "hf", "sdpa_impl", "fallback", "fallback_dropout",
-                   "fallback_memory", "interpreter")
+FEATURE_BENCHES = ("gqa", "window", "chunk", "varlen", "mla", "hf", "sdpa_impl", "fallback",
+                   "fallback_dropout", "fallback_memory", "interpreter")
 # Benches whose targets are CPU targets (judged on any machine).
 CPU_BENCHES = ("fallback", "fallback_dropout", "fallback_memory")
 # (field, format) of the comparison shown on ours' rows, per bench.
 _COMPARISONS = {"gqa": ("speedup_vs_mha", "{:.3g}x MHA"), "window": ("speedup_vs_full",
                                                                      "{:.3g}x full"),
+                "chunk": ("speedup_vs_full", "{:.3g}x full"),
                 "varlen": ("tflops_vs_dense_each", "{:.3g}x dense"),
+                "mla": ("speedup_vs_padded", "{:.3g}x padded v"),
                 "hf": ("speedup_vs_sdpa", "{:.3g}x sdpa"),
                 "sdpa_impl": ("speedup_vs_sdpa", "{:.3g}x flash"),
                 "fallback": ("time_vs_sdpa", "{:.3g}x SDPA time"),
@@ -247,16 +252,20 @@ def _feature_shape(r):
     heads = f"{r['heads']}/{r['heads_kv']}" if r.get("heads_kv") not in (None, r["heads"]) else (
         str(r["heads"]))
     win = f" w{r['window']}" if r.get("window") else ""
-    return f"{r['batch']}x{heads}x{r['seq_len']} d{r['head_dim']}{win}"
+    win += f" c{r['chunk_size']}" if r.get("chunk_size") else ""
+    dv = f"/v{r['head_dim_v']}" if r.get("head_dim_v") not in (None, r["head_dim"]) else ""
+    return f"{r['batch']}x{heads}x{r['seq_len']} d{r['head_dim']}{dv}{win}"
 
 
 def format_features(rows):
-    """The feature rows (gqa, window, varlen) and the CPU fallback row, with each target."""
+    """The feature rows (gqa, window, chunk, varlen, mla, hf, sdpa_impl), the interpreter and
+    CPU fallback rows, with each target."""
     sel = [r for r in rows if r["bench"] in FEATURE_BENCHES]
     if not sel:
         return ""
-    out = ["\nfeatures (shape: batch x heads[/kv heads] x seq, w = window; varlen: sequences/"
-           "tokens; fallback*: CPU, no interpreter, t = PyTorch threads)",
+    out = ["\nfeatures (shape: batch x heads[/kv heads] x seq, d = head dim[/v = v's], w = "
+           "window, c = chunk; varlen: sequences/tokens; fallback*: CPU, no interpreter, t = "
+           "PyTorch threads)",
            f"{'bench':<8} {'provider':<26} {'mode':<8} {'dtype':<9} {'shape':<28} {'ms':>10} "
            f"{'TFLOP/s':>8} {'peak MiB':>8}  compared / status"]
     for r in sel:
@@ -267,8 +276,12 @@ def format_features(rows):
         field, fmt = _COMPARISONS[r["bench"]]
         if r["status"] == "ok" and r.get(field) is not None:
             note = fmt.format(r[field])
-            if r["bench"] == "window" and r.get("ideal_speedup"):
+            if r["bench"] in ("window", "chunk") and r.get("ideal_speedup"):
                 note += f" (ideal {r['ideal_speedup']:.3g}x)"
+            if r["bench"] == "chunk" and r.get("speedup_vs_batched") is not None:
+                note += f", {r['speedup_vs_batched']:.3g}x batched"
+            if r["bench"] == "mla" and r.get("speedup_vs_best_sdpa") is not None:
+                note += f", {r['speedup_vs_best_sdpa']:.3g}x sdpa"
             if r["bench"] == "varlen" and r.get("tflops_vs_dense_padded") is not None:
                 note += f", {r['tflops_vs_dense_padded']:.3g}x padded"
             if r["bench"] == "fallback_dropout" and r.get("run_spread") is not None:

@@ -4,12 +4,13 @@ The CLI test runs the CPU path (ours = the PyTorch fallback, vs SDPA and the ref
 peak memory) at --quick sizes in a subprocess with CUDA hidden, so it checks the same thing on
 every machine; another runs the opt-in ``--interpreter`` rows (our kernel in Triton's
 interpreter against the fallback, and the feature rows: grouped-query heads, sliding window,
-packed sequences, decoding against a KV cache, SDPA's flash backend with ours, recorded as
-skipped on CPU); another runs the CPU path of the transformers rows (not in the CPU default);
-others run the opt-in CPU fallback rows (``--fallback-row``, ``--fallback-dropout``) at small
-seq_lens; a GPU-marked test runs a one-point CUDA sweep. No test depends on how
-fast the machine is: the CLI runs get no time budget (``--time-budget 0``), and the budget's
-cut-off is tested with a deadline already past.
+chunked attention, packed sequences, MLA head dims, decoding against a KV cache, SDPA's flash
+backend with ours, recorded as skipped on CPU); another runs the CPU path of the transformers
+rows (not in the CPU default); another runs a head_dim 512 sweep point; others run the
+opt-in CPU fallback rows (``--fallback-row``, ``--fallback-dropout``) at small seq_lens; a
+GPU-marked test runs a one-point CUDA sweep. No test depends on how fast the machine is: the
+CLI runs get no time budget (``--time-budget 0``), and the budget's cut-off is tested with a
+deadline already past.
 """
 import csv
 import json
@@ -31,8 +32,10 @@ from benchmarks.cpu_fallback import compare_memory as fallback_compare_memory
 from benchmarks.features import (HF_SHAPES, SDPA_IMPL_SHAPES, SHAPES, decode_compare,
                                  decode_targets, feature_rows, hf_reason, mixed_lengths,
                                  sdpa_impl_reason, splits_used)
-from benchmarks.flops import (attention_flops, gbps, gpt_step_flops, ideal_window_speedup,
-                              kv_read_bytes, mha_flops, tflops, varlen_flops, visible_pairs)
+from benchmarks.cli import DEFAULTS, build_parser, parity_shapes, resolve_args
+from benchmarks.flops import (attention_flops, gbps, gpt_step_flops, ideal_chunk_speedup,
+                              ideal_window_speedup, kv_read_bytes, mha_flops, tflops,
+                              varlen_flops, visible_pairs)
 from benchmarks.parity import parity_ok
 from benchmarks.plots import plot_filenames, x_range, y_scale
 from benchmarks.providers import CPU_PROVIDERS, FALLBACK, INTERPRETER, PROVIDERS, cpu_backend
@@ -177,8 +180,9 @@ def test_cli_quick_cpu(tmp_path):
 def test_cli_interpreter_cpu(tmp_path):
     """`--interpreter` (CPU, opt-in): the interpreted kernel's parity, its correctness rows
     against the fallback (labelled "kernels (Triton interpreter)") and the feature rows
-    (grouped-query heads, sliding window, packed sequences, decoding against a KV cache, SDPA's
-    flash backend with ours, recorded as skipped on CPU), all in Triton's interpreter."""
+    (grouped-query heads, sliding window, chunked attention, packed sequences, MLA head dims,
+    decoding against a KV cache, SDPA's flash backend with ours, recorded as skipped on CPU),
+    all in Triton's interpreter."""
     reason = _interpreter_unusable()
     if reason:
         pytest.skip(reason)
@@ -205,8 +209,8 @@ def test_cli_interpreter_cpu(tmp_path):
     assert "features (shape:" in proc.stdout
     _check_decode_rows(rows, csv_path)
     assert "decode: q_len 1" in proc.stdout
-    ours = [r for r in rows if r["bench"] in ("gqa", "window", "varlen", "decode")
-            and r["provider"].startswith("kernels")]
+    ours = [r for r in rows if r["bench"] in ("gqa", "window", "chunk", "varlen", "mla",
+                                              "decode") and r["provider"].startswith("kernels")]
     assert ours and all(r["backend"] == "triton_interpreter" for r in ours)
     # Issue 12: sdpa_impl (CUDA-only) is written with its reason; hf is not in the CPU default.
     impl = [r for r in rows if r["bench"] == "sdpa_impl"]
@@ -352,6 +356,24 @@ def _check_feature_rows(rows, csv_path):
             attention_flops(1, 1, L, L, win["head_dim"], mode=mode, window=W), win["ms"]))
         assert win["tflops"] * win["ms"] < full["tflops"] * full["ms"]  # fewer FLOPs counted
         assert by["window", "torch_varlen", mode]["status"].startswith("unsupported: CUDA")
+        # Chunked attention vs full causal and vs the chunks as a batch of sequences; the
+        # ideal from the visible pairs, every chunk row but the causal one counting them.
+        ch, cfull = by["chunk", "kernels", mode], by["chunk", "kernels_causal", mode]
+        cbat = by["chunk", "kernels_chunks_batched", mode]
+        C, L = shapes["chunk"]["chunk_size"], shapes["chunk"]["seq_len"]
+        assert ch["status"] == cfull["status"] == cbat["status"] == "ok"
+        assert (ch["chunk_size"], cfull["chunk_size"], cbat["chunk_size"]) == (C, None, C)
+        assert ch["seq_len"] == cbat["seq_len"] == L and ch["window"] is None
+        assert ch["speedup_vs_full"] == pytest.approx(cfull["ms"] / ch["ms"])
+        assert ch["speedup_vs_batched"] == pytest.approx(cbat["ms"] / ch["ms"])
+        assert ch["ideal_speedup"] == pytest.approx(ideal_chunk_speedup(L, L, C))
+        chunk_flops = attention_flops(1, 1, L, L, ch["head_dim"], mode=mode, chunk_size=C)
+        for r in (ch, cbat):
+            assert r["tflops"] == pytest.approx(tflops(chunk_flops, r["ms"]))
+        assert cfull["tflops"] == pytest.approx(tflops(
+            attention_flops(1, 1, L, L, ch["head_dim"], mode=mode), cfull["ms"]))
+        assert ch["target_met"] is None and "3.2" in ch["target"]
+        assert by["chunk", "torch_varlen", mode]["status"].startswith("unsupported: CUDA")
         # Packed sequences: every row counts the same FLOPs, each sequence's own causal work.
         var = by["varlen", "kernels_varlen", mode]
         lens = var["seqlens"]
@@ -367,6 +389,22 @@ def _check_feature_rows(rows, csv_path):
         assert var["tflops_vs_dense_padded"] == pytest.approx(
             by["varlen", "kernels_dense_padded", mode]["ms"] / var["ms"])
         assert var["target_met"] is None
+        # MLA head dims: ours native vs v zero-padded to q's head dim, and SDPA (CPU flash
+        # refuses Dv != D, recorded with its reason); FLOPs of the MLA problem on every row.
+        sh = shapes["mla"]
+        mla, padded = by["mla", "kernels", mode], by["mla", "kernels_padded", mode]
+        assert mla["status"] == padded["status"] == by["mla", "sdpa_math", mode]["status"] == "ok"
+        assert (mla["head_dim"], mla["head_dim_v"]) == (sh["head_dim"], sh["head_dim_v"])
+        assert mla["speedup_vs_padded"] == pytest.approx(padded["ms"] / mla["ms"])
+        assert mla["best_sdpa"] == "sdpa_math" and mla["speedup_vs_best_sdpa"] == pytest.approx(
+            by["mla", "sdpa_math", mode]["ms"] / mla["ms"])
+        mla_flops = attention_flops(sh["batch"], sh["heads"], sh["seq_len"], sh["seq_len"],
+                                    sh["head_dim"], mode=mode, head_dim_v=sh["head_dim_v"])
+        for r in (mla, padded):
+            assert r["tflops"] == pytest.approx(tflops(mla_flops, r["ms"]))
+        assert mla["target_met"] is None and "padded" in mla["target"]
+        flash = by["mla", "sdpa_flash", mode]["status"]
+        assert flash.startswith("unsupported: ") and "last dim" in flash, flash
     with open(csv_path, newline="") as f:
         table = [t for t in csv.DictReader(f) if t["bench"] == "varlen"]
     assert table and json.loads(table[0]["seqlens"]) == lens
@@ -677,6 +715,77 @@ def test_window_and_varlen_flops():
     assert varlen_flops(lens, lens, 4, 64) == 4 * 4 * 64 * sum(n * n for n in lens) / 2
 
 
+@pytest.mark.parametrize("q_len,k_len,chunk", [(6, 6, 3), (7, 7, 3), (64, 64, 16), (5, 9, 4),
+                                               (9, 5, 4), (8, 8, 1), (8, 8, 8), (8, 8, 20),
+                                               (3, 10, 4), (0, 4, 2)])
+def test_chunk_pairs_match_the_mask(q_len, k_len, chunk):
+    """The closed form of visible_pairs(chunk_size=...) counts the kernels' chunked mask: query
+    i at P = i + k_len - q_len sees key j iff j <= P and j // chunk == P // chunk."""
+    i = torch.arange(q_len)[:, None]
+    j = torch.arange(k_len)[None, :]
+    pos = i + k_len - q_len
+    mask = (j <= pos) & (pos >= 0) & (j // chunk == pos.clamp(min=0) // chunk)
+    assert visible_pairs(q_len, k_len, chunk_size=chunk) == int(mask.sum())
+    if chunk >= k_len:
+        assert visible_pairs(q_len, k_len, chunk_size=chunk) == visible_pairs(q_len, k_len)
+
+
+def test_chunk_and_mla_flops():
+    """Chunked attention: the ideal speed-up (4.0 for chunk 8192 at 32k: four causal triangles a
+    quarter as long), FLOPs by visible pairs, chunk >= k_len plain causal. A value head dim of
+    its own: forward 2 * pairs * (D + Dv), backward 2 * pairs * (3D + 2Dv) per batch and head,
+    the usual count when Dv = D."""
+    assert visible_pairs(32768, 32768, chunk_size=8192) == 4 * 8192 * 8193 // 2
+    assert ideal_chunk_speedup(32768, 32768, 8192) == pytest.approx(32769 / 8193)
+    assert round(ideal_chunk_speedup(32768, 32768, 8192), 2) == 4.0
+    assert round(ideal_chunk_speedup(64, 64, 16), 2) == 3.82  # the CPU shape
+    pairs = visible_pairs(128, 128, chunk_size=16)
+    assert attention_flops(2, 3, 128, 128, 64, chunk_size=16, mode="bwd") == 2.5 * (
+        4 * 2 * 3 * 64 * pairs)
+    assert attention_flops(1, 1, 128, 128, 64, chunk_size=128) == attention_flops(
+        1, 1, 128, 128, 64)
+    with pytest.raises(ValueError):
+        visible_pairs(8, 8, window=2, chunk_size=4)
+    with pytest.raises(ValueError):
+        visible_pairs(8, 8, causal=False, chunk_size=4)
+    for mode, (qk, pv) in {"fwd": (1, 1), "bwd": (3, 2), "fwd_bwd": (4, 3)}.items():
+        # causal: the n^2 / 2 convention, 64 * 64 / 2 pairs
+        assert attention_flops(2, 4, 64, 64, 192, mode=mode, head_dim_v=128) == (
+            2 * 4 * 2 * (64 * 64 / 2) * (qk * 192 + pv * 128))
+        assert attention_flops(2, 4, 64, 64, 96, mode=mode, head_dim_v=96) == attention_flops(
+            2, 4, 64, 64, 96, mode=mode)
+
+
+def test_sweep_head_dim_512():
+    """head_dim 512 is in the GPU default sweep (a secondary config, after d64; heads = hidden //
+    512 = 4; its parity shape too), not in the CPU defaults; a d512 point runs through the sweep
+    on CPU (ours = the fallback, SDPA's CPU backends) with the one FLOP count."""
+    assert DEFAULTS["cuda"]["head_dims"] == [128, 64, 512]
+    assert 512 not in DEFAULTS["cpu"]["head_dims"] + DEFAULTS["cpu_quick"]["head_dims"]
+    args = resolve_args(build_parser().parse_args([]), "cuda")
+    assert args.head_dims == [128, 64, 512]
+    tasks = [c for c, _ in plan_tasks(SweepConfig(
+        device="cuda", seq_lens=[4096], modes=["fwd"], dtypes=args.dtypes,
+        head_dims=args.head_dims, dropouts=args.dropout, providers=["kernels"],
+        tokens=args.tokens, hidden=args.hidden, quadratic_max_seq=8192))]
+    assert tasks[:4] == [("bfloat16", 128, 0.0), ("bfloat16", 128, 0.1), ("bfloat16", 64, 0.0),
+                         ("bfloat16", 512, 0.0)]
+    assert (2, 3, 257, 512) in parity_shapes("cuda", args.head_dims)
+    cfg = SweepConfig(device="cpu", seq_lens=[32], modes=["fwd", "fwd_bwd"], dtypes=["float32"],
+                      head_dims=[512], dropouts=[0.0],
+                      providers=["kernels", "sdpa_math", "sdpa_flash"], tokens=64, hidden=1024,
+                      quadratic_max_seq=1 << 30, cpu_reps=1, cpu_max_s=0.0)
+    rows = run_sweep(cfg, lambda name: getattr(torch, name))  # ours: the fallback on CPU
+    assert len(rows) == 3 * 2
+    for r in rows:
+        assert (r["head_dim"], r["heads"], r["batch"], r["seq_len"]) == (512, 2, 2, 32)
+        assert r["status"] == "ok", r
+        assert r.get("backend") == ("pytorch_fallback" if r["provider"] == "kernels" else None)
+        assert r["tflops"] == pytest.approx(tflops(
+            attention_flops(2, 2, 32, 32, 512, mode=r["mode"]), r["ms"]))
+    assert all(r["speedup_vs_best_sdpa"] > 0 for r in rows if r["provider"] == "kernels")
+
+
 def test_mixed_lengths_are_fixed_and_in_range():
     for total, lo, hi in ((16384, 128, 4096), (64, 8, 32), (5000, 100, 200), (50, 100, 300)):
         lens = mixed_lengths(total, lo, hi, seed=0)
@@ -691,14 +800,16 @@ def test_feature_rows_respect_the_time_budget():
     """A deadline already past: every feature row is written, none is measured (no kernel
     runs), each says why."""
     rows = feature_rows("cpu", torch.bfloat16, deadline=float("-inf"))
-    assert {r["bench"] for r in rows} == {"gqa", "window", "varlen", "decode", "hf", "sdpa_impl"}
+    assert {r["bench"] for r in rows} == {"gqa", "window", "chunk", "varlen", "mla", "decode",
+                                          "hf", "sdpa_impl"}
     assert all(r["ms"] is None for r in rows)
     assert all(r["status"] == "skipped: time budget" or r["status"].startswith(
         ("unsupported: ", "skipped: CUDA-only", "skipped: transformers")) for r in rows), {
         r["status"] for r in rows}
     assert {r["provider"] for r in rows if r["status"] == "skipped: time budget"} >= {
-        "kernels", "kernels_mha", "kernels_causal", "kernels_varlen", "kernels_dense_each",
-        "kernels_dense_padded", "kernels_unsplit", "kernels_dense"}
+        "kernels", "kernels_mha", "kernels_causal", "kernels_chunks_batched", "kernels_varlen",
+        "kernels_dense_each", "kernels_dense_padded", "kernels_padded", "kernels_unsplit",
+        "kernels_dense"}
     assert all(r.get("target_met") is None for r in rows)
     assert "features (shape:" in format_features(rows)
     # decode, then the integration rows (issue 12) last: every point written
@@ -739,6 +850,16 @@ def test_targets_in_the_table():
                  speedup_vs_full=3.0, ideal_speedup=4.27, target="3.5x", target_met=False)]
     text = format_features(rows)
     assert "1.2x MHA; target met" in text and "3x full (ideal 4.27x); TARGET MISSED" in text
+    text = format_features([dict(base, bench="chunk", provider="kernels", ms=1.0, heads=16,
+                                 heads_kv=16, seq_len=32768, chunk_size=8192,
+                                 speedup_vs_full=3.5, ideal_speedup=4.0,
+                                 speedup_vs_batched=0.95, target="3.2x", target_met=True),
+                            dict(base, bench="mla", provider="kernels", ms=1.0, heads=16,
+                                 heads_kv=16, head_dim=192, head_dim_v=128,
+                                 speedup_vs_padded=1.1, speedup_vs_best_sdpa=2.0,
+                                 target="padded", target_met=True)])
+    assert "1x16x32768 d128 c8192" in text and "3.5x full (ideal 4x), 0.95x batched" in text
+    assert "1x16x4096 d192/v128" in text and "1.1x padded v, 2x sdpa; target met" in text
     fb = dict(base, bench="fallback", dtype="float32", heads=2, heads_kv=None, seq_len=16384,
               head_dim=64)
     rows = fallback_compare([dict(fb, provider="kernels_fallback", ms=2.0,

@@ -154,10 +154,11 @@ BLACKWELL = Family(
 # (the 64-row forward needs 128 fp32 accumulator registers per thread at 8 warps, and Triton
 # caps 16-warp kernels at 128 registers: every 64-row config spilled 136 B - 7 KB; triton 3.6,
 # benchmarks/NOTES.md), so these are mma.sync tiles: the forward 32 x 32 (210 registers) and
-# 32 x 16 (173), dK/dV 16 x 32 (245) and 32 x 16 (207), dQ 16 x 16 (250), all spill-free.
+# 32 x 16 (173), dK/dV 16 x 32 (245) and 16 x 16 (167), dQ 16 x 16 (250), all spill-free; on
+# sm_86 (99 KiB per block) the dK/dV 16 x 32 does not fit and 16 x 16 (81920 B) is taken.
 WIDE_MIN_WIDTH = 512
 WIDE = dict(fwd=((32, 32, 8, 1), (32, 16, 8, 2)),
-            dkdv=((16, 32, 8, 2), (32, 16, 8, 1)),
+            dkdv=((16, 32, 8, 2), (16, 16, 8, 1)),
             dq=((16, 16, 8, 1),))
 
 _INTERPRET = triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=1, num_stages=1)

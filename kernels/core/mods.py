@@ -131,27 +131,37 @@ def lookup(name: str, kind):
 
 
 # ------------------------------------------------------------------------- built-in: softcap
+# cap · tanh(s / cap) = cap - 2 cap / (exp(2 s / cap) + 1): one MUFU.EX2 and one MUFU.RCP per
+# score, with the constants folded on the host (aux = (cap, 2 log2(e) / cap)) and an
+# approximate division (div.full.f32, 2 ulp: no IEEE range fix-ups). Exact at +-inf scores
+# (exp2 -> inf or 0). A first version, 1 - 2 / (exp2(2 x log2 e) + 1) with IEEE divisions,
+# cost ~13 instructions per score (benchmarks/NOTES.md, "Per-tile cost of the score mods").
 @triton.jit
-def _tanh(x):
-    """tanh through exp2 (the interpreter and every GPU have it; one MUFU.EX2 + one MUFU.RCP):
-    1 - 2 / (exp(2x) + 1), exact at +-inf (exp2 -> inf or 0)."""
-    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * _LOG2E)) + 1.0)
+def _softcap_recip(s, aux):
+    """1 / (exp(2 s / cap) + 1)."""
+    return tl.fdiv(1.0, tl.exp2(s * aux[1]) + 1.0, ieee_rounding=False)
 
 
 @triton.jit
 def _softcap_fn(s, b, h, q_idx, kv_idx, aux):
     cap = aux[0]
-    return cap * _tanh(s / cap)
+    return cap - 2.0 * cap * _softcap_recip(s, aux)
 
 
 @triton.jit
 def _softcap_grad(ds, s, b, h, q_idx, kv_idx, aux):
-    t = _tanh(s / aux[0])
+    # d/ds cap · tanh(s / cap) = 1 - tanh², tanh = 1 - 2 r.
+    t = 1.0 - 2.0 * _softcap_recip(s, aux)
     return ds * (1.0 - t * t)
 
 
 def _softcap_torch(s, b, h, q_idx, kv_idx, aux):
     return aux[0] * torch.tanh(s / aux[0])
+
+
+def softcap_aux(cap: float) -> tuple:
+    """The built-in soft-capping mod's aux: (cap, 2 log2(e) / cap)."""
+    return (float(cap), 2.0 * LOG2E / float(cap))
 
 
 SOFTCAP = ScoreMod("softcap", _softcap_fn, _softcap_torch, _softcap_grad)
@@ -202,7 +212,7 @@ class CallMods:
         """[(ScoreMod, its aux)] in the pipeline's order: softcap, ALiBi, the user's."""
         mods = []
         if self.softcap is not None:
-            mods.append((SOFTCAP, (float(self.softcap),)))
+            mods.append((SOFTCAP, softcap_aux(self.softcap)))
         if self.alibi_slopes is not None:
             a = self.alibi_slopes
             mods.append((ALIBI, (a, a.stride(0) if a.dim() == 2 else 0)))
