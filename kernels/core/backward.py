@@ -48,7 +48,8 @@ from .common import (LOG2E, block_d, dot_operand, dot_precision, interpreter_act
 from .configs import (BWD_TUNE_KEY, autotune_enabled, bwd_configs, fixed_config,
                       prune_bwd_configs)
 from .score import dropout_keep, probs_from_lse, scaled_scores, score_grad
-from .tiles import key_range, query_range, seq_bounds
+from .tiles import (clamp_ranges, key_range, mask_key_bounds, mask_query_bounds, query_range,
+                    seq_bounds)
 
 _LOG2E = tl.constexpr(LOG2E)
 # Elements per program of the (memory-bound) delta pre-pass, independent of the autotuned
@@ -166,6 +167,10 @@ def _bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV,
     CAUSAL: tl.constexpr = SPEC.causal
     lo, full_lo, full_hi, hi = query_range(start_n, q_len, k_len, score.window, CAUSAL,
                                            SPEC.edge, BLOCK_M, BLOCK_N)
+    if SPEC.mask_ranges is not None:
+        # The mask mod's own bound on the query rows that see these keys (kernels/core/mods.py).
+        c0, c1 = mask_query_bounds(b, start_n, diag, score, SPEC, BLOCK_M, BLOCK_N)
+        lo, full_lo, full_hi, hi = clamp_ranges(lo, full_lo, full_hi, hi, c0, c1)
 
     # The first query tiles run before the pipelined loop: the causal diagonal, or without a
     # causal mask (no diagonal) the first unmasked tile, peeled off. A pipelined loop that
@@ -302,6 +307,9 @@ def _bwd_dq(Q, K, V, DO, LSE, Delta, DQ,
     # pipelined, ptxas serializes the kernel's wgmma on sm_90 (C7515; benchmarks/NOTES.md).
     lo, full_lo, full_hi, hi = key_range(start_m, start_m + BLOCK_M, q_len, k_len, score.window,
                                          SPEC.causal, SPEC.edge, BLOCK_N)
+    if SPEC.mask_ranges is not None:
+        c0, c1 = mask_key_bounds(b, start_m, start_m + BLOCK_M, diag, score, SPEC, BLOCK_N)
+        lo, full_lo, full_hi, hi = clamp_ranges(lo, full_lo, full_hi, hi, c0, c1)
     MASKED: tl.constexpr = (True, False, True)
     for RANGE in tl.static_range(0 if SPEC.edge != 0 else 1, 3):
         if RANGE == 0:

@@ -152,6 +152,7 @@ class ScoreSpec(NamedTuple):
     mods: tuple           # ModFns of each score mod, in the pipeline's order
     mask_mod: object      # the mask mod's @triton.jit fn, or None
     sinks: bool
+    mask_ranges: object = None   # (kv_range, q_range) of the mask mod, or None
 
 
 class DropArgs(NamedTuple):
@@ -246,7 +247,9 @@ def score_spec(call: AttentionCall) -> ScoreSpec:
     return ScoreSpec(causal=call.causal, edge=call.edge,
                      mods=tuple(ModFns(m.fn, m.grad) for m, _ in mods.score_mods()),
                      mask_mod=None if mods.mask_mod is None else mods.mask_mod.fn,
-                     sinks=mods.sinks is not None)
+                     sinks=mods.sinks is not None,
+                     mask_ranges=None if mods.mask_mod is None or mods.mask_mod.kv_range is None
+                     else (mods.mask_mod.kv_range, mods.mask_mod.q_range))
 
 
 def packed_view(x):

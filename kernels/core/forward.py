@@ -19,7 +19,7 @@ from .configs import (FWD_TUNE_KEY, PACK_GQA_MAX_Q_LEN, autotune_enabled, clamp_
                       fixed_config, fwd_configs, nominal_tiles, num_splits_heuristic,
                       prune_configs)
 from .score import dropout_keep, finish_rows, mask_scores, online_softmax, scaled_scores
-from .tiles import key_range, seq_bounds
+from .tiles import clamp_ranges, key_range, mask_key_bounds, seq_bounds
 from .splitkv import combine_splits
 
 
@@ -141,15 +141,17 @@ def _attn_fwd(Q, K, V, O, LSE,
 
     lo, full_lo, full_hi, hi = key_range(m_lo, m_hi, q_len, k_len, score.window, SPEC.causal,
                                          SPEC.edge, BLOCK_N)
+    diag = k_len - q_len
+    if SPEC.mask_ranges is not None:
+        # The mask mod's own bound on the keys these rows see (kernels/core/mods.py).
+        c0, c1 = mask_key_bounds(b, m_lo, m_hi, diag, score, SPEC, BLOCK_N)
+        lo, full_lo, full_hi, hi = clamp_ranges(lo, full_lo, full_hi, hi, c0, c1)
     if SPLIT:
         # Split s takes an even share of this block's key tiles; all bounds stay tile-aligned.
         per_split = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), split.num_splits) * BLOCK_N
         c0 = tl.minimum(lo + split_id * per_split, hi)
         c1 = tl.minimum(c0 + per_split, hi)
-        lo = tl.maximum(lo, c0)
-        full_lo = tl.minimum(tl.maximum(full_lo, c0), c1)
-        full_hi = tl.minimum(tl.maximum(full_hi, c0), c1)
-        hi = c1
+        lo, full_lo, full_hi, hi = clamp_ranges(lo, full_lo, full_hi, hi, c0, c1)
     # Three ranges of key tiles (kernels/core/tiles.py), visited in order: RANGE 0, the
     # window's or chunk's left edge (masked; only with an edge); RANGE 1, the tiles every row of the block
     # fully sees (the hot loop: no mask, no bounds checks); RANGE 2, the diagonal band and the
@@ -158,7 +160,6 @@ def _attn_fwd(Q, K, V, O, LSE,
     # before it, makes ptxas serialize every wgmma of the kernel on sm_90 (warning C7515),
     # which forfeits Hopper's tensor-core overlap (benchmarks/NOTES.md). The diagonal loop is
     # a few tiles long.
-    diag = k_len - q_len
     offs_n0 = tl.arange(0, BLOCK_N)
     MASKED: tl.constexpr = (True, False, True)
     for RANGE in tl.static_range(0 if SPEC.edge != 0 else 1, 3):

@@ -33,11 +33,25 @@ of every (query, key) pair before masking and the softmax::
   it), ``b``, ``h``, ``q_idx``, ``kv_idx`` int64 tensors broadcastable against it. The
   fallback differentiates it with autograd.
 
-``MaskMod(name, fn, torch_fn)`` hides (query, key) pairs on top of the built-in rules (causal,
-window, chunk): ``fn(b, h, q_idx, kv_idx, aux) -> bool`` (True = visible), same arguments as
-above. Tile skipping: the kernels skip the tiles that the built-in rules hide (causal, window,
-chunk_size), and apply a mask mod to every tile they visit -- a call with a mask mod has no
-unmasked fast path. Rows that a mask leaves without any key give zeros (lse -inf), as always.
+``MaskMod(name, fn, torch_fn, kv_range=None, q_range=None)`` hides (query, key) pairs on top of
+the built-in rules (causal, window, chunk): ``fn(b, h, q_idx, kv_idx, aux) -> bool`` (True =
+visible), same arguments as above. Rows that a mask leaves without any key give zeros (lse
+-inf), as always. A call with a mask mod has no unmasked fast path: every tile a kernel visits
+applies it.
+
+Which tiles a mask mod skips: the kernels always skip the tiles the built-in rules hide. A mask
+mod may also bound its own pattern with two @triton.jit functions, given together:
+
+    kv_range(b, q_lo, q_hi, aux) -> (kv_lo, kv_hi)   queries at positions [q_lo, q_hi) see keys
+                                                      in [kv_lo, kv_hi) only
+    q_range(b, kv_lo, kv_hi, aux) -> (q_lo, q_hi)     keys [kv_lo, kv_hi) are seen by query
+                                                      positions in [q_lo, q_hi) only
+
+(int32 scalars; positions on the key axis as ``q_idx``; any superset is correct, a range that
+leaves out a visible pair is a wrong answer). The forward and dQ kernels then visit only the key
+tiles in [kv_lo, kv_hi) of each query block and the dK/dV kernel only the query tiles in
+[q_lo, q_hi) of each key block: a document mask or a prefix-LM pattern costs what it sees. The
+PyTorch fallback applies the mask to whole blocks and does not use the bounds.
 
 Built-in mods (``softcap``, ``alibi``) are ScoreMods written against the same contract, each
 with its own ``aux`` (the cap; the slopes and their batch stride) instead of the call's
@@ -110,11 +124,18 @@ class MaskMod:
     name: str
     fn: object                      # @triton.jit (b, h, q_idx, kv_idx, aux) -> bool
     torch_fn: Callable              # PyTorch twin -> bool tensor
+    kv_range: Optional[object] = None   # @triton.jit (b, q_lo, q_hi, aux) -> (kv_lo, kv_hi)
+    q_range: Optional[object] = None    # @triton.jit (b, kv_lo, kv_hi, aux) -> (q_lo, q_hi)
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
             raise TypeError(f"MaskMod name must be a non-empty str, got {self.name!r}")
         _check_jit("MaskMod.fn", self.fn)
+        _check_jit("MaskMod.kv_range", self.kv_range, optional=True)
+        _check_jit("MaskMod.q_range", self.q_range, optional=True)
+        if (self.kv_range is None) != (self.q_range is None):
+            raise ValueError("MaskMod.kv_range and q_range bound the same pattern from both "
+                             "sides (forward / dQ and dK/dV kernels): give both or neither")
         if not callable(self.torch_fn):
             raise TypeError(f"MaskMod.torch_fn must be callable, got {self.torch_fn!r}")
         _register(self)

@@ -159,3 +159,36 @@ def query_range(start_n, q_len, k_len, window, CAUSAL: tl.constexpr, EDGE: tl.co
         full_hi = q_len
         hi = q_len
     return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def clamp_ranges(lo, full_lo, full_hi, hi, c0, c1):
+    """The ranges (lo, full_lo, full_hi, hi) of ``key_range`` / ``query_range`` cut to [c0, c1)
+    (c0 a multiple of the tile size; c1 too, or >= hi): still ordered, each range a subset of
+    its own, so an unmasked range stays inside the original unmasked one."""
+    lo = tl.maximum(lo, c0)
+    full_lo = tl.minimum(tl.maximum(full_lo, c0), c1)
+    full_hi = tl.minimum(tl.maximum(full_hi, c0), c1)
+    hi = tl.minimum(hi, c1)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def mask_key_bounds(b, m_lo, m_hi, diag, score, SPEC: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[c0, c1) tile-aligned: the keys a mask mod's ``kv_range`` lets query rows [m_lo, m_hi)
+    see (kernels/core/mods.py); call only when ``SPEC.mask_ranges`` is set."""
+    kv_lo, kv_hi = SPEC.mask_ranges[0](b, m_lo + diag, m_hi + diag, score.mask_aux)
+    c0 = (tl.maximum(kv_lo, 0) // BLOCK_N) * BLOCK_N
+    c1 = tl.cdiv(tl.maximum(kv_hi, c0), BLOCK_N) * BLOCK_N
+    return c0, c1
+
+
+@triton.jit
+def mask_query_bounds(b, start_n, diag, score, SPEC: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
+    """[c0, c1) multiples of BLOCK_M: the query rows a mask mod's ``q_range`` says can see keys
+    [start_n, start_n + BLOCK_N); call only when ``SPEC.mask_ranges`` is set."""
+    p_lo, p_hi = SPEC.mask_ranges[1](b, start_n, start_n + BLOCK_N, score.mask_aux)
+    c0 = (tl.maximum(p_lo - diag, 0) // BLOCK_M) * BLOCK_M
+    c1 = tl.cdiv(tl.maximum(p_hi - diag, c0), BLOCK_M) * BLOCK_M
+    return c0, c1

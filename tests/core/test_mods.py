@@ -71,6 +71,35 @@ def _causal_or_prefix(b, h, q_idx, kv_idx, aux):
 PREFIX_OR_CAUSAL = MaskMod("tests.prefix_or_causal", _causal_or_prefix, _prefix_or_causal)
 
 
+@triton.jit
+def _same_doc(b, h, q_idx, kv_idx, aux):
+    """Documents of aux[1][0] positions each: a query sees its own document only."""
+    size = tl.load(aux[1])
+    return (q_idx // size) == (kv_idx // size)
+
+
+@triton.jit
+def _doc_keys(b, q_lo, q_hi, aux):
+    size = tl.load(aux[1])
+    return (q_lo // size) * size, ((q_hi - 1) // size + 1) * size
+
+
+@triton.jit
+def _doc_queries(b, kv_lo, kv_hi, aux):
+    size = tl.load(aux[1])
+    return (kv_lo // size) * size, ((kv_hi - 1) // size + 1) * size
+
+
+def _same_doc_torch(b, h, q_idx, kv_idx, aux):
+    size = aux[1].reshape(-1)[0]
+    return (q_idx // size) == (kv_idx // size)
+
+
+DOCUMENTS = MaskMod("tests.documents", _same_doc, _same_doc_torch, kv_range=_doc_keys,
+                    q_range=_doc_queries)
+DOCUMENTS_UNBOUNDED = MaskMod("tests.documents_unbounded", _same_doc, _same_doc_torch)
+
+
 # ------------------------------------------------------------------ helpers
 def _oracle_kwargs(case):
     """The oracle takes the mods' PyTorch twins."""
@@ -251,6 +280,38 @@ def test_chunk_never_reads_hidden_keys():
                               causal=True)
     assert_parity(clean, ref, reference.attention(q, k[:, :, 32:], v[:, :, 32:], causal=True,
                                                   upcast=False))
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning")
+@pytest.mark.parametrize("mod", [DOCUMENTS, DOCUMENTS_UNBOUNDED], ids=["bounded", "unbounded"])
+def test_mask_mod_ranges_skip_tiles(mod):
+    """A document mask (documents of 16 positions) with kv_range / q_range: parity, and the
+    tiles of other documents are never read -- NaN values of keys 0..31 (two 16-key tiles)
+    leave the last document's rows untouched, NaN queries 0..31 leave its keys' dK / dV
+    untouched. Without the ranges the same mask visits those tiles (NaN reaches them)."""
+    aux = (torch.zeros(1), torch.tensor([16], dtype=torch.int32, device=DEVICE))
+    kw = dict(causal=False, mask_mod=mod, mod_aux=aux)
+    _check(kw, hq=2, hkv=2, q_len=48, k_len=48)
+    q, k, v = (randn(1, 2, 48, 16, requires_grad=True) for _ in range(3))
+    out = kernels.attention(q, k, v, **kw)
+    dq, dk, dv = _grads(out, (q, k, v), torch.ones_like(out))
+    pv, pq = v.detach().clone(), q.detach().clone()
+    pv[:, :, :32], pq[:, :, :32] = float("nan"), float("nan")
+    poisoned = kernels.attention(q.detach(), k.detach(), pv, **kw)
+    pq.requires_grad_(), k.requires_grad_()
+    out_q = kernels.attention(pq, k, v, **kw)
+    _, dk_q, dv_q = _grads(out_q, (pq, k, v), torch.ones_like(out_q))
+    if mod is DOCUMENTS:
+        assert torch.equal(poisoned[:, :, 32:], out[:, :, 32:].detach())
+        assert torch.equal(dk_q[:, :, 32:], dk[:, :, 32:])
+        assert torch.equal(dv_q[:, :, 32:], dv[:, :, 32:])
+    else:
+        assert torch.isnan(poisoned[:, :, 32:]).any()
+
+
+def test_mask_ranges_come_in_pairs():
+    with pytest.raises(ValueError, match="give both or neither"):
+        MaskMod("tests.half_bounded", _same_doc, _same_doc_torch, kv_range=_doc_keys)
 
 
 # tanh's exp2 overflows to +inf on purpose (tanh = 1 there); numpy says so in the interpreter.
