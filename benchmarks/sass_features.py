@@ -244,7 +244,8 @@ def report(results, head_dims, variants, tutorial):
         print(f"\nhead_dim {hd}" + (f"  (tutorial 06 at its best-known config: "
                                       f"{tutorial[hd]:.0f} per tile)" if tutorial.get(hd) else ""))
         print(f"  {'variant':<34}{'config':<14}{'regs':>5}{'CTA/SM':>7}{'total':>7}{'delta':>7}"
-              f"{'d/score':>8}{'MUFU/score':>11}{'diag/blk':>9}{'d diag':>7}  classes changed (per tile)")
+              f"{'d/score':>8}{'MUFU/score':>11}{'diag/blk':>9}{'d diag':>7}"
+              "  classes changed (per tile)")
         for name in variants:
             r = results.get((name, hd))
             label = VARIANTS[name][0]

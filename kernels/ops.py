@@ -133,7 +133,8 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             softmax_scale: float, seed: torch.Tensor, window: int, num_splits: int,
             drop_layout: Optional[list[int]], chunk_size: int, softcap: float,
             alibi_slopes: Optional[torch.Tensor], sinks: Optional[torch.Tensor],
-            score_mod: str, mask_mod: str, mod_aux: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+            score_mod: str, mask_mod: str, mod_aux: list[torch.Tensor]
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     call = AttentionCall.from_op(causal, softmax_scale, dropout_p, seed, window, drop_layout,
                                  chunk_size, _op_mods(softcap, alibi_slopes, sinks, score_mod,
                                                       mask_mod, mod_aux))
@@ -289,7 +290,8 @@ def attention(q, k, v, *, causal=True, dropout_p=0.0, softmax_scale=None, seed=N
             ``repeat_interleave`` and of SDPA's ``enable_gqa=True``. k and v are never copied
             or expanded. Any strides: views such as ``x.view(b, s, h, d).transpose(1, 2)`` are
             read in place (a copy is made only when the last dim is not unit-stride, on every
-            path, the CPU fallback included). 1 <= head_dim, head_dim_v <= 512. heads_q = 0 is an empty
+            path, the CPU fallback included). 1 <= head_dim, head_dim_v <= 512. heads_q = 0 is
+            an empty
             problem (empty out and lse, zero gradients for k and v), like batch = 0;
             heads_kv = 0 with heads_q >= 1 is a ValueError.
         causal: mask keys in the future, aligned bottom-right when q_len != k_len::
@@ -362,7 +364,8 @@ def attention(q, k, v, *, causal=True, dropout_p=0.0, softmax_scale=None, seed=N
 
     Returns:
         out: (batch, heads_q, q_len, head_dim_v) in q's dtype. It has q's memory layout when q
-            is dense (and head_dim_v == head_dim), so a head split by ``view().transpose(1, 2)`` merges back with a free
+            is dense (and head_dim_v == head_dim), so a head split by ``view().transpose(1, 2)``
+            merges back with a free
             ``out.transpose(1, 2).reshape(batch, q_len, heads * head_dim)``.
         lse (only with ``return_lse``): float32 (batch, heads_q, q_len), natural log, -inf for a
             row that sees no key. Not differentiable.
@@ -529,7 +532,8 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, *
             read natively).
         cache_seqlens: int32 (batch,): how many positions of each row's cache are filled
             (rows may differ). Not modified: the caller advances it.
-        k, v: optional (batch, heads_kv, q_len, head_dim or head_dim_v): written into the caches **in
+        k, v: optional (batch, heads_kv, q_len, head_dim or head_dim_v): written into the
+            caches **in
             place** at positions cache_seqlens[b] ... cache_seqlens[b] + q_len - 1 before
             attending. Lengths on the CPU are checked (negative, or past max_len: ValueError);
             lengths on the GPU are the caller's contract (not read, to avoid a sync), and the

@@ -63,8 +63,8 @@ def _bwd_preprocess(O, DO, Delta, stride_o, stride_do, stride_lse, seq,
                     BLOCK_D: tl.constexpr):
     """delta[b, h, i] = sum_d dO[b, h, i, d] * O[b, h, i, d] in fp32.
 
-    O, DO: (B, heads_q, q_len, HEAD_DIM) (the value head dim), unit stride on the last dim (VARLEN: packed, rows of
-    sequence b from seq.cu_q). Delta: fp32 in the lse layout (b * stride_lse[0] +
+    O, DO: (B, heads_q, q_len, HEAD_DIM) (the value head dim), unit stride on the last dim
+    (VARLEN: packed, rows of sequence b from seq.cu_q). Delta: fp32 in the lse layout (b * stride_lse[0] +
     h * stride_lse[1] + row). Grid: (cdiv(q_len or max_seqlen_q, BLOCK_M), heads_q, batch or
     number of sequences).
     """
@@ -121,7 +121,8 @@ def _bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV,
     heads_kv; any strides with a unit last one, ``stride_x`` = x's
     (batch, head, row) strides (VARLEN: packed as in the forward). LSE (natural log, -inf for
     rows that see no key) and Delta: fp32 in the lse layout. ``seq``, ``score``, ``drop``,
-    SPEC: as in the forward. Grid: (cdiv(k_len or max_seqlen_k, BLOCK_N), heads_kv, batch or number of
+    SPEC: as in the forward. Grid: (cdiv(k_len or max_seqlen_k, BLOCK_N), heads_kv, batch or
+    number of
     sequences).
 
     The group of query heads that share this kv head are summed here, one after another in a
@@ -257,7 +258,8 @@ def _bwd_dq(Q, K, V, DO, LSE, Delta, DQ,
     """dQ for one block of BLOCK_M queries of one (batch or packed sequence, query head).
 
     Shapes, strides and grouped arguments as in ``_bwd_dkdv``; DQ like Q. Query head h reads
-    kv head h // seq.group. K and V are loaded transposed ((BLOCK_D or BLOCK_DV), BLOCK_N) so S = Q K^T and
+    kv head h // seq.group. K and V are loaded transposed ((BLOCK_D or BLOCK_DV), BLOCK_N) so
+    S = Q K^T and
     dPd = dO V^T need no register transpose. Grid: (cdiv(q_len or max_seqlen_q, BLOCK_M),
     heads_q, batch or number of sequences).
     """

@@ -60,11 +60,10 @@ def _attn_fwd(Q, K, V, O, LSE,
     so every K/V tile is read once per group (decoding, where q_len is small).
 
     Q: (B, heads_q, q_len, HEAD_DIM); K: (B, heads_kv, k_len, HEAD_DIM); V: (B, heads_kv,
-    k_len, HEAD_DIM_V); O: (B, heads_q, q_len, HEAD_DIM_V); heads_q = group * heads_kv (query head h reads kv head h // group); unit stride in the last
-    dim; ``stride_x`` = x's (batch, head, row) strides. SPEC: the score pipeline's ScoreSpec
-    (causal, window / chunk edge, score and mask mods, sinks). Grouped arguments
-    (kernels/core/call.py):
-    ``seq`` (SeqArgs: group, lengths; VARLEN: B = 1 with zero batch strides and sequence b is
+    k_len, HEAD_DIM_V); O: (B, heads_q, q_len, HEAD_DIM_V); heads_q = group * heads_kv (query
+    head h reads kv head h // group); unit stride in the last dim; ``stride_x`` = x's (batch,
+    head, row) strides. SPEC: the score pipeline's ScoreSpec (causal, window / chunk edge, score
+    and mask mods, sinks). Grouped arguments (kernels/core/call.py): ``seq`` (SeqArgs: group, lengths; VARLEN: B = 1 with zero batch strides and sequence b is
     rows cu_q[b]:cu_q[b+1] of Q (cu_k for K, V); SEQUSED_K: batch entry b has k_lens[b] keys, a
     KV cache's filled length), ``score`` (ScoreArgs), ``drop`` (DropArgs: the dropout mask's
     row ids and columns, kernels/core/dropout.py), ``split`` (SplitArgs). DROPOUT: 0 off, 1 on,
@@ -153,7 +152,8 @@ def _attn_fwd(Q, K, V, O, LSE,
         c1 = tl.minimum(c0 + per_split, hi)
         lo, full_lo, full_hi, hi = clamp_ranges(lo, full_lo, full_hi, hi, c0, c1)
     # Three ranges of key tiles (kernels/core/tiles.py), visited in order: RANGE 0, the
-    # window's or chunk's left edge (masked; only with an edge); RANGE 1, the tiles every row of the block
+    # window's or chunk's left edge (masked; only with an edge); RANGE 1, the tiles every row of
+    # the block
     # fully sees (the hot loop: no mask, no bounds checks); RANGE 2, the diagonal band and the
     # ragged last tile (masked). Software pipelining (the config's num_stages) for the loops
     # before the diagonal only: a pipelined loop after the unmasked one, or an unpipelined one
@@ -232,7 +232,8 @@ def attention_forward(q, k, v, call=None, *, cu_seqlens_q=None, cu_seqlens_k=Non
             heads_q, D), k (total_k, heads_kv, D), v (total_k, heads_kv, Dv). Same dtype and
             device, unit stride in the last dim (any other strides), 1 <= D, Dv <= 512.
         call: the call's ``AttentionCall`` (kernels/core/call.py: causal, softmax_scale,
-            dropout_p, seed, window, chunk_size, drop_layout, mods); or its fields as keywords (``causal=``,
+            dropout_p, seed, window, chunk_size, drop_layout, mods); or its fields as keywords
+            (``causal=``,
             ``softmax_scale=``, ``dropout_p=``, ``seed=``, ...).
         cu_seqlens_q, cu_seqlens_k: int32 (num_seqs + 1,) row offsets of the packed sequences
             (validated by the caller); max_seqlen_q, max_seqlen_k: ints >= every sequence's

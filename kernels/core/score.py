@@ -128,7 +128,8 @@ def finish_rows(m_i, l_i, h, score, SINKS: tl.constexpr):
     """(o_scale, lse) at the end of the online softmax: the factor that normalises a row's
     accumulator and the row's natural-log log-sum-exp.
 
-    With SINKS (the launch's ``SPEC.sinks``, off for split-KV partials) the head's sink logit joins the denominator:
+    With SINKS (the launch's ``SPEC.sinks``, off for split-KV partials) the head's sink logit
+    joins the denominator:
     lse = log(exp(sink_h) + Σ_j exp(s_j)). Rows that saw no key (l_i = 0) get o_scale 0 and
     lse -inf -- or, with a sink, lse = sink_h (their output stays 0: the sink has no value).
     """

@@ -7,7 +7,6 @@ float64 math over transformers' own boolean mask (``masking_utils.sdpa_mask``, t
 attention adds); transformers' fp32 ``eager`` attention is the PyTorch baseline of the parity
 rule. Without transformers (the ``[hf]`` extra) the file is skipped.
 """
-import copy
 import os
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import sys
 import pytest
 import torch
 from helpers import GRAD_FACTOR, assert_parity
+from hf_helpers import VOCAB, masked_attention, models, padded_batch
 
 transformers = pytest.importorskip(
     "transformers", reason="Hugging Face transformers is not installed (pip install -e '.[hf]')")
@@ -23,7 +23,6 @@ from transformers import masking_utils as mu  # noqa: E402
 from kernels import hf  # noqa: E402
 
 ORACLE = "f64_oracle_for_tests"
-VOCAB = 64
 
 
 # --------------------------------------------------------------------------------------------
@@ -34,24 +33,11 @@ def _oracle_mask(*args, **kwargs):
     return mu.sdpa_mask(*args, **kwargs)
 
 
-def _masked_attention(q, k, v, mask, scaling, dtype=torch.float64):
-    """softmax(q kᵀ · scaling) v in ``dtype`` with a boolean (batch, 1, q_len, k_len) mask; rows
-    that see no key give zeros. Returns (batch, q_len, heads, head_dim)."""
-    group = q.shape[1] // k.shape[1]
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    s = (q @ k.transpose(-1, -2)) * scaling
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
-    return (p @ v).transpose(1, 2)
-
-
 def _oracle_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                       **kwargs):
     assert dropout == 0.0
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    out = _masked_attention(query, key, value, attention_mask, scaling)
+    out = masked_attention(query, key, value, attention_mask, scaling)
     return out.to(query.dtype), None
 
 
@@ -84,27 +70,7 @@ def _config(kind, **overrides):
 
 def _models(kind, **overrides):
     """(ours, eager fp32, float64 oracle): one set of random weights."""
-    eager = transformers.AutoModelForCausalLM.from_config(
-        _config(kind, **overrides), attn_implementation="eager").eval()
-    ours = copy.deepcopy(eager)
-    ours.set_attn_implementation("triton_fused")
-    oracle = copy.deepcopy(eager).double()
-    oracle.set_attn_implementation(ORACLE)
-    assert ours.config._attn_implementation == "triton_fused"
-    return ours, eager, oracle
-
-
-def _padded_batch(lengths, total, *, left):
-    """Token ids and a 2-D attention mask; row r has lengths[r] tokens, padded on the left or
-    right (left[r])."""
-    ids = torch.randint(1, VOCAB, (len(lengths), total))
-    mask = torch.zeros(len(lengths), total, dtype=torch.long)
-    for r, (n, lft) in enumerate(zip(lengths, left)):
-        if lft:
-            mask[r, total - n:] = 1
-        else:
-            mask[r, :n] = 1
-    return ids.masked_fill(mask == 0, 0), mask
+    return models(transformers, _config(kind, **overrides), ORACLE)
 
 
 # --------------------------------------------------------------------------------------------
@@ -202,8 +168,8 @@ def test_attention_matches_transformers_mask(case):
     assert weights is None and out.shape == (batch, q_len, heads, dim)
 
     ref_mask = mu.sdpa_mask(**{**sizes, "q_offset": q_off}, allow_is_causal_skip=False)
-    ref = _masked_attention(q, k, v, ref_mask, 0.3)
-    lowp = _masked_attention(q, k, v, ref_mask, 0.3, dtype=torch.float32)
+    ref = masked_attention(q, k, v, ref_mask, 0.3)
+    lowp = masked_attention(q, k, v, ref_mask, 0.3, dtype=torch.float32)
     # Rows at padding positions are undefined in transformers (zeros here, as flash_attention_2).
     padded = torch.nn.functional.pad(mask2d, (0, max(0, kv_off + kv_len - width)))
     valid_q = padded[:, q_off:q_off + q_len]
@@ -259,7 +225,7 @@ def test_models_refuse_what_they_cannot_do_exactly():
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen2"])
 def test_logits_match_eager(kind):
     ours, eager, oracle = _models(kind)
-    ids, mask = _padded_batch([7, 5], 9, left=[False, True])  # right- and left-padded rows
+    ids, mask = padded_batch([7, 5], 9, left=[False, True])  # right- and left-padded rows
     with torch.no_grad():
         for attention_mask in (mask, None):  # padded (packed kernel), unpadded (dense kernel)
             valid = (mask if attention_mask is not None else torch.ones_like(mask)).bool()
@@ -298,7 +264,7 @@ def test_greedy_generate_matches_eager(kind, cache):
     (keys past the last query are empty slots); Qwen2 generates past its sliding window, so its
     window layer's cache drops keys (kv_offset > 0)."""
     ours, eager, _ = _models(kind)
-    ids, mask = _padded_batch([6, 3], 6, left=[True, True])
+    ids, mask = padded_batch([6, 3], 6, left=[True, True])
     kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
     if cache == "static":
         kw["cache_implementation"] = "static"
@@ -314,7 +280,7 @@ def test_training_step_gradients_match_eager(kind):
     ours, eager, oracle = _models(kind)
     for m in (ours, eager, oracle):
         m.train()
-    ids, mask = _padded_batch([8, 5], 8, left=[False, True])
+    ids, mask = padded_batch([8, 5], 8, left=[False, True])
     labels = ids.masked_fill(mask == 0, -100)
     for m in (ours, eager, oracle):
         m(ids, attention_mask=mask, labels=labels).loss.backward()

@@ -16,11 +16,11 @@ model's feature is first shown to change that oracle's logits, so a kernel ignor
 Without transformers (the ``[hf]`` extra) the file is skipped.
 """
 import contextlib
-import copy
 
 import pytest
 import torch
 from helpers import GRAD_FACTOR, assert_parity
+from hf_helpers import VOCAB, masked_attention, models, padded_batch
 
 transformers = pytest.importorskip(
     "transformers", reason="Hugging Face transformers is not installed (pip install -e '.[hf]')")
@@ -29,7 +29,6 @@ from transformers import masking_utils as mu  # noqa: E402
 from kernels import hf, ops  # noqa: E402
 
 ORACLE = "f64_oracle_new_models"
-VOCAB = 64
 KINDS = ["gemma2", "gpt_oss", "llama4", "gemma4", "deepseek_v2", "deepseek_v3"]
 
 
@@ -38,27 +37,6 @@ KINDS = ["gemma2", "gpt_oss", "llama4", "gemma4", "deepseek_v2", "deepseek_v3"]
 # --------------------------------------------------------------------------------------------
 # Features the oracle leaves out while a test shows that they matter (see _oracle_without).
 _IGNORED = set()
-
-
-def _reference(q, k, v, mask, scaling, *, softcap=None, sinks=None, dtype=torch.float64):
-    """Eager's attention in ``dtype``: softcap · tanh(q kᵀ · scaling / softcap), a boolean
-    (batch, 1, q_len, k_len) mask, one sink logit per head in the softmax (dropped after it,
-    as gpt-oss), then @ v (v may have its own head_dim). Rows that see no key give zeros.
-    Returns (batch, q_len, heads, v_dim)."""
-    group = q.shape[1] // k.shape[1]
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    s = (q @ k.transpose(-1, -2)) * scaling
-    if softcap is not None:
-        s = softcap * torch.tanh(s / softcap)
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
-    if sinks is not None:
-        sink = sinks.to(dtype).reshape(1, -1, 1, 1).expand(*s.shape[:-1], 1)
-        p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
-    else:
-        p = torch.softmax(s, dim=-1).nan_to_num(0.0)
-    return (p @ v).transpose(1, 2)
 
 
 def _oracle_mask(*args, **kwargs):
@@ -74,7 +52,7 @@ def _oracle_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     assert dropout == 0.0
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     sinks = s_aux if s_aux is not None else sinks
-    out = _reference(query, key, value, attention_mask, scaling,
+    out = masked_attention(query, key, value, attention_mask, scaling,
                      softcap=None if "softcap" in _IGNORED else softcap,
                      sinks=None if "sinks" in _IGNORED else sinks)
     return out.to(query.dtype), None
@@ -135,34 +113,19 @@ def _config(kind):
     raise ValueError(kind)
 
 
+def _spread_sinks(model):
+    """gpt-oss: sinks spread over heads, not all near 0 as initialised."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 1.0)
+
+
 def _models(kind):
-    """(ours, eager fp32, float64 oracle): one set of random weights."""
-    # Eager experts (gpt-oss' MoE): the default grouped matmul has no float64 for the oracle.
-    eager = transformers.AutoModelForCausalLM.from_config(
-        _config(kind), attn_implementation="eager", experts_implementation="eager").eval()
-    if kind == "gpt_oss":  # sinks spread over heads, not all near 0 as initialised
-        with torch.no_grad():
-            for layer in eager.model.layers:
-                layer.self_attn.sinks.normal_(0.0, 1.0)
-    ours = copy.deepcopy(eager)
-    ours.set_attn_implementation("triton_fused")
-    oracle = copy.deepcopy(eager).double()
-    oracle.set_attn_implementation(ORACLE)
-    assert ours.config._attn_implementation == "triton_fused"
-    return ours, eager, oracle
-
-
-def _padded_batch(lengths, total, *, left):
-    """Token ids and a 2-D attention mask; row r has lengths[r] tokens, padded on the left or
-    right (left[r])."""
-    ids = torch.randint(1, VOCAB, (len(lengths), total))
-    mask = torch.zeros(len(lengths), total, dtype=torch.long)
-    for r, (n, lft) in enumerate(zip(lengths, left)):
-        if lft:
-            mask[r, total - n:] = 1
-        else:
-            mask[r, :n] = 1
-    return ids.masked_fill(mask == 0, 0), mask
+    """(ours, eager fp32, float64 oracle): one set of random weights. Eager experts (gpt-oss'
+    MoE): the default grouped matmul has no float64 for the oracle."""
+    return models(transformers, _config(kind), ORACLE,
+                  prepare=_spread_sinks if kind == "gpt_oss" else None,
+                  experts_implementation="eager")
 
 
 def test_configs_have_the_features_under_test():
@@ -222,9 +185,10 @@ def test_attention_function_features(case, feature):
     assert weights is None and out.shape == (batch, q_len, heads, v_dim)
 
     ref_mask = mu.sdpa_mask(**sizes, allow_is_causal_skip=False)
-    ref = _reference(q, k, v, ref_mask, 0.5, softcap=softcap, sinks=sinks)
-    lowp = _reference(q, k, v, ref_mask, 0.5, softcap=softcap, sinks=sinks, dtype=torch.float32)
-    plain = _reference(q, k, v, ref_mask, 0.5)
+    ref = masked_attention(q, k, v, ref_mask, 0.5, softcap=softcap, sinks=sinks)
+    lowp = masked_attention(q, k, v, ref_mask, 0.5, softcap=softcap, sinks=sinks,
+                            dtype=torch.float32)
+    plain = masked_attention(q, k, v, ref_mask, 0.5)
     if softcap is not None or sinks is not None:  # the feature changes the answer
         assert (plain - ref).abs().max() > 0.05
     if mask2d is None:
@@ -258,7 +222,7 @@ def test_attention_function_sink_gradients():
             out, _ = hf.attention_function(_Module(), *leaves[:3], info, scaling=0.4,
                                            sliding_window=3, s_aux=leaves[3])
         else:
-            out = _reference(*leaves[:3], ref_mask, 0.4, sinks=leaves[3], dtype=dtype)
+            out = masked_attention(*leaves[:3], ref_mask, 0.4, sinks=leaves[3], dtype=dtype)
         grads[name] = torch.autograd.grad((out * do.to(dtype)).sum(), leaves)
     for i, what in enumerate(("dq", "dk", "dv", "dsinks")):
         assert_parity(grads["ours"][i], grads["ref"][i], grads["lowp"][i], factor=GRAD_FACTOR,
@@ -350,8 +314,8 @@ def test_chunked_attention_matches_transformers_mask():
             2, 2, kv_len, 8)
         out, _ = hf.attention_function(_Module(), q, k, v, info, scaling=0.3)
         ref_mask = mu.sdpa_mask(**sizes, allow_is_causal_skip=False)
-        ref = _reference(q, k, v, ref_mask, 0.3)
-        lowp = _reference(q, k, v, ref_mask, 0.3, dtype=torch.float32)
+        ref = masked_attention(q, k, v, ref_mask, 0.3)
+        lowp = masked_attention(q, k, v, ref_mask, 0.3, dtype=torch.float32)
         valid_q = (torch.ones(2, q_len, dtype=torch.bool) if mask2d is None
                    else mask2d[:, q_off:q_off + q_len])
         assert_parity(out[valid_q], ref[valid_q], lowp[valid_q], name=case)
@@ -374,8 +338,8 @@ def test_kept_query_rows_of_a_mask():
         q, k, v = torch.randn(2, 4, n, 8), torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 8)
         out, _ = hf.attention_function(_Module(), q, k, v, kept, scaling=0.3, sliding_window=3)
         ref_mask = full_ref[:, :, -n:, :]
-        ref = _reference(q, k, v, ref_mask, 0.3)
-        lowp = _reference(q, k, v, ref_mask, 0.3, dtype=torch.float32)
+        ref = masked_attention(q, k, v, ref_mask, 0.3)
+        lowp = masked_attention(q, k, v, ref_mask, 0.3, dtype=torch.float32)
         valid_q = mask2d[:, -n:]
         assert_parity(out[valid_q], ref[valid_q], lowp[valid_q], name=f"last {n} rows")
         assert (out[~valid_q] == 0).all()
@@ -435,7 +399,7 @@ _FEATURE = {"gemma2": "softcap", "gpt_oss": "sinks", "llama4": "mask", "gemma4":
 @pytest.mark.parametrize("kind", KINDS)
 def test_logits_match_eager(kind):
     ours, eager, oracle = _models(kind)
-    ids, mask = _padded_batch([10, 7], 11, left=[False, True])  # right- and left-padded rows
+    ids, mask = padded_batch([10, 7], 11, left=[False, True])  # right- and left-padded rows
     with torch.no_grad():
         for attention_mask in (mask, None):  # padded (packed kernel), unpadded (dense kernel)
             valid = (mask if attention_mask is not None else torch.ones_like(mask)).bool()
@@ -456,7 +420,7 @@ def test_greedy_generate_matches_eager(kind):
     """Left-padded prompts, dynamic KV cache, generating past the sliding windows and chunks
     (their caches drop keys: kv_offset > 0)."""
     ours, eager, _ = _models(kind)
-    ids, mask = _padded_batch([6, 3], 6, left=[True, True])
+    ids, mask = padded_batch([6, 3], 6, left=[True, True])
     kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
     with torch.no_grad():
         expected = eager.generate(ids, **kw)
@@ -470,7 +434,7 @@ def test_training_step_gradients_match_eager(kind):
     ours, eager, oracle = _models(kind)
     for m in (ours, eager, oracle):
         m.train()
-    ids, mask = _padded_batch([9, 6], 9, left=[False, True])
+    ids, mask = padded_batch([9, 6], 9, left=[False, True])
     labels = ids.masked_fill(mask == 0, -100)
     for m in (ours, eager, oracle):
         m(ids, attention_mask=mask, labels=labels).loss.backward()

@@ -1,0 +1,58 @@
+"""Shared pieces of the transformers tests (test_hf.py, test_hf_new_models.py): the float64
+attention the oracles compute, the (ours, eager, oracle) model triple, padded batches."""
+import copy
+
+import torch
+
+VOCAB = 64
+
+
+def masked_attention(q, k, v, mask, scaling, *, softcap=None, sinks=None, dtype=torch.float64):
+    """Eager's attention in ``dtype``: softcap · tanh(q kᵀ · scaling / softcap) (if given), a
+    boolean (batch, 1, q_len, k_len) mask, one sink logit per head in the softmax (dropped after
+    it, as gpt-oss does; if given), then @ v (v may have its own head_dim). Rows that see no key
+    give zeros. q (batch, heads, q_len, d); k, v (batch, heads_kv, k_len, d or dv). Returns
+    (batch, q_len, heads, dv)."""
+    group = q.shape[1] // k.shape[1]
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    s = (q @ k.transpose(-1, -2)) * scaling
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        sink = sinks.to(dtype).reshape(1, -1, 1, 1).expand(*s.shape[:-1], 1)
+        p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    return (p @ v).transpose(1, 2)
+
+
+def models(transformers, config, oracle, prepare=None, **from_config):
+    """(ours, eager fp32, float64 oracle) of ``config``, one set of random weights: eager built
+    with ``from_config`` keywords and changed by ``prepare(eager)`` if given, then copied to ours
+    ("triton_fused") and to the oracle (the registered attention ``oracle``, in float64)."""
+    eager = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation="eager", **from_config).eval()
+    if prepare is not None:
+        prepare(eager)
+    ours = copy.deepcopy(eager)
+    ours.set_attn_implementation("triton_fused")
+    oracle_model = copy.deepcopy(eager).double()
+    oracle_model.set_attn_implementation(oracle)
+    assert ours.config._attn_implementation == "triton_fused"
+    return ours, eager, oracle_model
+
+
+def padded_batch(lengths, total, *, left):
+    """Token ids and a 2-D attention mask; row r has lengths[r] tokens, padded on the left or
+    right (left[r])."""
+    ids = torch.randint(1, VOCAB, (len(lengths), total))
+    mask = torch.zeros(len(lengths), total, dtype=torch.long)
+    for r, (n, lft) in enumerate(zip(lengths, left)):
+        if lft:
+            mask[r, total - n:] = 1
+        else:
+            mask[r, :n] = 1
+    return ids.masked_fill(mask == 0, 0), mask
