@@ -63,8 +63,8 @@ def _attn_fwd(Q, K, V, O, LSE,
     k_len, HEAD_DIM_V); O: (B, heads_q, q_len, HEAD_DIM_V); heads_q = group * heads_kv (query
     head h reads kv head h // group); unit stride in the last dim; ``stride_x`` = x's (batch,
     head, row) strides. SPEC: the score pipeline's ScoreSpec (causal, window / chunk edge, score
-    and mask mods, sinks). Grouped arguments (kernels/core/call.py): ``seq`` (SeqArgs: group, lengths; VARLEN: B = 1 with zero batch strides and sequence b is
-    rows cu_q[b]:cu_q[b+1] of Q (cu_k for K, V); SEQUSED_K: batch entry b has k_lens[b] keys, a
+    and mask mods, sinks). Grouped arguments (kernels/core/call.py): ``seq`` (SeqArgs: group,
+    lengths; VARLEN: B = 1 with zero batch strides and sequence b is rows cu_q[b]:cu_q[b+1] of Q (cu_k for K, V); SEQUSED_K: batch entry b has k_lens[b] keys, a
     KV cache's filled length), ``score`` (ScoreArgs), ``drop`` (DropArgs: the dropout mask's
     row ids and columns, kernels/core/dropout.py), ``split`` (SplitArgs). DROPOUT: 0 off, 1 on,
     2 on at a column offset off the 4-column Philox groups (``AttentionCall.dropout_mode``).
