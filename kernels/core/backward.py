@@ -64,9 +64,9 @@ def _bwd_preprocess(O, DO, Delta, stride_o, stride_do, stride_lse, seq,
     """delta[b, h, i] = sum_d dO[b, h, i, d] * O[b, h, i, d] in fp32.
 
     O, DO: (B, heads_q, q_len, HEAD_DIM) (the value head dim), unit stride on the last dim
-    (VARLEN: packed, rows of sequence b from seq.cu_q). Delta: fp32 in the lse layout
-    (b * stride_lse[0] + h * stride_lse[1] + row). Grid: (cdiv(q_len or max_seqlen_q, BLOCK_M), heads_q, batch or
-    number of sequences).
+    (VARLEN: packed, rows of sequence b from seq.cu_q). Delta: fp32 in the lse layout (b *
+    stride_lse[0] + h * stride_lse[1] + row). Grid: (cdiv(q_len or max_seqlen_q, BLOCK_M),
+    heads_q, batch or number of sequences).
     """
     pid_m = tl.program_id(0)
     # Heads and batch on grid axes 1 and 2 (65535 each), not one B*H axis.

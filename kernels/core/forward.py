@@ -59,20 +59,20 @@ def _attn_fwd(Q, K, V, O, LSE,
     group * q_len (the query heads that share a kv head, stacked) and heads = heads_kv,
     so every K/V tile is read once per group (decoding, where q_len is small).
 
-    Q: (B, heads_q, q_len, HEAD_DIM); K: (B, heads_kv, k_len, HEAD_DIM); V: (B, heads_kv,
-    k_len, HEAD_DIM_V); O: (B, heads_q, q_len, HEAD_DIM_V); heads_q = group * heads_kv (query
-    head h reads kv head h // group); unit stride in the last dim; ``stride_x`` = x's (batch,
-    head, row) strides. SPEC: the score pipeline's ScoreSpec (causal, window / chunk edge, score
-    and mask mods, sinks). Grouped arguments (kernels/core/call.py): ``seq`` (SeqArgs: group,
-    lengths; VARLEN: B = 1 with zero batch strides and sequence b is rows cu_q[b]:cu_q[b+1] of Q (cu_k for K, V); SEQUSED_K: batch entry b has k_lens[b] keys, a
-    KV cache's filled length), ``score`` (ScoreArgs), ``drop`` (DropArgs: the dropout mask's
-    row ids and columns, kernels/core/dropout.py), ``split`` (SplitArgs). DROPOUT: 0 off, 1 on,
-    2 on at a column offset off the 4-column Philox groups (``AttentionCall.dropout_mode``).
-    LSE: fp32, entry (b, h, i) at b * stride_lse[0] + h * stride_lse[1] + row start + i; natural
-    log, -inf for rows with no key. SPLIT: O and LSE are not written; split s writes its
-    normalised partial output and lse to split.o_part[s, r, :HEAD_DIM_V] and
-    split.lse_part[s, r] (r = the row's lse offset) for kernels/core/splitkv.py, without the
-    sinks (the merge adds them).
+    Q: (B, heads_q, q_len, HEAD_DIM); K: (B, heads_kv, k_len, HEAD_DIM); V: (B, heads_kv, k_len,
+    HEAD_DIM_V); O: (B, heads_q, q_len, HEAD_DIM_V); heads_q = group * heads_kv (query head h
+    reads kv head h // group); unit stride in the last dim; ``stride_x`` = x's (batch, head,
+    row) strides. SPEC: the score pipeline's ScoreSpec (causal, window / chunk edge, score and
+    mask mods, sinks). Grouped arguments (kernels/core/call.py): ``seq`` (SeqArgs: group,
+    lengths; VARLEN: B = 1 with zero batch strides and sequence b is rows cu_q[b]:cu_q[b+1] of Q
+    (cu_k for K, V); SEQUSED_K: batch entry b has k_lens[b] keys, a KV cache's filled length),
+    ``score`` (ScoreArgs), ``drop`` (DropArgs: the dropout mask's row ids and columns,
+    kernels/core/dropout.py), ``split`` (SplitArgs). DROPOUT: 0 off, 1 on, 2 on at a column
+    offset off the 4-column Philox groups (``AttentionCall.dropout_mode``). LSE: fp32, entry (b,
+    h, i) at b * stride_lse[0] + h * stride_lse[1] + row start + i; natural log, -inf for rows
+    with no key. SPLIT: O and LSE are not written; split s writes its normalised partial output
+    and lse to split.o_part[s, r, :HEAD_DIM_V] and split.lse_part[s, r] (r = the row's lse
+    offset) for kernels/core/splitkv.py, without the sinks (the merge adds them).
     """
     pid = tl.program_id(0)
     if SPLIT:
