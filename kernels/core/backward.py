@@ -48,8 +48,8 @@ from .common import (LOG2E, block_d, dot_operand, dot_precision, interpreter_act
 from .configs import (BWD_TUNE_KEY, autotune_enabled, bwd_configs, fixed_config,
                       prune_bwd_configs)
 from .score import dropout_keep, probs_from_lse, scaled_scores, score_grad
-from .tiles import (clamp_ranges, key_range, mask_key_bounds, mask_query_bounds, query_range,
-                    seq_bounds)
+from .tiles import (clamp_ranges, edge_bound, key_range, mask_key_bounds, mask_query_bounds,
+                    query_range, seq_bounds)
 
 _LOG2E = tl.constexpr(LOG2E)
 # Elements per program of the (memory-bound) delta pre-pass, independent of the autotuned
@@ -183,6 +183,8 @@ def _bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV,
         diag_hi = tl.minimum(full_lo + BLOCK_M, full_hi)
     unmasked_lo = tl.maximum(full_lo, diag_hi)
     MASKED: tl.constexpr = (CAUSAL, False, True)
+    k_edge = edge_bound(offs_n, score.window, SPEC.edge, True)[:, None] \
+        if SPEC.edge != 0 else 0
 
     for g in range(0, seq.group):
         h = (kv_h * seq.group + g).to(tl.int64)
@@ -219,7 +221,8 @@ def _bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV,
                 xT, x_scale = scaled_scores(qkT, b, h, offs_m[None, :], offs_n[:, None], diag,
                                             score, SPEC)
                 pT = probs_from_lse(xT, x_scale, lse2[None, :], b, h, offs_m[None, :],
-                                    offs_n[:, None], k_len, diag, score, SPEC, MASKED[RANGE])
+                                    offs_n[:, None], k_len, diag, k_edge, score, SPEC,
+                                    MASKED[RANGE], True)
                 dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # dPd^T = V dO^T
                 if DROPOUT:
                     # The forward's bits: the mask depends on (seed, row id, j), not on blocks.
@@ -313,6 +316,8 @@ def _bwd_dq(Q, K, V, DO, LSE, Delta, DQ,
         c0, c1 = mask_key_bounds(b, start_m, start_m + BLOCK_M, diag, score, SPEC, BLOCK_N)
         lo, full_lo, full_hi, hi = clamp_ranges(lo, full_lo, full_hi, hi, c0, c1)
     MASKED: tl.constexpr = (True, False, True)
+    q_edge = edge_bound(offs_m + diag, score.window, SPEC.edge, False)[:, None] \
+        if SPEC.edge != 0 else 0
     for RANGE in tl.static_range(0 if SPEC.edge != 0 else 1, 3):
         if RANGE == 0:
             range_lo, range_hi = lo, full_lo
@@ -340,7 +345,8 @@ def _bwd_dq(Q, K, V, DO, LSE, Delta, DQ,
             x, x_scale = scaled_scores(qk, b, h, offs_m[:, None], offs_n[None, :], diag, score,
                                        SPEC)
             p = probs_from_lse(x, x_scale, lse2[:, None], b, h, offs_m[:, None],
-                               offs_n[None, :], k_len, diag, score, SPEC, MASKED[RANGE])
+                               offs_n[None, :], k_len, diag, q_edge, score, SPEC, MASKED[RANGE],
+                               False)
             dp = tl.dot(do, vT, input_precision=DOT_PRECISION)              # dPd = dO V^T
             if DROPOUT:
                 keep = dropout_keep(drop, drop_rows, offs_m, start_n, BLOCK_M, BLOCK_N, DROPOUT)
@@ -427,7 +433,9 @@ def attention_backward(do, q, k, v, o, lse, call=None, *, cu_seqlens_q=None, cu_
                   stride_lse=pb.lse_strides, seq=seq, score=score_args(call, lse),
                   drop=pb.drop_args(call), BUCKETS=pb.tune_buckets(),
                   HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), HEAD_DIM_V=head_dim_v,
-                  BLOCK_DV=BLOCK_DV, SPEC=score_spec(call), VARLEN=pb.varlen,
+                  # Sinks are in lse already: the backward compiles as without them.
+                  BLOCK_DV=BLOCK_DV, SPEC=score_spec(call)._replace(sinks=False),
+                  VARLEN=pb.varlen,
                   DROPOUT=call.dropout_mode, DOT_PRECISION=dot_precision(q.dtype),
                   WIDEN=widen_bf16(q.dtype))
     dkdv_args = dict(common, DK=dk4, DV=dv4, stride_dk=pb.strides(dk4),

@@ -19,7 +19,7 @@ from .configs import (FWD_TUNE_KEY, PACK_GQA_MAX_Q_LEN, autotune_enabled, clamp_
                       fixed_config, fwd_configs, nominal_tiles, num_splits_heuristic,
                       prune_configs)
 from .score import dropout_keep, finish_rows, mask_scores, online_softmax, scaled_scores
-from .tiles import clamp_ranges, key_range, mask_key_bounds, seq_bounds
+from .tiles import clamp_ranges, edge_bound, key_range, mask_key_bounds, seq_bounds
 from .splitkv import combine_splits
 
 
@@ -161,6 +161,8 @@ def _attn_fwd(Q, K, V, O, LSE,
     # which forfeits Hopper's tensor-core overlap (benchmarks/NOTES.md). The diagonal loop is
     # a few tiles long.
     offs_n0 = tl.arange(0, BLOCK_N)
+    q_edge = edge_bound(offs_m + diag, score.window, SPEC.edge, False)[:, None] \
+        if SPEC.edge != 0 else 0
     MASKED: tl.constexpr = (True, False, True)
     for RANGE in tl.static_range(0 if SPEC.edge != 0 else 1, 3):
         if RANGE == 0:
@@ -181,8 +183,8 @@ def _attn_fwd(Q, K, V, O, LSE,
             x, x_scale = scaled_scores(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION),
                                        b, h_tile, offs_m[:, None], offs_n[None, :], diag,
                                        score, SPEC)
-            x = mask_scores(x, b, h_tile, offs_m[:, None], offs_n[None, :], k_len, diag, score,
-                            SPEC, MASKED[RANGE])
+            x = mask_scores(x, b, h_tile, offs_m[:, None], offs_n[None, :], k_len, diag, q_edge,
+                            score, SPEC, MASKED[RANGE])
             p, alpha, m_i, l_i = online_softmax(x, x_scale, m_i, l_i,
                                                 MASKED[RANGE] or SPEC.mask_mod is not None)
             acc = acc * alpha[:, None]

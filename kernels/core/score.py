@@ -82,21 +82,24 @@ def score_grad(ds, qk, b, h, rows, cols, diag, score, SPEC: tl.constexpr):
 
 
 @triton.jit
-def _visible(b, h, rows, cols, k_len, diag, score, SPEC: tl.constexpr):
-    """The visibility rule (kernels/core/tiles.py) and the mask mod, if any."""
-    vis = visible(rows, cols, k_len, diag, score.window, SPEC.causal, SPEC.edge)
+def _visible(b, h, rows, cols, k_len, diag, edge, score, SPEC: tl.constexpr,
+             ON_KEYS: tl.constexpr):
+    """The visibility rule (kernels/core/tiles.py; ``edge``: its ``edge_bound``) and the mask
+    mod, if any."""
+    vis = visible(rows, cols, k_len, diag, edge, SPEC.causal, SPEC.edge, ON_KEYS)
     if SPEC.mask_mod is not None:
         vis = vis & SPEC.mask_mod(b, h, rows + diag, cols, score.mask_aux)
     return vis
 
 
 @triton.jit
-def mask_scores(x, b, h, rows, cols, k_len, diag, score, SPEC: tl.constexpr,
+def mask_scores(x, b, h, rows, cols, k_len, diag, edge, score, SPEC: tl.constexpr,
                 MASKED: tl.constexpr):
     """``x`` with -inf where query ``rows`` do not see key ``cols`` (MASKED tiles only; every
-    tile with a mask mod)."""
+    tile with a mask mod). ``edge``: ``tiles.edge_bound`` of the rows' positions."""
     if MASKED or SPEC.mask_mod is not None:
-        x = tl.where(_visible(b, h, rows, cols, k_len, diag, score, SPEC), x, float("-inf"))
+        x = tl.where(_visible(b, h, rows, cols, k_len, diag, edge, score, SPEC, False), x,
+                     float("-inf"))
     return x
 
 
@@ -152,18 +155,20 @@ def finish_rows(m_i, l_i, h, score, SINKS: tl.constexpr):
 
 
 @triton.jit
-def probs_from_lse(x, x_scale, lse2, b, h, rows, cols, k_len, diag, score, SPEC: tl.constexpr,
-                   MASKED: tl.constexpr):
+def probs_from_lse(x, x_scale, lse2, b, h, rows, cols, k_len, diag, edge, score,
+                   SPEC: tl.constexpr, MASKED: tl.constexpr, ON_KEYS: tl.constexpr):
     """The forward's softmax weights, recomputed: ``exp2(x · x_scale - lse2)`` with ``lse2``
     the rows' lse × log2(e) broadcast against ``x``, 0 where invisible (MASKED tiles only;
-    every tile with a mask mod).
+    every tile with a mask mod). ``edge``: ``tiles.edge_bound`` of the rows' positions, or with
+    ON_KEYS of the cols.
 
     The mask is applied after the exp (to p, not to s) so that unmasked and masked tiles share
     one fused multiply-add per score.
     """
     p = tl.math.exp2(x * x_scale - lse2)
     if MASKED or SPEC.mask_mod is not None:
-        p = tl.where(_visible(b, h, rows, cols, k_len, diag, score, SPEC), p, 0.0)
+        p = tl.where(_visible(b, h, rows, cols, k_len, diag, edge, score, SPEC, ON_KEYS), p,
+                     0.0)
     return p
 
 

@@ -73,14 +73,34 @@ def last_query(key, window, EDGE: tl.constexpr):
 
 
 @triton.jit
-def visible(rows, cols, k_len, diag, window, CAUSAL: tl.constexpr, EDGE: tl.constexpr):
+def edge_bound(idx, window, EDGE: tl.constexpr, ON_KEYS: tl.constexpr):
+    """What ``visible`` compares against for the left edge, computed once per program for the
+    indices it keeps fixed (so a chunk's integer division never runs inside a tile loop): for
+    query positions ``idx``, ``first_key(idx)``; for keys ``idx`` (ON_KEYS), ``last_query(idx)``.
+    0 without an edge."""
+    if EDGE == 0:
+        return 0
+    elif ON_KEYS:
+        return last_query(idx, window, EDGE)
+    else:
+        return first_key(idx, window, EDGE)
+
+
+@triton.jit
+def visible(rows, cols, k_len, diag, edge, CAUSAL: tl.constexpr, EDGE: tl.constexpr,
+            ON_KEYS: tl.constexpr):
     """Boolean visibility of (query ``rows``, key ``cols``), both broadcastable int tensors:
-    inside k_len, and inside the causal band / window / chunk when those are on."""
+    inside k_len, and inside the causal band / window / chunk when those are on. ``edge``: the
+    ``edge_bound`` of the rows' positions, or with ON_KEYS of the cols, broadcast like them
+    (j >= first_key(P) and P <= last_query(j) say the same for j <= P)."""
     vis = cols < k_len
     if CAUSAL:
         vis = vis & (cols <= rows + diag)
         if EDGE != 0:
-            vis = vis & (cols >= first_key(rows + diag, window, EDGE))
+            if ON_KEYS:
+                vis = vis & (rows + diag <= edge)
+            else:
+                vis = vis & (cols >= edge)
     return vis
 
 
