@@ -376,3 +376,24 @@ def test_bad_values(kwargs, exc, match):
     q, k, v = randn(2, 4, 5, 16), randn(2, 2, 5, 16), randn(2, 2, 5, 16)
     with pytest.raises(exc, match=match):
         kernels.attention(q, k, v, **kwargs)
+
+
+def test_compiles_fullgraph_with_mods_and_sinks():
+    """The custom op carries the new options (mods by name, sinks differentiable): one graph
+    under torch.compile(fullgraph=True) (aot_eager on CPU), equal to eager, gradients too."""
+    q, k, v = (randn(1, 4, 13, 16, requires_grad=True) for _ in range(3))
+    sinks = randn(4, requires_grad=True)
+    table = randn(4, 15)
+
+    def f(q, k, v, sinks):
+        return kernels.attention(q, k, v, causal=True, softcap=3.0, sinks=sinks, chunk_size=5,
+                                 score_mod=REL_BIAS, mod_aux=(table,))
+
+    eager = f(q, k, v, sinks)
+    compiled = torch.compile(f, fullgraph=True,
+                             backend="aot_eager" if DEVICE == "cpu" else "inductor")(q, k, v,
+                                                                                     sinks)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+    do = torch.ones_like(eager)
+    for a, b in zip(_grads(compiled, (q, k, v, sinks), do), _grads(eager, (q, k, v, sinks), do)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
