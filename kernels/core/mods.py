@@ -53,10 +53,10 @@ tiles in [kv_lo, kv_hi) of each query block and the dK/dV kernel only the query 
 [q_lo, q_hi) of each key block: a document mask or a prefix-LM pattern costs what it sees. The
 PyTorch fallback applies the mask to whole blocks and does not use the bounds.
 
-Built-in mods (``softcap``, ``alibi``) are ScoreMods written against the same contract, each
-with its own ``aux`` (the cap; the slopes and their batch stride) instead of the call's
-``mod_aux``: ``score_mods_of`` lists a call's mods in their fixed order -- soft-capping, then
-ALiBi's bias, then the user's mod.
+Built-in mods (``SOFTCAP``, ``ALIBI``) are ScoreMods written against the same contract, each
+with its own ``aux`` (the cap and 2 log2(e) / cap; the slopes and their batch stride) instead of
+the call's ``mod_aux``: ``CallMods.score_mods`` lists a call's mods in their fixed order --
+soft-capping, then ALiBi's bias, then the user's mod.
 
 Every mod has a unique ``name``: the custom ops (kernels/ops.py) carry mods by name, so
 ``torch.compile`` sees a string, not a function. Creating a second mod with a name already
