@@ -236,6 +236,26 @@ def test_varlen_features():
         assert_parity(g, r, l, factor=GRAD_FACTOR, name=name)
 
 
+def test_varlen_user_mods():
+    """User mods on packed sequences: ``b`` is the sequence index (a per-sequence prefix length
+    read from aux), positions count within each sequence."""
+    cu = torch.tensor([0, 7, 20, 26], dtype=torch.int32, device=DEVICE)
+    q, k, v = (randn(26, 2, 16, requires_grad=True) for _ in range(3))
+    aux = (randn(2, 15), torch.tensor([3, 0, 5], dtype=torch.int32, device=DEVICE))
+    kw = dict(causal=False, score_mod=REL_BIAS, mask_mod=PREFIX_OR_CAUSAL, mod_aux=aux)
+    out = kernels.attention_varlen(q, k, v, cu, cu, **kw)
+    do = randn(*out.shape)
+    grads = _grads(out, (q, k, v), do)
+    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    low_in = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    ro = reference.attention_varlen(*ref_in, cu, cu, **_oracle_kwargs(kw))
+    lo = reference.attention_varlen(*low_in, cu, cu, upcast=False, **_oracle_kwargs(kw))
+    assert_parity(out, ro, lo)
+    for name, g, r, l in zip(("dq", "dk", "dv"), grads, _grads(ro, ref_in, do.double()),
+                             _grads(lo, low_in, do)):
+        assert_parity(g, r, l, factor=GRAD_FACTOR, name=name)
+
+
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_kvcache_features(num_splits):
     b, hq, hkv, max_len, q_len = 2, 4, 2, 40, 3
@@ -243,7 +263,8 @@ def test_kvcache_features(num_splits):
     q, k, v = randn(b, hq, q_len, 16), randn(b, hkv, q_len, 16), randn(b, hkv, q_len, 8)
     lens = torch.tensor([20, 33], dtype=torch.int32, device=DEVICE)
     sinks = randn(hq)
-    kw = dict(causal=True, chunk_size=8, softcap=3.0, sinks=sinks)
+    kw = dict(causal=True, chunk_size=8, softcap=3.0, sinks=sinks,
+              alibi_slopes=torch.rand(b, hq, device=DEVICE))
     kc, vc = k_cache.clone(), v_cache.clone()
     out, lse = kernels.attention_with_kvcache(q, kc, vc, lens, k, v, num_splits=num_splits,
                                               return_lse=True, **kw)
