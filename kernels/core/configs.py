@@ -106,20 +106,36 @@ class Family(NamedTuple):
     register_model: bool     # prune by per-thread register estimates (wgmma tiles) ...
     max_head_dim: tuple      # ... or: per entry of fwd / dkdv / dq, the largest head_dim
                              # (padded) it is listed for (mma.sync tiles, verified per entry)
+    distinct_rows: bool = False  # forward and dQ: prefer tiles whose resident rows give
+                             # every warp its own (``_distinct_rows``): wgmma's warpgroups
+                             # otherwise compute the same rows twice
+    fwd_edge_regs: int = 0   # forward with a window / chunk edge: accumulator + score tile
+                             # per thread at most this (0: no such budget)
 
 
-# Hopper (sm_90): 227 KiB per block; tl.dot is wgmma. Forward (128, 64, 8 warps) for
-# head_dim <= 128, (64, 64, 8 warps) at 256. dK/dV: the resident side must be >= 64 (32-key
-# blocks compile to mma.sync on sm_90), 4 warps spill at head_dim 128 in every tile, and a third
-# pipeline stage brings C7515 back, hence 8 warps and 2 stages throughout (the Triton tutorial's
-# 32 x 128 dK/dV tile). dQ: BLOCK_M query rows resident (>= 64 for wgmma).
+# Hopper (sm_90): 227 KiB per block; tl.dot is wgmma, and Triton gives the chained dots of
+# every kernel here all warps along the resident rows (warpsPerCTA [num_warps, 1]), 16 rows per
+# warp: with fewer resident rows than 16 x num_warps the two warpgroups compute the same rows
+# (64 rows on 8 warps: 1.5-1.67x the tile's tensor work, the softmax twice). ``distinct_rows``
+# drops such forward and dQ tiles wherever one with distinct rows fits (benchmarks/NOTES.md,
+# "Per-tile speed"). Forward: 128 x 128 on 8 warps first (the accumulator rescale and the row
+# bookkeeping once per 128 keys; 3 stages take 224 KiB at head_dim 128, hence the higher cap),
+# 128 x 64 with dropout or a window / chunk edge at 128 (the register model), 64 x 64 on
+# 8 warps only at width 256. dK/dV: the resident side >= 64 (32-key blocks compile to mma.sync
+# on sm_90), 8 warps, 2 stages (a third brings C7515 back); 64 x 128 at head_dim 64 without
+# dropout or grouped heads; the 64-key tiles stay (their rows are shared, but with grouped
+# heads at 128 they were the ones that did not spill). dQ: 128 query rows on 8 warps or 64 on
+# 4; at width 256 only 128 x 16 on 8 warps compiled spill-free (160 KiB, 164 KiB with dropout:
+# hence the backward cap of 176 KiB).
 HOPPER = Family(
     name="hopper (sm_90)",
-    fwd=((128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3), (128, 32, 4, 4),
-         (64, 64, 4, 3), (64, 128, 4, 3), (64, 32, 4, 4), (128, 128, 8, 2), (64, 64, 8, 2)),
-    dkdv=((32, 128, 8, 2), (32, 64, 8, 2), (64, 64, 8, 2), (16, 128, 8, 2), (16, 64, 8, 2)),
-    dq=((64, 64, 8, 2), (128, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 3), (64, 64, 8, 3)),
-    fwd_smem_cap=200 * 1024, bwd_smem_cap=160 * 1024, register_model=True, max_head_dim=())
+    fwd=((128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 4, 3),
+         (128, 32, 4, 4), (64, 64, 4, 3), (64, 32, 4, 4), (64, 64, 8, 2)),
+    dkdv=((64, 128, 8, 2), (32, 128, 8, 2), (32, 64, 8, 2), (64, 64, 8, 2), (16, 128, 8, 2),
+          (16, 64, 8, 2)),
+    dq=((128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4, 3), (64, 32, 4, 3), (128, 16, 8, 2)),
+    fwd_smem_cap=224 * 1024, bwd_smem_cap=176 * 1024, register_model=True, max_head_dim=(),
+    distinct_rows=True, fwd_edge_regs=96)
 
 # Ampere-style tensor cores (mma.sync): A100 (sm_80, 163 KiB), A10 / RTX 3090 (sm_86, 99 KiB),
 # L4 / RTX 4090 (sm_89, 99 KiB), RTX 5090 (sm_120, 99 KiB). mma.sync takes its operands from
@@ -144,7 +160,9 @@ AMPERE = Family(
 # head_dim 64, dQ 64 x 64 at 128, the last two Hopper defaults): the tiles that did not.
 BLACKWELL = Family(
     name="blackwell (sm_100)",
-    fwd=HOPPER.fwd,
+    # The sm_90 forward list as it was verified here (before sm_90's own reordering).
+    fwd=((128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3), (128, 32, 4, 4),
+         (64, 64, 4, 3), (64, 128, 4, 3), (64, 32, 4, 4), (128, 128, 8, 2), (64, 64, 8, 2)),
     dkdv=((32, 64, 8, 2), (64, 64, 8, 2), (16, 64, 8, 2)),
     dq=((128, 32, 8, 2), (128, 64, 8, 2), (64, 64, 8, 2)),
     fwd_smem_cap=200 * 1024, bwd_smem_cap=160 * 1024, register_model=True, max_head_dim=())
@@ -264,6 +282,10 @@ def _launch_gpu(args) -> Gpu:
 _FWD_ACC_REGS = 64
 _FWD_TILE_REGS = 64
 _FWD_TILE_REGS_DROPOUT = 32
+# With a window's or chunk's left edge (an extra masked loop, the rows' edge bounds) sm_90 has
+# its own budget (``Family.fwd_edge_regs``): 128 x 128 at head_dim 128 (accumulator + score
+# tile 64 + 64 per thread) spilled 20 B there with 2 stages, 128 x 128 at 64 and 128 x 64 at
+# 128 (96) did not.
 
 
 # Sliding windows and chunks add a masked loop in front of the unmasked one; with more than two
@@ -283,11 +305,29 @@ def _padded_width(args) -> int:
     return max(16, triton.next_power_of_2(max(dims)))
 
 
-def _fwd_fits_registers(config, block_d: int, dropout: bool) -> bool:
+def _distinct_rows(config, rows: int) -> bool:
+    """Whether ``rows`` resident rows (BLOCK_M of the forward and dQ, BLOCK_N of dK/dV) give
+    each warp its own: Triton lays chained wgmma dots out with all warps along the rows, 16
+    rows per warp, so fewer rows than 16 x num_warps are computed by several warps (64 rows on
+    8 warps: both warpgroups, 1.5-1.67x the tile's tensor work on sm_90)."""
+    return rows >= 16 * config.num_warps
+
+
+def _prefer_distinct_rows(configs, family, width, resident):
+    """``configs`` without the tiles whose warps share rows, when the family asks for it and
+    one with distinct rows is left (at width 256 on sm_90 none fits: the shared-row tiles
+    stay)."""
+    if not family.distinct_rows or width >= WIDE_MIN_WIDTH:
+        return configs
+    return [c for c in configs if _distinct_rows(c, resident(c))] or configs
+
+
+def _fwd_fits_registers(config, block_d: int, dropout: bool, edge_regs: int = 0) -> bool:
     threads = 32 * config.num_warps
     bm, bn = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
     tile_budget = _FWD_TILE_REGS_DROPOUT if dropout else _FWD_TILE_REGS
-    return bm * block_d <= _FWD_ACC_REGS * threads and bm * bn <= tile_budget * threads
+    return (bm * block_d <= _FWD_ACC_REGS * threads and bm * bn <= tile_budget * threads
+            and (not edge_regs or bm * (block_d + bn) <= edge_regs * threads))
 
 
 def prune_configs(configs, named_args, **kwargs):
@@ -305,11 +345,18 @@ def prune_configs(configs, named_args, **kwargs):
     candidates = _family_entries(configs, family, "fwd", block_d)
     fitting = [c for c in candidates if smem_bytes(c, block_d, elem_bytes) <= budget]
     dropout = bool(args.get("DROPOUT", False))
+    spec = args.get("SPEC")
+    edge_regs = family.fwd_edge_regs if spec is not None and spec.edge else 0
     in_registers = [c for c in fitting if _stages_ok(c, args) and (
         not family.register_model or block_d >= WIDE_MIN_WIDTH
-        or _fwd_fits_registers(c, block_d, dropout))]
+        or _fwd_fits_registers(c, block_d, dropout, edge_regs))]
     if in_registers:
-        return in_registers
+        if edge_regs:
+            # A window or chunk keeps its shared-row 64-row tile: its 2-stage list is short
+            # (128 x 128 does not fit at head_dim 128), and 64-row blocks cross fewer edge tiles.
+            return in_registers
+        return _prefer_distinct_rows(in_registers, family, block_d,
+                                     lambda c: c.kwargs["BLOCK_M"])
     if fitting:
         return fitting
     # None fits (fp32 with head_dim > 128): the smallest tiles with fewer pipeline stages. As
@@ -328,9 +375,18 @@ _BWD_TILE_REGS = 64      # fp32 values per thread of one (BLOCK_M, BLOCK_N) scor
 # dK/dV streams (BLOCK_M, head_dim) tiles of Q and dO: at 64 x 128 every config spilled on sm_90,
 # at 32 x 128 and 64 x 64 none did (benchmarks/NOTES.md).
 _DKDV_STREAM_ELEMS = 64 * 64
-# dQ with dropout: accumulator + score tile, fp32 values per thread. 128 x 64 at head_dim 128
-# (64 + 32) spilled with dropout on sm_90; 64 x 64 and 128 x 32 (<= 80) did not.
-_DQ_DROPOUT_REGS = 80
+# dK/dV with dropout or grouped-query heads (the runtime loop over the group's query heads
+# around the tile loops): the score tile per thread. 64 x 128 on 8 warps (32) spilled at head_dim 64
+# with dropout (8/12 B) and with 4 query heads per kv head (60-112 B); 32 x 128 (16) did not.
+_DKDV_TIGHT_TILE_REGS = 16
+# dQ: the accumulator plus the live score tiles (S/P and dP; with dropout the Philox words and
+# the keep mask double them), fp32 values per thread: acc + 2 x tile (with dropout acc + 4 x
+# tile) <= 160. On sm_90: 128 x 128 at head_dim 128 (64 + 2 x 64) spilled 108 B; with dropout
+# 128 x 64 at 128 (64 + 4 x 32) 8 B, 128 x 32 at width 256 (128 + 4 x 16) 108 B; 128 x 16 at
+# width 256 (128 + 4 x 8) and every tile <= 160 compiled spill-free. 4-warp tiles spilled with
+# 128 accumulator values (64 x 32 and 64 x 16 at width 256: 88-540 B): at most 64 there.
+_DQ_LIVE_REGS = 160
+_DQ_ACC_REGS_4_WARPS = 64
 
 
 def prune_bwd_configs(configs, named_args, **kwargs):
@@ -347,6 +403,8 @@ def prune_bwd_configs(configs, named_args, **kwargs):
     elem = args["Q"].element_size() if isinstance(args.get("Q"), torch.Tensor) else 2
     dkdv = "DK" in args
     dropout = bool(args.get("DROPOUT", False))
+    seq = args.get("seq")
+    grouped = seq is not None and int(seq.group) > 1
     gpu = _launch_gpu(args)
     family = family_of(gpu)
     budget = min(family.bwd_smem_cap, gpu.smem_per_block)
@@ -356,11 +414,14 @@ def prune_bwd_configs(configs, named_args, **kwargs):
         bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
         resident, n_acc = (bn, 2) if dkdv else (bm, 1)
         threads = 32 * cfg.num_warps
-        return (n_acc * resident * width <= _BWD_ACC_REGS * threads
-                and bm * bn <= _BWD_TILE_REGS * threads
-                and (not dkdv or bm * width <= _DKDV_STREAM_ELEMS)
-                and (dkdv or not dropout
-                     or (bm * width + bm * bn) <= _DQ_DROPOUT_REGS * threads))
+        acc, tile = n_acc * resident * width / threads, bm * bn / threads
+        if acc > _BWD_ACC_REGS or tile > _BWD_TILE_REGS:
+            return False
+        if dkdv:
+            return (bm * width <= _DKDV_STREAM_ELEMS
+                    and (not (dropout or grouped) or tile <= _DKDV_TIGHT_TILE_REGS))
+        return (acc + (4 if dropout else 2) * tile <= _DQ_LIVE_REGS
+                and (cfg.num_warps > 4 or acc <= _DQ_ACC_REGS_4_WARPS))
 
     def fits(cfg):
         return (_bwd_smem_bytes(cfg, width, elem, dkdv) <= budget and _stages_ok(cfg, args)
@@ -369,7 +430,9 @@ def prune_bwd_configs(configs, named_args, **kwargs):
 
     kept = [cfg for cfg in candidates if fits(cfg)]
     if kept:
-        return kept
+        # dK/dV keeps its shared-row 64-key tiles: with grouped heads they spilled least.
+        return kept if dkdv else _prefer_distinct_rows(kept, family, width,
+                                                       lambda c: c.kwargs["BLOCK_M"])
     smallest = min(candidates or configs,
                    key=lambda c: (c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"], -c.num_warps,
                                   c.num_stages))

@@ -75,15 +75,54 @@ def test_every_launch_keeps_a_config_that_fits(gpu, capability, smem, card, dtyp
 
 
 def test_hopper_defaults_unchanged(gpu):
-    """sm_90's choices are the ones its static check was run on (benchmarks/NOTES.md)."""
+    """sm_90's choices are the ones its static check was run on (benchmarks/NOTES.md,
+    "Per-tile speed"): 128-key forward tiles without dropout, 128-row dQ tiles on 8 warps."""
     gpu((9, 0), 227)
-    assert _key(_fwd_kept(64)[0]) == (128, 64, 8, 3)
+    assert _key(_fwd_kept(64)[0]) == (128, 128, 8, 3)
+    assert _key(_fwd_kept(128)[0]) == (128, 128, 8, 3)
+    assert _key(_fwd_kept(64, dropout=1)[0]) == (128, 64, 8, 3)
     assert _key(_fwd_kept(128, dropout=1)[0]) == (128, 64, 8, 3)
     assert _key(_fwd_kept(256)[0]) == (64, 64, 8, 2)
+    assert _key(_bwd_kept("dkdv", 64)[0]) == (64, 128, 8, 2)
+    assert _key(_bwd_kept("dkdv", 64, dropout=1)[0]) == (32, 128, 8, 2)
     assert _key(_bwd_kept("dkdv", 128)[0]) == (32, 128, 8, 2)
-    assert _key(_bwd_kept("dq", 128)[0]) == (64, 64, 8, 2)
+    assert _key(_bwd_kept("dq", 64)[0]) == (128, 64, 8, 2)
+    assert _key(_bwd_kept("dq", 128)[0]) == (128, 64, 8, 2)
+    assert _key(_bwd_kept("dq", 128, dropout=1)[0]) == (128, 32, 8, 2)
+    # Width 256 (and q/k 192 with v 128, padded to 256): the one dQ tile without spills.
+    assert [_key(c) for c in _bwd_kept("dq", 256)] == [(128, 16, 8, 2)]
+    assert [_key(c) for c in _bwd_kept("dq", 256, dropout=1)] == [(128, 16, 8, 2)]
     # No mma.sync-only tile (a 32-row resident side) on the wgmma generation.
     assert all(c.kwargs["BLOCK_N"] >= 64 for c in _bwd_kept("dkdv", 64))
+
+
+def test_hopper_register_budgets_of_variants(gpu):
+    """The sm_90 tiles that spilled in a variant are not its default: 128 x 128 forward with a
+    window or chunk edge at head_dim 128 (20 B), 64 x 128 dK/dV with grouped-query heads at 64
+    (60-112 B); both stay the default of the plain launch."""
+    gpu((9, 0), 227)
+    q = torch.empty(1, dtype=torch.bfloat16)
+    edge = SimpleNamespace(edge=1)
+    for d, first in ((64, (128, 128, 8, 2)), (128, (128, 64, 8, 2))):
+        kept = configs.prune_configs(configs.fwd_configs(), {}, Q=q, BLOCK_D=d, SPEC=edge)
+        assert _key(kept[0]) == first, d
+        assert all(c.num_stages <= 2 for c in kept) and len(kept) >= 2
+    for group, first in ((1, (64, 128, 8, 2)), (4, (32, 128, 8, 2))):
+        kept = configs.prune_bwd_configs(configs.bwd_configs(kernel="dkdv"), {}, Q=q, DK=q,
+                                         HEAD_DIM=64, seq=SimpleNamespace(group=group))
+        assert _key(kept[0]) == first, group
+
+
+@pytest.mark.parametrize("d", [16, 64, 96, 128])
+@pytest.mark.parametrize("dropout", [0, 1])
+def test_hopper_warps_own_their_rows(gpu, d, dropout):
+    """Up to head_dim 128 every kept sm_90 forward and dQ tile gives each warp query rows of
+    its own (BLOCK_M >= 16 x num_warps): Triton puts all warps of the chained wgmma dots along
+    the rows, so a 64-row tile on 8 warps computes its score tile twice. (dK/dV keeps its
+    64-key tiles: with grouped-query heads they spilled least; so does a windowed forward.)"""
+    gpu((9, 0), 227)
+    for cfg in _fwd_kept(d, dropout=dropout) + _bwd_kept("dq", d, dropout=dropout):
+        assert cfg.kwargs["BLOCK_M"] >= 16 * cfg.num_warps, (d, _key(cfg))
 
 
 @pytest.mark.parametrize("capability,smem", [((8, 6), 99), ((8, 9), 99), ((12, 0), 99)])
