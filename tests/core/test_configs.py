@@ -71,7 +71,7 @@ def test_backward_config(config, q_len, k_len, causal, window, heads_kv):
 @pytest.mark.parametrize("d", [16, 64, 128, 256])
 def test_fixed_config_fits_shared_memory(d):
     """Without autotuning the first config that fits is used; head_dim 256 must skip the
-    128x64 three-stage tiles that would not fit. (No CUDA device here: the H100's limits;
+    128-row three-stage tiles that would not fit. (No CUDA device here: the H100's limits;
     tests/core/test_gpu_generations.py covers the other generations.)"""
     from kernels.core.common import block_d
     from kernels.core.configs import HOPPER, smem_bytes
