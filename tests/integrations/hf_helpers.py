@@ -3,6 +3,7 @@ attention the oracles compute, the (ours, eager, oracle) model triple, padded ba
 import copy
 
 import torch
+from helpers import GRAD_FACTOR, assert_parity
 
 VOCAB = 64
 
@@ -56,3 +57,26 @@ def padded_batch(lengths, total, *, left):
         else:
             mask[r, :n] = 1
     return ids.masked_fill(mask == 0, 0), mask
+
+
+def assert_training_grads_match(kind, ours, eager, oracle, lengths, total, *, left):
+    """One training step (loss on a padded batch, padding labels ignored) of each model: every
+    parameter gradient of ours within the parity rule of the float64 oracle's, with eager's as
+    the low-precision reference; parameters without a gradient agree with eager's."""
+    for m in (ours, eager, oracle):
+        m.train()
+    ids, mask = padded_batch(lengths, total, left=left)
+    labels = ids.masked_fill(mask == 0, -100)
+    for m in (ours, eager, oracle):
+        m(ids, attention_mask=mask, labels=labels).loss.backward()
+    named = dict(eager.named_parameters())
+    ref_params = dict(oracle.named_parameters())
+    checked = 0
+    for name, p in ours.named_parameters():
+        if p.grad is None:
+            assert named[name].grad is None, name
+            continue
+        assert_parity(p.grad, ref_params[name].grad, named[name].grad, factor=GRAD_FACTOR,
+                      name=f"{kind} grad {name}")
+        checked += 1
+    assert checked > 5

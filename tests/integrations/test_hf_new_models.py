@@ -20,7 +20,8 @@ import contextlib
 import pytest
 import torch
 from helpers import GRAD_FACTOR, assert_parity
-from hf_helpers import VOCAB, masked_attention, models, padded_batch
+from hf_helpers import (VOCAB, assert_training_grads_match, masked_attention, models,
+                        padded_batch)
 
 transformers = pytest.importorskip(
     "transformers", reason="Hugging Face transformers is not installed (pip install -e '.[hf]')")
@@ -432,23 +433,7 @@ def test_greedy_generate_matches_eager(kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_training_step_gradients_match_eager(kind):
     ours, eager, oracle = _models(kind)
-    for m in (ours, eager, oracle):
-        m.train()
-    ids, mask = padded_batch([9, 6], 9, left=[False, True])
-    labels = ids.masked_fill(mask == 0, -100)
-    for m in (ours, eager, oracle):
-        m(ids, attention_mask=mask, labels=labels).loss.backward()
-    named = dict(eager.named_parameters())
-    ref_params = dict(oracle.named_parameters())
-    checked = 0
-    for name, p in ours.named_parameters():
-        if p.grad is None:
-            assert named[name].grad is None, name
-            continue
-        assert_parity(p.grad, ref_params[name].grad, named[name].grad, factor=GRAD_FACTOR,
-                      name=f"{kind} grad {name}")
-        checked += 1
-    assert checked > 5
+    assert_training_grads_match(kind, ours, eager, oracle, [9, 6], 9, left=[False, True])
     if kind == "gpt_oss":
         assert all(layer.self_attn.sinks.grad.abs().max() > 0 for layer in ours.model.layers)
 
