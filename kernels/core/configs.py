@@ -69,6 +69,25 @@ def gpu_of(device=None) -> Gpu:
     return _gpu(device)
 
 
+# Generations whose forward reads K / V (and Q) tiles with the tensor memory accelerator (TMA:
+# tensor descriptors, cp.async.bulk.tensor / UTMALDG) instead of per-thread cp.async: Hopper
+# (sm_90), where the static compile check keeps every config spill-free with it (fewer registers
+# in all of them; benchmarks/NOTES.md). Ampere-class GPUs (sm_80/86/89) have no TMA. Blackwell
+# (sm_100, sm_120) has the unit, but its tables were chosen with cp.async: with TMA three sm_100
+# head_dim-128 causal configs, the default among them, compile to 128 registers and spill 4-8 B,
+# so both keep per-thread loads until their tables are re-checked with it.
+TMA_MAJORS = (9,)
+
+
+def tma_capable(device=None) -> bool:
+    """Whether the forward may use tensor-descriptor (TMA) loads on ``device``: on the GPU
+    generations of ``TMA_MAJORS``, and always under Triton's interpreter (which emulates descriptor
+    loads, so the CPU test suite covers that code path)."""
+    if interpreter_active():
+        return True
+    return gpu_of(device).capability[0] in TMA_MAJORS
+
+
 def unsupported_gpu_reason(device) -> Optional[str]:
     """Why the Triton kernels do not run on this CUDA device, or None when they do."""
     gpu = gpu_of(device)
@@ -81,7 +100,7 @@ def unsupported_gpu_reason(device) -> Optional[str]:
 # Autotune keys (kernel argument names). Sequence lengths enter as power-of-two buckets, so a new
 # length re-tunes only when it changes bucket.
 FWD_TUNE_KEY = ["BUCKETS", "HEAD_DIM", "HEAD_DIM_V", "SPEC", "VARLEN", "SEQUSED_K", "PACK_GQA",
-                "SPLIT", "DROPOUT", "DOT_PRECISION"]
+                "SPLIT", "DROPOUT", "DOT_PRECISION", "TMA"]
 BWD_TUNE_KEY = ["BUCKETS", "HEAD_DIM", "HEAD_DIM_V", "SPEC", "VARLEN", "DROPOUT",
                 "DOT_PRECISION"]
 

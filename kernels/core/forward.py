@@ -7,6 +7,8 @@ matrix never leaves registers. Causal tiles entirely above the diagonal are neve
 entirely below it run without any masking; only the diagonal band (and the ragged last key tile)
 pays for masks.
 """
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -17,7 +19,7 @@ from .common import (block_d, dot_operand, dot_precision, interpreter_active,
                      round_for_store, widen, widen_bf16)
 from .configs import (FWD_TUNE_KEY, PACK_GQA_MAX_Q_LEN, autotune_enabled, clamp_splits,
                       fixed_config, fwd_configs, nominal_tiles, num_splits_heuristic,
-                      prune_configs)
+                      prune_configs, tma_capable)
 from .score import dropout_keep, finish_rows, mask_scores, online_softmax, scaled_scores
 from .tiles import clamp_ranges, edge_bound, key_range, mask_key_bounds, seq_bounds
 from .splitkv import combine_splits
@@ -42,6 +44,18 @@ def load_rows(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr,
 
 
 @triton.jit
+def row_tiles(base, n_rows, row_stride, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+              BLOCK_D: tl.constexpr):
+    """Tensor descriptor of the (n_rows × HEAD_DIM) matrix at ``base`` (rows ``row_stride``
+    apart, unit column stride) read in (BLOCK_ROWS × BLOCK_D) tiles: on sm_90+ a TMA descriptor
+    (``desc.load([row, 0])`` is one bulk tensor copy into shared memory), which reads elements
+    outside the matrix -- rows >= n_rows, head-dim padding -- as zeros. Needs a 16-byte aligned
+    base and row stride (``tma_mode`` checks them)."""
+    return tl.make_tensor_descriptor(base, shape=[n_rows, HEAD_DIM], strides=[row_stride, 1],
+                                     block_shape=[BLOCK_ROWS, BLOCK_D])
+
+
+@triton.jit
 def _attn_fwd(Q, K, V, O, LSE,
               stride_q, stride_k, stride_v, stride_o, stride_lse,
               seq, score, drop, split,
@@ -51,7 +65,7 @@ def _attn_fwd(Q, K, V, O, LSE,
               SPEC: tl.constexpr, VARLEN: tl.constexpr,
               SEQUSED_K: tl.constexpr, PACK_GQA: tl.constexpr, SPLIT: tl.constexpr,
               DROPOUT: tl.constexpr, WIDEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+              TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program = BLOCK_M query rows of one (batch or packed sequence, query head), against
     the keys they see (or, with SPLIT, one of ``split.num_splits`` even shares of those keys).
     Grid: (cdiv(rows, BLOCK_M) * (num_splits if SPLIT else 1), heads, batch or sequences),
@@ -73,6 +87,11 @@ def _attn_fwd(Q, K, V, O, LSE,
     with no key. SPLIT: O and LSE are not written; split s writes its normalised partial output
     and lse to split.o_part[s, r, :HEAD_DIM_V] and split.lse_part[s, r] (r = the row's lse
     offset) for kernels/core/splitkv.py, without the sinks (the merge adds them).
+    TMA (``tma_mode``): 0 = K/V/Q tiles by per-thread loads (``load_rows``: cp.async when
+    pipelined); 1 = K and V tiles by tensor descriptors made here (``row_tiles``; on sm_90 one
+    bulk tensor copy per tile) over this (sequence, kv head)'s k_len rows, so rows past k_len
+    -- another packed sequence's, a KV cache's unfilled ones -- and columns past the head dim
+    read as zeros exactly as the masked loads do; 2 = Q's tile too (not with PACK_GQA).
     """
     pid = tl.program_id(0)
     if SPLIT:
@@ -130,9 +149,21 @@ def _attn_fwd(Q, K, V, O, LSE,
         + tl.cast(k_start, tl.int64) * stride_k[2]
     v_base = V + b.to(tl.int64) * stride_v[0] + kv_h.to(tl.int64) * stride_v[1] \
         + tl.cast(k_start, tl.int64) * stride_v[2]
-    q = load_rows(Q + q_rows[:, None] + offs_d[None, :], offs_r, n_rows, offs_d, HEAD_DIM, True,
-                  not EVEN_D)
+    if TMA == 2:
+        # Not with PACK_GQA (its rows span several heads: no box of one tensor).
+        q = row_tiles(Q + b.to(tl.int64) * stride_q[0] + h.to(tl.int64) * stride_q[1]
+                      + tl.cast(q_start, tl.int64) * stride_q[2], q_len, stride_q[2],
+                      HEAD_DIM, BLOCK_M, BLOCK_D).load([start_m, 0])
+    else:
+        q = load_rows(Q + q_rows[:, None] + offs_d[None, :], offs_r, n_rows, offs_d, HEAD_DIM,
+                      True, not EVEN_D)
     q = widen(q, WIDEN)
+    if TMA:
+        # Descriptors of this (sequence, kv head)'s K and V rows: the bounds are k_len rows
+        # (at least 1: an empty sequence's descriptor is never read) and the true head dims.
+        k_rows = tl.maximum(k_len, 1) if VARLEN or SEQUSED_K else k_len
+        k_desc = row_tiles(k_base, k_rows, stride_k[2], HEAD_DIM, BLOCK_N, BLOCK_D)
+        v_desc = row_tiles(v_base, k_rows, stride_v[2], HEAD_DIM_V, BLOCK_N, BLOCK_DV)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -175,10 +206,13 @@ def _attn_fwd(Q, K, V, O, LSE,
                                 num_stages=1 if RANGE == 2 else None):
             start_n = tl.multiple_of(start_n, BLOCK_N)
             offs_n = start_n + offs_n0
-            # 64-bit tile bases so huge (batch·seq·heads·dim > 2**31) tensors never wrap.
-            k = load_rows(k_base + start_n.to(tl.int64) * stride_k[2]
-                          + offs_n0[:, None] * stride_k[2] + offs_d[None, :],
-                          offs_n, k_len, offs_d, HEAD_DIM, MASKED[RANGE], not EVEN_D)
+            if TMA:
+                k = k_desc.load([start_n, 0])
+            else:
+                # 64-bit tile bases so huge (batch·seq·heads·dim > 2**31) tensors never wrap.
+                k = load_rows(k_base + start_n.to(tl.int64) * stride_k[2]
+                              + offs_n0[:, None] * stride_k[2] + offs_d[None, :],
+                              offs_n, k_len, offs_d, HEAD_DIM, MASKED[RANGE], not EVEN_D)
             k = widen(k, WIDEN)
             x, x_scale = scaled_scores(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION),
                                        b, h_tile, offs_m[:, None], offs_n[None, :], diag,
@@ -191,9 +225,12 @@ def _attn_fwd(Q, K, V, O, LSE,
             if DROPOUT:
                 keep = dropout_keep(drop, drop_rows, offs_m, start_n, BLOCK_M, BLOCK_N, DROPOUT)
                 p = tl.where(keep, p, 0.0)
-            v = load_rows(v_base + start_n.to(tl.int64) * stride_v[2]
-                          + offs_n0[:, None] * stride_v[2] + offs_dv[None, :],
-                          offs_n, k_len, offs_dv, HEAD_DIM_V, MASKED[RANGE], not EVEN_DV)
+            if TMA:
+                v = v_desc.load([start_n, 0])
+            else:
+                v = load_rows(v_base + start_n.to(tl.int64) * stride_v[2]
+                              + offs_n0[:, None] * stride_v[2] + offs_dv[None, :],
+                              offs_n, k_len, offs_dv, HEAD_DIM_V, MASKED[RANGE], not EVEN_DV)
             v = widen(v, WIDEN)
             acc = tl.dot(dot_operand(p, v, WIDEN), v, acc, input_precision=DOT_PRECISION)
 
@@ -217,6 +254,73 @@ def _attn_fwd(Q, K, V, O, LSE,
                  round_for_store(acc, WIDEN).to(O.dtype.element_ty), mask=o_mask)
 
 
+# TMA's limits (CUDA driver API, cuTensorMapEncodeTiled): a 16-byte aligned global address
+# and strides, strides below 2**40 bytes, at most 256 elements per box dimension.
+_TMA_ALIGN = 16
+_TMA_MAX_BOX = 256
+_TMA_MAX_STRIDE = 2 ** 40
+
+
+def _tma_rows_ok(x, strides, n_rows, block_width) -> bool:
+    """Whether every (batch, head) matrix of the 4-D view ``x`` -- rows ``strides[2]`` apart,
+    its batch and head offsets ``strides[0]``, ``strides[1]`` -- can be read by a TMA
+    descriptor at its (sequence's) first row, in tiles ``block_width`` wide."""
+    size = x.element_size()
+    batch, heads = x.shape[0], x.shape[1]
+    offsets = [s for s, n in ((strides[0], batch), (strides[1], heads)) if n > 1]
+    return (n_rows > 0 and block_width <= _TMA_MAX_BOX and x.data_ptr() % _TMA_ALIGN == 0
+            and 0 < strides[2] * size < _TMA_MAX_STRIDE
+            and all(s * size % _TMA_ALIGN == 0 for s in (*offsets, strides[2])))
+
+
+def tma_mode(pb, pack_gqa=False) -> int:
+    """The forward's TMA constexpr for a launch on problem ``pb`` (``_attn_fwd``'s docstring):
+    descriptor loads where the GPU takes them (``tma_capable``: sm_90, and the interpreter)
+    and the layout allows them; per-thread loads (0) elsewhere. What TMA cannot do, hence the
+    fallback: strides or a base address that are not multiples of 16 bytes (odd head dims with
+    contiguous rows, e.g. 1, 17 or 20 fp16 elements, views at odd offsets), a zero row stride
+    (rows expanded from one; a zero batch or head stride is fine: it only enters the base),
+    padded head dims over 256 (a box is at most 256 elements a side: head_dim 512), GPUs
+    without TMA (sm_80 / 86 / 89) or not yet tuned with it (sm_100, sm_120:
+    ``configs.TMA_MAJORS``); Q also with PACK_GQA, whose tile mixes query heads (1: K and V
+    only). Packed sequences and KV caches need no fallback: each program's descriptors end at
+    its own sequence's k_len."""
+    if not tma_capable(pb.q.device):
+        return 0
+    width, width_v = block_d(pb.q.shape[-1]), block_d(pb.v.shape[-1])
+    if not (_tma_rows_ok(pb.k, pb.strides(pb.k), pb.k_len, width)
+            and _tma_rows_ok(pb.v, pb.strides(pb.v), pb.k_len, width_v)):
+        return 0
+    q_ok = not pack_gqa and _tma_rows_ok(pb.q, pb.strides(pb.q), pb.q_len, width)
+    return 2 if q_ok else 1
+
+
+@contextlib.contextmanager
+def tma_scratch(device, on):
+    """Triton's allocator for the launch: device-side tensor descriptors live in a global
+    scratch buffer (128 bytes per descriptor and program) that Triton allocates through
+    ``triton.set_allocator`` at launch. Installed for the launch only (the caller's own
+    allocator, if any, is restored: Triton keeps it in a ContextVar); the interpreter and
+    launches without descriptors need none."""
+    if not on or interpreter_active():
+        yield
+        return
+
+    def alloc(size, alignment, stream):
+        return torch.empty(size, dtype=torch.int8, device=device)
+
+    var = getattr(getattr(triton.runtime, "_allocation", None), "_allocator", None)
+    if var is None:             # a Triton without the ContextVar: set it for good
+        triton.set_allocator(alloc)
+        yield
+        return
+    token = var.set(alloc)
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
 _attn_fwd_tuned = triton.autotune(configs=fwd_configs(), key=FWD_TUNE_KEY,
                                   prune_configs_by={"early_config_prune": prune_configs}
                                   )(_attn_fwd)
@@ -224,7 +328,7 @@ _attn_fwd_tuned = triton.autotune(configs=fwd_configs(), key=FWD_TUNE_KEY,
 
 def attention_forward(q, k, v, call=None, *, cu_seqlens_q=None, cu_seqlens_k=None,
                       max_seqlen_q=None, max_seqlen_k=None, k_lens=None, num_splits=1,
-                      pack_gqa=None, out=None, config=None, **call_fields):
+                      pack_gqa=None, out=None, config=None, tma=None, **call_fields):
     """Launch the fused forward on validated inputs.
 
     Args:
@@ -250,6 +354,8 @@ def attention_forward(q, k, v, call=None, *, cu_seqlens_q=None, cu_seqlens_k=Non
         config: a ``triton.Config`` with BLOCK_M, BLOCK_N to force (tests); default: autotuned
             on a GPU (or the first fitting config with KERNELS_AUTOTUNE=0), the small
             interpreter config under TRITON_INTERPRET=1.
+        tma: the kernel's TMA mode to force (0 = per-thread loads; tests); default
+            ``tma_mode``: tensor-descriptor loads where the GPU and the layout allow them.
     Returns:
         (o, lse): o shaped like q with v's head dim, in q's dtype, with q's memory layout when
         q is dense and Dv == D;
@@ -295,21 +401,23 @@ def attention_forward(q, k, v, call=None, *, cu_seqlens_q=None, cu_seqlens_k=Non
                 HEAD_DIM=D, BLOCK_D=block_d(D), HEAD_DIM_V=Dv, BLOCK_DV=block_d(Dv),
                 SPEC=score_spec(call), VARLEN=pb.varlen, SEQUSED_K=k_lens is not None,
                 PACK_GQA=bool(pack_gqa), SPLIT=num_splits > 1, DROPOUT=call.dropout_mode,
-                WIDEN=widen_bf16(q.dtype), DOT_PRECISION=dot_precision(q.dtype))
+                WIDEN=widen_bf16(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
+                TMA=tma_mode(pb, pack_gqa=bool(pack_gqa)) if tma is None else tma)
 
     def grid(cfg):
         return (triton.cdiv(rows, cfg["BLOCK_M"]) * num_splits, heads, pb.batch)
 
-    if config is None and not interpreter_active() and autotune_enabled():
-        _attn_fwd_tuned[grid](**args)
-    else:
-        if config is None and interpreter_active():
-            # Autotuning in the interpreter would time every config in Python: one config.
-            config = fwd_configs(interpret=True)[0]
-        elif config is None:
-            config = fixed_config(fwd_configs(), prune_configs, args)
-        _attn_fwd[grid(config.kwargs)](**args, **config.kwargs, num_warps=config.num_warps,
-                                       num_stages=config.num_stages)
+    with tma_scratch(q.device, args["TMA"]):
+        if config is None and not interpreter_active() and autotune_enabled():
+            _attn_fwd_tuned[grid](**args)
+        else:
+            if config is None and interpreter_active():
+                # Autotuning in the interpreter would time every config in Python: one config.
+                config = fwd_configs(interpret=True)[0]
+            elif config is None:
+                config = fixed_config(fwd_configs(), prune_configs, args)
+            _attn_fwd[grid(config.kwargs)](**args, **config.kwargs, num_warps=config.num_warps,
+                                           num_stages=config.num_stages)
     if num_splits > 1:
         combine_splits(split.o_part, split.lse_part, o4, lse, call.mods.sinks)
     return o, lse

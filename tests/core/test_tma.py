@@ -1,0 +1,138 @@
+"""The forward's tensor-descriptor (TMA) loads against its per-thread loads.
+
+On sm_90 the forward reads K, V (and Q) tiles through tensor descriptors made per
+program (``kernels.core.forward.row_tiles``; the TMA constexpr picked by ``tma_mode``); Triton's
+interpreter emulates descriptor loads, elements outside the descriptor's bounds included, so on
+CPU the same code path runs here. Both paths must give the same bits: the descriptor's bounds
+(a sequence's k_len rows, the true head dim) read as zeros exactly where the masked loads do, so
+neither another packed sequence's keys nor a KV cache's unfilled rows (NaN here) can leak in.
+"""
+import pytest
+import torch
+from helpers import DEVICE, randn
+
+from kernels.core import configs, forward
+from kernels.core.call import make_problem
+from kernels.core.forward import attention_forward, tma_mode
+
+F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
+
+
+def _both(q, k, v, **kw):
+    """(descriptor path, per-thread path) outputs and lse of one call."""
+    kw.setdefault("causal", False)
+    kw.setdefault("softmax_scale", 0.3)
+    got = attention_forward(q, k, v, **kw)
+    want = attention_forward(q, k, v, tma=0, **kw)
+    return got, want
+
+
+def _same(got, want):
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("q_len,k_len,d,dv,hq,hkv,causal,window,dtype", [
+    (37, 45, 24, 24, 2, 2, True, None, F16),     # padded head dim (24 -> 32), ragged tiles
+    (20, 33, 32, 16, 4, 2, False, None, BF16),   # Dv != D, GQA, bf16 (widened)
+    (30, 30, 16, 16, 2, 1, True, 7, F32),        # a sliding window's masked left edge
+], ids=lambda x: str(x).replace("torch.", ""))
+def test_dense_same_bits(q_len, k_len, d, dv, hq, hkv, causal, window, dtype):
+    q, k, v = randn(2, hq, q_len, d, dtype=dtype), randn(2, hkv, k_len, d, dtype=dtype), \
+        randn(2, hkv, k_len, dv, dtype=dtype)
+    assert tma_mode(make_problem(q, k, v)) == 2
+    _same(*_both(q, k, v, causal=causal, window=window))
+
+
+def test_packed_sequences_do_not_leak():
+    """Sequence 1 of a packed batch holds NaN keys and values: sequences 0 and 2 (whose last
+    key tiles overlap its rows) stay finite, and both paths agree bit for bit."""
+    lens_q, lens_k = [9, 5, 12], [13, 6, 21]
+    cu_q = torch.tensor([0, 9, 14, 26], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 13, 19, 40], dtype=torch.int32, device=DEVICE)
+    q, k, v = randn(26, 4, 16, dtype=F16), randn(40, 2, 16, dtype=F16), randn(40, 2, 16,
+                                                                               dtype=F16)
+    k[13:19] = float("nan")
+    v[13:19] = float("inf")
+    kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q),
+              max_seqlen_k=max(lens_k))
+    assert tma_mode(make_problem(q, k, v, **kw)) == 2
+    for causal in (False, True):
+        got, want = _both(q, k, v, causal=causal, **kw)
+        _same(got, want)
+        assert torch.isfinite(got[0][:9]).all() and torch.isfinite(got[0][14:]).all()
+
+
+def test_kv_cache_unfilled_rows_do_not_leak():
+    """A KV cache's rows past k_lens are NaN: decoding (packed GQA heads, Q by per-thread loads,
+    K/V by descriptors) with and without splits reads none of them."""
+    q = randn(3, 8, 2, 32, dtype=BF16)
+    k_cache, v_cache = randn(3, 2, 70, 32, dtype=BF16), randn(3, 2, 70, 32, dtype=BF16)
+    k_lens = torch.tensor([70, 33, 1], dtype=torch.int32, device=DEVICE)
+    for b, n in enumerate(k_lens.tolist()):
+        k_cache[b, :, n:] = float("nan")
+        v_cache[b, :, n:] = float("nan")
+    assert tma_mode(make_problem(q, k_cache, v_cache), pack_gqa=True) == 1
+    for splits in (1, 3):
+        got, want = _both(q, k_cache, v_cache, k_lens=k_lens, num_splits=splits)
+        _same(got, want)
+        assert torch.isfinite(got[0]).all()
+
+
+def _view(shape, dtype, layout):
+    if layout == "transposed":          # heads split off a (batch, seq, heads, dim) projection
+        return randn(shape[0], shape[2], shape[1], shape[3], dtype=dtype).transpose(1, 2)
+    if layout == "expand_heads":        # stride 0 over heads
+        return randn(shape[0], 1, *shape[2:], dtype=dtype).expand(shape)
+    if layout == "expand_rows":         # stride 0 over rows
+        return randn(*shape[:2], 1, shape[3], dtype=dtype).expand(shape)
+    if layout == "offset":              # a view one element into its storage
+        return randn(shape[0] * shape[1] * shape[2] * shape[3] + 1, dtype=dtype)[1:].view(shape)
+    return randn(*shape, dtype=dtype)
+
+
+@pytest.mark.parametrize("layout,d,dtype,mode", [
+    ("contiguous", 64, F16, 2),
+    ("contiguous", 24, F16, 2),        # rows of 48 bytes: aligned; the tile is padded to 32
+    ("contiguous", 20, F16, 0),        # rows of 40 bytes: not a multiple of 16
+    ("contiguous", 17, F32, 0),
+    ("contiguous", 4, F32, 2),         # rows of 16 bytes (tile padded to 16 elements)
+    ("contiguous", 384, BF16, 0),      # padded to 512: over TMA's 256 elements per box side
+    ("transposed", 32, BF16, 2),
+    ("expand_heads", 32, F16, 2),      # a zero head stride only enters the base address
+    ("expand_rows", 32, F16, 0),       # a zero row stride is no TMA stride
+    ("offset", 32, F16, 0),            # base address 2 bytes off 16
+], ids=lambda x: str(x).replace("torch.", ""))
+def test_tma_mode_layouts(layout, d, dtype, mode):
+    k = _view((2, 2, 9, d), dtype, layout)
+    q = randn(2, 4, 5, d, dtype=dtype)
+    assert tma_mode(make_problem(q, k, k)) == mode
+    if mode:
+        assert tma_mode(make_problem(q, k, k), pack_gqa=True) == 1   # Q's rows span heads
+    if d <= 64:
+        _same(*_both(q, k, k, causal=True))
+
+
+@pytest.mark.parametrize("capability,on", [((8, 0), False), ((8, 6), False), ((8, 9), False),
+                                           ((9, 0), True), ((10, 0), False), ((12, 0), False)])
+def test_tma_only_on_tma_gpus(monkeypatch, capability, on):
+    """Compiled (not interpreted), the descriptor path is taken on sm_90 only (sm_100 / sm_120:
+    not until their config tables are re-checked with it, kernels/core/configs.TMA_MAJORS)."""
+    monkeypatch.setattr(configs, "interpreter_active", lambda: False)
+    monkeypatch.setattr(configs, "gpu_of", lambda device=None: configs.Gpu(capability, 99 << 10))
+    q = randn(1, 2, 8, 64, dtype=F16)
+    assert tma_mode(make_problem(q, q, q)) == (2 if on else 0)
+
+
+def test_scratch_allocator_is_scoped(monkeypatch):
+    """Descriptors made in the kernel need Triton's global-scratch allocator: installed for the
+    launch only, the caller's (here: none) restored after."""
+    from triton.runtime import _allocation
+    before = _allocation._allocator.get()
+    monkeypatch.setattr(forward, "interpreter_active", lambda: False)
+    with forward.tma_scratch(torch.device("cpu"), 2):
+        buf = _allocation._allocator.get()(384, 128, None)
+        assert buf.numel() == 384 and buf.dtype == torch.int8
+    assert _allocation._allocator.get() is before
+    with forward.tma_scratch(torch.device("cpu"), 0):
+        assert _allocation._allocator.get() is before
