@@ -24,7 +24,8 @@ Causal alignment is bottom-right: query i sees key j iff ``j <= i + (k_len - q_l
 
 Three launches, none with atomics, so the result is bit-reproducible:
 
-1. ``_bwd_preprocess``: delta (B, H, q_len) fp32.
+1. ``_bwd_preprocess``: the row statistics lse · log2(e) and delta, fp32, padded to whole
+   tiles (``stats_layout``) so that the other two load them unmasked.
 2. ``_bwd_dkdv``: one program per (key block, bh); it keeps K, V and the dK, dV accumulators
    on chip and streams the query blocks that can see its keys.
 3. ``_bwd_dq``: one program per (query block, bh); it keeps Q, dO and dQ on chip and streams
@@ -35,8 +36,8 @@ Each kernel visits its tiles in up to three ranges (kernels/core/tiles.py): tile
 straddle the causal diagonal, the window's edge or the k_len edge apply the mask
 (``MASKED``), the others (most of them, for long sequences) skip it. Every score tile goes
 through the one score pipeline (kernels/core/score.py), as in the forward. Out-of-range rows
-and head-dim padding need no mask on P: their loads give zeros (and lse = +inf, so P = 0),
-which add nothing to any dot product.
+and head-dim padding need no mask on P: their loads give zeros (and their padded lse is +inf,
+so P = 0), which add nothing to any dot product.
 """
 import torch
 import triton
@@ -45,9 +46,10 @@ import triton.language as tl
 from .call import AttentionCall, make_problem, packed_view, score_args, score_spec
 from .common import (LOG2E, block_d, dot_operand, dot_precision, interpreter_active,
                      round_for_store, widen, widen_bf16)
-from .configs import (BWD_TUNE_KEY, autotune_enabled, bwd_configs, fixed_config,
+from .configs import (BWD_ROW_PAD, BWD_TUNE_KEY, autotune_enabled, bwd_configs, fixed_config,
                       prune_bwd_configs)
 from .score import dropout_keep, probs_from_lse, scaled_scores, score_grad
+from .tma import row_tiles, tma_capable, tma_rows_ok, tma_scratch
 from .tiles import (clamp_ranges, edge_bound, key_range, mask_key_bounds, mask_query_bounds,
                     query_range, seq_bounds)
 
@@ -55,18 +57,61 @@ _LOG2E = tl.constexpr(LOG2E)
 # Elements per program of the (memory-bound) delta pre-pass, independent of the autotuned
 # blocks: 64 rows up to head_dim 128, 32 at 256 (64 x 256 spilled on sm_100).
 _PRE_BLOCK_ELEMS = 64 * 128
+# Entries (fp32) per 16 bytes: every (sequence, head)'s row statistics start at a multiple of it.
+_STATS_ALIGN = tl.constexpr(4)
+
+
+
+def stats_layout(pb):
+    """(shape, (batch stride, head stride, plane stride)) of the backward's padded row
+    statistics: two fp32 planes, lse · log2(e) then delta (``_bwd_preprocess``).
+
+    In each plane, each (batch or sequence, head) gets its q_len rows followed by at least
+    round_up(q_len, BWD_ROW_PAD) - q_len padding rows (``_bwd_preprocess`` fills them), so a
+    BLOCK_M-row tile that starts below q_len never leaves its own rows (BLOCK_M <= BWD_ROW_PAD),
+    and starts at a multiple of 4 entries (16 bytes: where a tensor descriptor's tile may start,
+    ``_bwd_dkdv``'s TMA). Entry (b, h, i) sits at ``stats_row0(b, h, row_start, strides) + i``:
+    dense (2, B, heads, round_up(q_len, BWD_ROW_PAD)); packed sequences (2, heads, width) with
+    batch stride BWD_ROW_PAD + 4, so sequence b starts at round_up(cu_q[b], 4) + b *
+    (BWD_ROW_PAD + 4), at least len_b + BWD_ROW_PAD entries before sequence b + 1.
+    """
+    if pb.varlen:
+        align = _STATS_ALIGN.value
+        seq_stride = BWD_ROW_PAD + align
+        width = triton.cdiv(pb.q.shape[2] + align + pb.batch * seq_stride, align) * align
+        return (2, pb.heads, width), (seq_stride, width, pb.heads * width)
+    width = triton.cdiv(pb.q_len, BWD_ROW_PAD) * BWD_ROW_PAD
+    plane = pb.batch * pb.heads * width
+    return (2, pb.batch, pb.heads, width), (pb.heads * width, width, plane)
 
 
 @triton.jit
-def _bwd_preprocess(O, DO, Delta, stride_o, stride_do, stride_lse, seq,
-                    HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_D: tl.constexpr):
-    """delta[b, h, i] = sum_d dO[b, h, i, d] * O[b, h, i, d] in fp32.
+def stats_row0(b, h, q_start, stride_stats):
+    """Offset of row 0 of (batch or sequence b, head h) in a plane of the row statistics
+    (``stats_layout``; q_start = 0 for dense inputs), 64-bit."""
+    return b.to(tl.int64) * stride_stats[0] + h.to(tl.int64) * stride_stats[1] \
+        + (q_start + _STATS_ALIGN - 1) // _STATS_ALIGN * _STATS_ALIGN
+
+
+@triton.jit
+def _bwd_preprocess(O, DO, LSE, STATS, stride_o, stride_do, stride_lse, stride_stats, seq,
+                    HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr, ROW_PAD: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The row statistics the dK/dV and dQ kernels read, fp32, in the padded stats layout
+    (``stats_layout``):
+
+        lse2[b, h, i]  = lse[b, h, i] * log2(e)   (+inf where lse = -inf: a row with no key)
+        delta[b, h, i] = sum_d dO[b, h, i, d] * O[b, h, i, d]
+
+    for i < q_len, and lse2 = +inf, delta = 0 on the padding rows q_len <= i <
+    round_up(q_len, ROW_PAD). The kernels then load whole tiles of them unmasked: a padding
+    row's P = exp2(s - lse2) is exactly 0, and a row with no key's too (its tiles are masked
+    anyway; +inf keeps exp2 from overflowing there).
 
     O, DO: (B, heads_q, q_len, HEAD_DIM) (the value head dim), unit stride on the last dim
-    (VARLEN: packed, rows of sequence b from seq.cu_q). Delta: fp32 in the lse layout (b *
-    stride_lse[0] + h * stride_lse[1] + row). Grid: (cdiv(q_len or max_seqlen_q, BLOCK_M),
-    heads_q, batch or number of sequences).
+    (VARLEN: packed, rows of sequence b from seq.cu_q). LSE: the forward's, in the lse layout
+    (``stride_lse``); STATS: lse2 then delta, in the stats layout (``stride_stats``). Grid:
+    (cdiv(round_up(q_len or max_seqlen_q, ROW_PAD), BLOCK_M), heads_q, batch or sequences).
     """
     pid_m = tl.program_id(0)
     # Heads and batch on grid axes 1 and 2 (65535 each), not one B*H axis.
@@ -75,7 +120,8 @@ def _bwd_preprocess(O, DO, Delta, stride_o, stride_do, stride_lse, seq,
     q_start, q_len, _, _ = seq_bounds(b, seq, VARLEN, False)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_m[:, None] < q_len) & (offs_d[None, :] < HEAD_DIM)
+    row_ok = offs_m < q_len
+    mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
     rows = (q_start + offs_m)[:, None].to(tl.int64)
     o_ptrs = O + b.to(tl.int64) * stride_o[0] + h.to(tl.int64) * stride_o[1] \
         + rows * stride_o[2] + offs_d[None, :]
@@ -85,45 +131,39 @@ def _bwd_preprocess(O, DO, Delta, stride_o, stride_do, stride_lse, seq,
     o = tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)
     do = tl.load(do_ptrs, mask=mask, other=0.0).to(tl.float32)
     delta = tl.sum(o * do, axis=1)
-    row_base = b.to(tl.int64) * stride_lse[0] + h.to(tl.int64) * stride_lse[1] + q_start
-    tl.store(Delta + row_base + offs_m, delta, mask=offs_m < q_len)
+    lse = tl.load(LSE + b.to(tl.int64) * stride_lse[0] + h.to(tl.int64) * stride_lse[1]
+                  + q_start + offs_m, mask=row_ok, other=float("inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
+    stats = stats_row0(b, h, q_start, stride_stats) + offs_m
+    padded = offs_m < tl.cdiv(q_len, ROW_PAD) * ROW_PAD
+    tl.store(STATS + stats, lse2, mask=padded)
+    tl.store(STATS + stride_stats[2] + stats, delta, mask=padded)
 
 
 @triton.jit
-def _load_row_stats(LSE, Delta, offs_m, q_len):
-    """(lse2, delta) of rows ``offs_m`` (pointers already at the head's row 0), with
-    lse2 = lse · log2(e), what the score pipeline's base-2 ``probs_from_lse`` subtracts.
-
-    Out-of-range rows get lse = +inf, so their P is exactly 0 without a mask. Rows that see no
-    key (lse = -inf) only occur in masked tiles, which zero their P anyway; mapping -inf to +inf
-    (one op per row) keeps exp2 from producing inf there in the first place.
-    """
-    row_ok = offs_m < q_len
-    lse = tl.load(LSE + offs_m, mask=row_ok, other=float("inf"))
-    lse = tl.where(lse == float("-inf"), float("inf"), lse)
-    delta = tl.load(Delta + offs_m, mask=row_ok, other=0.0)
-    return lse * _LOG2E, delta
-
-
-@triton.jit
-def _bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV,
-              stride_q, stride_k, stride_v, stride_do, stride_dk, stride_dv, stride_lse,
+def _bwd_dkdv(Q, K, V, DO, STATS, DK, DV,
+              stride_q, stride_k, stride_v, stride_do, stride_dk, stride_dv, stride_stats,
               seq, score, drop,
               BUCKETS,  # autotune key only: power-of-two buckets of (q_len, k_len)
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
               BLOCK_DV: tl.constexpr, SPEC: tl.constexpr,
               VARLEN: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-              WIDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+              WIDEN: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr):
     """dK, dV for one block of BLOCK_N keys of one (batch or packed sequence, kv head).
 
     Q: (B, heads_q, q_len, HEAD_DIM), DO: (B, heads_q, q_len, HEAD_DIM_V); K, DK: (B, heads_kv,
     k_len, HEAD_DIM), V, DV: (B, heads_kv, k_len, HEAD_DIM_V), with heads_q = seq.group *
     heads_kv; any strides with a unit last one, ``stride_x`` = x's
-    (batch, head, row) strides (VARLEN: packed as in the forward). LSE (natural log, -inf for
-    rows that see no key) and Delta: fp32 in the lse layout. ``seq``, ``score``, ``drop``,
-    SPEC: as in the forward. Grid: (cdiv(k_len or max_seqlen_k, BLOCK_N), heads_kv, batch or
-    number of
-    sequences).
+    (batch, head, row) strides (VARLEN: packed as in the forward). STATS: ``_bwd_preprocess``'s
+    padded fp32 row statistics, lse2 = lse · log2 e (+inf for rows that see no key) and delta,
+    ``stride_stats`` their (batch, head, plane) strides (``stats_layout``). ``seq``, ``score``,
+    ``drop``, SPEC: as in the forward. TMA (``bwd_tma_modes``): 1 = the streamed tiles (Q, dO
+    and the row statistics here, K and V in dQ) by tensor descriptors over that (sequence,
+    head)'s rows
+    (``tma.row_tiles``: zeros past the rows and the head dim, as the masked loads give);
+    0 = per-thread masked loads. Grid: (cdiv(k_len or max_seqlen_k, BLOCK_N), heads_kv, batch
+    or number of sequences).
 
     The group of query heads that share this kv head are summed here, one after another in a
     fixed order: no atomics, so dK and dV are bit-reproducible with grouped-query heads too.
@@ -186,11 +226,29 @@ def _bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV,
     k_edge = edge_bound(offs_n, score.window, SPEC.edge, True)[:, None] \
         if SPEC.edge != 0 else 0
 
+    if TMA:
+        # The row statistics as a (2, plane) matrix, read (2, BLOCK_M) at a time: one copy
+        # for lse2 and delta (two copies were 144 more instructions per 128² tile at head_dim
+        # 64, per-thread cp.async 416 more; benchmarks/NOTES.md). int32 coordinates:
+        # ``bwd_tma_modes`` checks the size.
+        stats_desc = tl.make_tensor_descriptor(STATS, shape=[2, stride_stats[2]],
+                                               strides=[stride_stats[2], 1],
+                                               block_shape=[2, BLOCK_M])
     for g in range(0, seq.group):
         h = (kv_h * seq.group + g).to(tl.int64)
         Q_h = Q + off_b * stride_q[0] + h * stride_q[1] + q_rows * stride_q[2]
         DO_h = DO + off_b * stride_do[0] + h * stride_do[1] + q_rows * stride_do[2]
-        row_base = off_b * stride_lse[0] + h * stride_lse[1] + q_rows
+        if TMA:
+            # This (sequence, query head)'s rows (at least 1: a descriptor of an empty
+            # sequence is never read).
+            n_rows = tl.maximum(q_len, 1) if VARLEN else q_len
+            q_desc = row_tiles(Q_h, n_rows, stride_q[2], HEAD_DIM, BLOCK_M, BLOCK_D)
+            do_desc = row_tiles(DO_h, n_rows, stride_do[2], HEAD_DIM_V, BLOCK_M, BLOCK_DV)
+        row0 = stats_row0(b, h, q_start, stride_stats)
+        lse2_h = STATS + row0
+        delta_h = lse2_h + stride_stats[2]
+        if TMA:
+            stats_row = row0.to(tl.int32)      # the descriptor's (int32) column of row 0
         drop_rows = off_b * drop.row_stride_b + h * drop.row_stride_h + q_rows + drop.row0
         # Query tiles in up to three ranges: RANGE 0 the causal diagonal (masked; without
         # causal, the peeled first tile, unmasked), RANGE 1 the rows that see every key of the
@@ -205,17 +263,27 @@ def _bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV,
                 range_lo, range_hi = full_hi, hi
             for start_m in range(range_lo, range_hi, BLOCK_M):
                 offs_m = start_m + rows0
-                row_ok = offs_m < q_len
-                # 64-bit tile bases: seq_len * row stride can pass 2**31.
-                qT = tl.load(Q_h + tl.cast(start_m, tl.int64) * stride_q[2]
-                             + rows0[None, :] * stride_q[2] + offs_d[:, None],
-                             mask=row_ok[None, :] & d_ok[:, None], other=0.0)
+                if TMA:
+                    qT = tl.trans(q_desc.load([start_m, 0]))
+                    do = do_desc.load([start_m, 0])
+                else:
+                    row_ok = offs_m < q_len
+                    # 64-bit tile bases: seq_len * row stride can pass 2**31.
+                    qT = tl.load(Q_h + tl.cast(start_m, tl.int64) * stride_q[2]
+                                 + rows0[None, :] * stride_q[2] + offs_d[:, None],
+                                 mask=row_ok[None, :] & d_ok[:, None], other=0.0)
+                    do = tl.load(DO_h + tl.cast(start_m, tl.int64) * stride_do[2]
+                                 + rows0[:, None] * stride_do[2] + offs_dv[None, :],
+                                 mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
                 qT = widen(qT, WIDEN)                                       # (BLOCK_D, BLOCK_M)
-                do = tl.load(DO_h + tl.cast(start_m, tl.int64) * stride_do[2]
-                             + rows0[:, None] * stride_do[2] + offs_dv[None, :],
-                             mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
                 do = widen(do, WIDEN)                                      # (BLOCK_M, BLOCK_DV)
-                lse2, delta = _load_row_stats(LSE + row_base, Delta + row_base, offs_m, q_len)
+                # Whole tiles, unmasked: the stats are padded (``_bwd_preprocess``).
+                if TMA:
+                    # One copy of both planes' tile: (2, BLOCK_M) -> lse2, delta.
+                    lse2, delta = tl.split(tl.trans(stats_desc.load([0, stats_row + start_m])))
+                else:
+                    lse2 = tl.load(lse2_h + offs_m)
+                    delta = tl.load(delta_h + offs_m)
 
                 qkT = tl.dot(k, qT, input_precision=DOT_PRECISION)          # (BLOCK_N, BLOCK_M)
                 xT, x_scale = scaled_scores(qkT, b, h, offs_m[None, :], offs_n[:, None], diag,
@@ -250,14 +318,15 @@ def _bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV,
 
 
 @triton.jit
-def _bwd_dq(Q, K, V, DO, LSE, Delta, DQ,
-            stride_q, stride_k, stride_v, stride_do, stride_dq, stride_lse,
+def _bwd_dq(Q, K, V, DO, STATS, DQ,
+            stride_q, stride_k, stride_v, stride_do, stride_dq, stride_stats,
             seq, score, drop,
             BUCKETS,  # autotune key only: power-of-two buckets of (q_len, k_len)
             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
             BLOCK_DV: tl.constexpr, SPEC: tl.constexpr,
             VARLEN: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-            WIDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+            WIDEN: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr):
     """dQ for one block of BLOCK_M queries of one (batch or packed sequence, query head).
 
     Shapes, strides and grouped arguments as in ``_bwd_dkdv``; DQ like Q. Query head h reads
@@ -286,7 +355,7 @@ def _bwd_dq(Q, K, V, DO, LSE, Delta, DQ,
     DQ += off_b * stride_dq[0] + h.to(tl.int64) * stride_dq[1] + q_rows * stride_dq[2]
     K += off_b * stride_k[0] + kv_h * stride_k[1] + k_rows * stride_k[2]
     V += off_b * stride_v[0] + kv_h * stride_v[1] + k_rows * stride_v[2]
-    row_base = off_b * stride_lse[0] + h.to(tl.int64) * stride_lse[1] + q_rows
+    lse2_h = STATS + stats_row0(b, h, q_start, stride_stats)
     drop_rows = off_b * drop.row_stride_b + h.to(tl.int64) * drop.row_stride_h + q_rows \
         + drop.row0
 
@@ -300,8 +369,16 @@ def _bwd_dq(Q, K, V, DO, LSE, Delta, DQ,
                       mask=q_mask, other=0.0), WIDEN)                       # (BLOCK_M, BLOCK_D)
     do = widen(tl.load(DO + offs_m[:, None].to(tl.int64) * stride_do[2] + offs_dv[None, :],
                        mask=do_mask, other=0.0), WIDEN)                     # (BLOCK_M, BLOCK_DV)
-    # Rows that see no key get lse = +inf, P = 0, so their dQ row is 0.
-    lse2, delta = _load_row_stats(LSE + row_base, Delta + row_base, offs_m, q_len)
+    # Whole tiles, unmasked (the stats are padded). Rows that see no key have lse2 = +inf,
+    # P = 0, so their dQ row is 0.
+    lse2 = tl.load(lse2_h + offs_m)
+    delta = tl.load(lse2_h + stride_stats[2] + offs_m)
+    if TMA:
+        # This (sequence, kv head)'s key rows (at least 1: an empty sequence's descriptor is
+        # never read).
+        n_keys = tl.maximum(k_len, 1) if VARLEN else k_len
+        k_desc = row_tiles(K, n_keys, stride_k[2], HEAD_DIM, BLOCK_N, BLOCK_D)
+        v_desc = row_tiles(V, n_keys, stride_v[2], HEAD_DIM_V, BLOCK_N, BLOCK_DV)
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     diag = k_len - q_len
     cols0 = tl.arange(0, BLOCK_N)
@@ -328,15 +405,21 @@ def _bwd_dq(Q, K, V, DO, LSE, Delta, DQ,
         for start_n in tl.range(range_lo, range_hi, BLOCK_N,
                                 num_stages=1 if RANGE == 2 else None):
             offs_n = start_n + cols0
-            k_mask = (offs_n[None, :] < k_len) & (offs_d[:, None] < HEAD_DIM)
-            v_mask = (offs_n[None, :] < k_len) & (offs_dv[:, None] < HEAD_DIM_V)
-            # 64-bit tile bases, 32-bit offsets inside the tile.
-            kT = widen(tl.load(K + tl.cast(start_n, tl.int64) * stride_k[2]
-                               + cols0[None, :] * stride_k[2] + offs_d[:, None],
-                               mask=k_mask, other=0.0), WIDEN)              # (BLOCK_D, BLOCK_N)
-            vT = widen(tl.load(V + tl.cast(start_n, tl.int64) * stride_v[2]
-                               + cols0[None, :] * stride_v[2] + offs_dv[:, None],
-                               mask=v_mask, other=0.0), WIDEN)             # (BLOCK_DV, BLOCK_N)
+            if TMA:
+                kT = tl.trans(k_desc.load([start_n, 0]))
+                vT = tl.trans(v_desc.load([start_n, 0]))
+            else:
+                k_mask = (offs_n[None, :] < k_len) & (offs_d[:, None] < HEAD_DIM)
+                v_mask = (offs_n[None, :] < k_len) & (offs_dv[:, None] < HEAD_DIM_V)
+                # 64-bit tile bases, 32-bit offsets inside the tile.
+                kT = tl.load(K + tl.cast(start_n, tl.int64) * stride_k[2]
+                             + cols0[None, :] * stride_k[2] + offs_d[:, None],
+                             mask=k_mask, other=0.0)
+                vT = tl.load(V + tl.cast(start_n, tl.int64) * stride_v[2]
+                             + cols0[None, :] * stride_v[2] + offs_dv[:, None],
+                             mask=v_mask, other=0.0)
+            kT = widen(kT, WIDEN)                                           # (BLOCK_D, BLOCK_N)
+            vT = widen(vT, WIDEN)                                          # (BLOCK_DV, BLOCK_N)
 
             qk = tl.dot(q, kT, input_precision=DOT_PRECISION)               # (BLOCK_M, BLOCK_N)
             # Unlike dK/dV, columns past k_len must be zeroed here (MASKED[2] covers the k_len
@@ -372,8 +455,28 @@ _bwd_dq_tuned = triton.autotune(configs=bwd_configs(kernel="dq"), key=BWD_TUNE_K
                                 )(_bwd_dq)
 
 
+def bwd_tma_modes(pb, do) -> tuple:
+    """The TMA constexprs (``_bwd_dkdv``'s docstring) of the dK/dV and dQ launches on problem
+    ``pb`` with output gradient ``do`` (4-D, as the kernels see it): 1 where the GPU takes
+    tensor descriptors (``tma_capable``: sm_90, and the interpreter) and the tiles that kernel
+    streams can be read by them (``tma_rows_ok``: Q and dO for dK/dV, and the row statistics
+    with int32 coordinates; K and V for dQ), else 0
+    (per-thread loads: strides or bases that are not multiples of 16 bytes, a zero row stride,
+    head dims padded past 256, other GPUs)."""
+    if not tma_capable(pb.q.device):
+        return 0, 0
+    width, width_v = block_d(pb.q.shape[-1]), block_d(pb.v.shape[-1])
+    dkdv = (tma_rows_ok(pb.q, pb.strides(pb.q), pb.q_len, width)
+            and tma_rows_ok(do, pb.strides(do), pb.q_len, width_v)
+            and stats_layout(pb)[1][2] < 2 ** 31)
+    dq = (tma_rows_ok(pb.k, pb.strides(pb.k), pb.k_len, width)
+          and tma_rows_ok(pb.v, pb.strides(pb.v), pb.k_len, width_v))
+    return int(dkdv), int(dq)
+
+
 def attention_backward(do, q, k, v, o, lse, call=None, *, cu_seqlens_q=None, cu_seqlens_k=None,
-                       max_seqlen_q=None, max_seqlen_k=None, config=None, **call_fields):
+                       max_seqlen_q=None, max_seqlen_k=None, config=None, tma=None,
+                       **call_fields):
     """Gradients of ``o = attention(q, k, v)`` given ``do = dL/do``.
 
     Args:
@@ -392,6 +495,8 @@ def attention_backward(do, q, k, v, o, lse, call=None, *, cu_seqlens_q=None, cu_
             ``attention_forward``.
         config: a ``triton.Config`` with BLOCK_M, BLOCK_N (tests only); default: autotuned
             on a GPU, ``bwd_configs(interpret=True)[0]`` under the interpreter.
+        tma: both kernels' TMA mode to force (0 = per-thread loads; tests); default
+            ``bwd_tma_modes``.
 
     Returns:
         (dq, dk, dv), each with the shape, dtype and memory layout of q, k, v
@@ -418,19 +523,23 @@ def attention_backward(do, q, k, v, o, lse, call=None, *, cu_seqlens_q=None, cu_
         dq4, dk4, dv4 = dq, dk, dv
 
     BLOCK_DV = block_d(head_dim_v)
-    # delta lives in lse's layout, so both share one offset (and the dropout row id).
-    delta = torch.empty_like(lse)
+    # The row statistics, padded to whole tiles; delta in lse's row order, so the dropout row
+    # ids (lse offsets) stay the tiles' own.
+    stats_shape, stats_strides = stats_layout(pb)
+    stats = torch.empty(stats_shape, device=lse.device, dtype=torch.float32)
     seq = pb.seq_args(lse)
     pre_block_m = min(64, _PRE_BLOCK_ELEMS // BLOCK_DV)
-    _bwd_preprocess[(triton.cdiv(pb.q_len, pre_block_m), pb.heads, pb.batch)](
-        O=o, DO=do, Delta=delta, stride_o=pb.strides(o), stride_do=pb.strides(do),
-        stride_lse=pb.lse_strides, seq=seq, HEAD_DIM=head_dim_v, VARLEN=pb.varlen,
+    _bwd_preprocess[(triton.cdiv(pb.q_len, BWD_ROW_PAD) * BWD_ROW_PAD // pre_block_m,
+                     pb.heads, pb.batch)](
+        O=o, DO=do, LSE=lse, STATS=stats, stride_o=pb.strides(o),
+        stride_do=pb.strides(do), stride_lse=pb.lse_strides, stride_stats=stats_strides,
+        seq=seq, HEAD_DIM=head_dim_v, VARLEN=pb.varlen, ROW_PAD=BWD_ROW_PAD,
         BLOCK_M=pre_block_m, BLOCK_D=BLOCK_DV)
 
-    common = dict(Q=pb.q, K=pb.k, V=pb.v, DO=do, LSE=lse, Delta=delta,
+    common = dict(Q=pb.q, K=pb.k, V=pb.v, DO=do, STATS=stats,
                   stride_q=pb.strides(pb.q), stride_k=pb.strides(pb.k),
                   stride_v=pb.strides(pb.v), stride_do=pb.strides(do),
-                  stride_lse=pb.lse_strides, seq=seq, score=score_args(call, lse),
+                  stride_stats=stats_strides, seq=seq, score=score_args(call, lse),
                   drop=pb.drop_args(call), BUCKETS=pb.tune_buckets(),
                   HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), HEAD_DIM_V=head_dim_v,
                   # Sinks are in lse already: the backward compiles as without them.
@@ -438,9 +547,10 @@ def attention_backward(do, q, k, v, o, lse, call=None, *, cu_seqlens_q=None, cu_
                   VARLEN=pb.varlen,
                   DROPOUT=call.dropout_mode, DOT_PRECISION=dot_precision(q.dtype),
                   WIDEN=widen_bf16(q.dtype))
+    tma_dkdv, tma_dq = bwd_tma_modes(pb, do) if tma is None else (tma, tma)
     dkdv_args = dict(common, DK=dk4, DV=dv4, stride_dk=pb.strides(dk4),
-                     stride_dv=pb.strides(dv4))
-    dq_args = dict(common, DQ=dq4, stride_dq=pb.strides(dq4))
+                     stride_dv=pb.strides(dv4), TMA=tma_dkdv)
+    dq_args = dict(common, DQ=dq4, stride_dq=pb.strides(dq4), TMA=tma_dq)
 
     def dkdv_grid(cfg):
         return (triton.cdiv(pb.k_len, cfg["BLOCK_N"]), pb.heads_kv, pb.batch)
@@ -449,8 +559,10 @@ def attention_backward(do, q, k, v, o, lse, call=None, *, cu_seqlens_q=None, cu_
         return (triton.cdiv(pb.q_len, cfg["BLOCK_M"]), pb.heads, pb.batch)
 
     if config is None and not interpreter_active() and autotune_enabled():
-        _bwd_dkdv_tuned[dkdv_grid](**dkdv_args)
-        _bwd_dq_tuned[dq_grid](**dq_args)
+        with tma_scratch(q.device, tma_dkdv):
+            _bwd_dkdv_tuned[dkdv_grid](**dkdv_args)
+        with tma_scratch(q.device, tma_dq):
+            _bwd_dq_tuned[dq_grid](**dq_args)
         return dq, dk, dv
 
     if config is not None:
@@ -464,6 +576,8 @@ def attention_backward(do, q, k, v, o, lse, call=None, *, cu_seqlens_q=None, cu_
 
     for kernel, cfg, grid, args in ((_bwd_dkdv, config_dkdv, dkdv_grid, dkdv_args),
                                     (_bwd_dq, config_dq, dq_grid, dq_args)):
-        kernel[grid(cfg.kwargs)](**args, **cfg.kwargs, num_warps=cfg.num_warps,
-                                 num_stages=cfg.num_stages)
+        assert BWD_ROW_PAD % cfg.kwargs["BLOCK_M"] == 0, cfg   # the stats' padding covers it
+        with tma_scratch(q.device, args["TMA"]):
+            kernel[grid(cfg.kwargs)](**args, **cfg.kwargs, num_warps=cfg.num_warps,
+                                     num_stages=cfg.num_stages)
     return dq, dk, dv

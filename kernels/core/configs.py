@@ -102,7 +102,11 @@ def unsupported_gpu_reason(device) -> Optional[str]:
 FWD_TUNE_KEY = ["BUCKETS", "HEAD_DIM", "HEAD_DIM_V", "SPEC", "VARLEN", "SEQUSED_K", "PACK_GQA",
                 "SPLIT", "DROPOUT", "DOT_PRECISION", "TMA"]
 BWD_TUNE_KEY = ["BUCKETS", "HEAD_DIM", "HEAD_DIM_V", "SPEC", "VARLEN", "DROPOUT",
-                "DOT_PRECISION"]
+                "DOT_PRECISION", "TMA"]
+# The backward's row statistics are padded to multiples of this many rows per (sequence, head)
+# (backward.stats_layout), so its kernels load whole BLOCK_M-row tiles of them without a mask:
+# every backward config's BLOCK_M must divide it (tests/core/test_configs.py checks the tables).
+BWD_ROW_PAD = 128
 
 
 # ---------------------------------------------------------------------------------------------

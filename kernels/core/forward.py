@@ -7,8 +7,6 @@ matrix never leaves registers. Causal tiles entirely above the diagonal are neve
 entirely below it run without any masking; only the diagonal band (and the ragged last key tile)
 pays for masks.
 """
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
@@ -23,6 +21,7 @@ from .configs import (FWD_TUNE_KEY, PACK_GQA_MAX_Q_LEN, autotune_enabled, clamp_
 from .score import dropout_keep, finish_rows, mask_scores, online_softmax, scaled_scores
 from .tiles import clamp_ranges, edge_bound, key_range, mask_key_bounds, seq_bounds
 from .splitkv import combine_splits
+from .tma import row_tiles, tma_rows_ok, tma_scratch
 
 
 @triton.jit
@@ -41,18 +40,6 @@ def load_rows(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr,
             return tl.load(ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
         else:
             return tl.load(ptrs)
-
-
-@triton.jit
-def row_tiles(base, n_rows, row_stride, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-              BLOCK_D: tl.constexpr):
-    """Tensor descriptor of the (n_rows × HEAD_DIM) matrix at ``base`` (rows ``row_stride``
-    apart, unit column stride) read in (BLOCK_ROWS × BLOCK_D) tiles: on sm_90+ a TMA descriptor
-    (``desc.load([row, 0])`` is one bulk tensor copy into shared memory), which reads elements
-    outside the matrix -- rows >= n_rows, head-dim padding -- as zeros. Needs a 16-byte aligned
-    base and row stride (``tma_mode`` checks them)."""
-    return tl.make_tensor_descriptor(base, shape=[n_rows, HEAD_DIM], strides=[row_stride, 1],
-                                     block_shape=[BLOCK_ROWS, BLOCK_D])
 
 
 @triton.jit
@@ -254,25 +241,6 @@ def _attn_fwd(Q, K, V, O, LSE,
                  round_for_store(acc, WIDEN).to(O.dtype.element_ty), mask=o_mask)
 
 
-# TMA's limits (CUDA driver API, cuTensorMapEncodeTiled): a 16-byte aligned global address
-# and strides, strides below 2**40 bytes, at most 256 elements per box dimension.
-_TMA_ALIGN = 16
-_TMA_MAX_BOX = 256
-_TMA_MAX_STRIDE = 2 ** 40
-
-
-def _tma_rows_ok(x, strides, n_rows, block_width) -> bool:
-    """Whether every (batch, head) matrix of the 4-D view ``x`` -- rows ``strides[2]`` apart,
-    its batch and head offsets ``strides[0]``, ``strides[1]`` -- can be read by a TMA
-    descriptor at its (sequence's) first row, in tiles ``block_width`` wide."""
-    size = x.element_size()
-    batch, heads = x.shape[0], x.shape[1]
-    offsets = [s for s, n in ((strides[0], batch), (strides[1], heads)) if n > 1]
-    return (n_rows > 0 and block_width <= _TMA_MAX_BOX and x.data_ptr() % _TMA_ALIGN == 0
-            and 0 < strides[2] * size < _TMA_MAX_STRIDE
-            and all(s * size % _TMA_ALIGN == 0 for s in (*offsets, strides[2])))
-
-
 def tma_mode(pb, pack_gqa=False) -> int:
     """The forward's TMA constexpr for a launch on problem ``pb`` (``_attn_fwd``'s docstring):
     descriptor loads where the GPU takes them (``tma_capable``: sm_90, and the interpreter)
@@ -288,37 +256,11 @@ def tma_mode(pb, pack_gqa=False) -> int:
     if not tma_capable(pb.q.device):
         return 0
     width, width_v = block_d(pb.q.shape[-1]), block_d(pb.v.shape[-1])
-    if not (_tma_rows_ok(pb.k, pb.strides(pb.k), pb.k_len, width)
-            and _tma_rows_ok(pb.v, pb.strides(pb.v), pb.k_len, width_v)):
+    if not (tma_rows_ok(pb.k, pb.strides(pb.k), pb.k_len, width)
+            and tma_rows_ok(pb.v, pb.strides(pb.v), pb.k_len, width_v)):
         return 0
-    q_ok = not pack_gqa and _tma_rows_ok(pb.q, pb.strides(pb.q), pb.q_len, width)
+    q_ok = not pack_gqa and tma_rows_ok(pb.q, pb.strides(pb.q), pb.q_len, width)
     return 2 if q_ok else 1
-
-
-@contextlib.contextmanager
-def tma_scratch(device, on):
-    """Triton's allocator for the launch: device-side tensor descriptors live in a global
-    scratch buffer (128 bytes per descriptor and program) that Triton allocates through
-    ``triton.set_allocator`` at launch. Installed for the launch only (the caller's own
-    allocator, if any, is restored: Triton keeps it in a ContextVar); the interpreter and
-    launches without descriptors need none."""
-    if not on or interpreter_active():
-        yield
-        return
-
-    def alloc(size, alignment, stream):
-        return torch.empty(size, dtype=torch.int8, device=device)
-
-    var = getattr(getattr(triton.runtime, "_allocation", None), "_allocator", None)
-    if var is None:             # a Triton without the ContextVar: set it for good
-        triton.set_allocator(alloc)
-        yield
-        return
-    token = var.set(alloc)
-    try:
-        yield
-    finally:
-        var.reset(token)
 
 
 _attn_fwd_tuned = triton.autotune(configs=fwd_configs(), key=FWD_TUNE_KEY,

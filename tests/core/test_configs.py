@@ -99,3 +99,12 @@ def test_config_lists_keep_hopper_tiles():
     assert (128, 64, 4) in kept(64, False) and (128, 64, 4) not in kept(128, False)
     assert (128, 128, 8) in kept(128, False) and (128, 128, 8) not in kept(128, True)
     assert kept(128, True)[0] == (128, 64, 8)
+
+
+def test_backward_tiles_fit_the_row_statistics_padding():
+    """The backward loads whole BLOCK_M-row tiles of its row statistics unmasked: every
+    backward config's (and the interpreter's) BLOCK_M must divide the padding
+    (backward.stats_layout), or a last tile would read past it."""
+    from kernels.core.configs import BWD_ROW_PAD
+    for cfg in bwd_configs() + bwd_configs(interpret=True):
+        assert BWD_ROW_PAD % cfg.kwargs["BLOCK_M"] == 0, cfg

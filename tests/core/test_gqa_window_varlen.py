@@ -257,6 +257,31 @@ def test_varlen_sequence_equals_dense_alone(causal, window):
                 assert torch.equal(_seq(g, c, s), gs)
 
 
+def test_varlen_backward_tiles_past_a_sequence_end_ignore_the_next():
+    """The backward loads its row statistics (lse, delta) in whole tiles without a mask: a
+    tile that runs past a sequence's last row must read that sequence's padding (P = 0), never
+    the next sequence's rows. The next sequence here has lse ~ -400, so any of its rows read as
+    a padding row of sequence 0 would make P = exp(0 + 400) overflow and turn the gradients of
+    sequence 0 into NaN; they must instead equal sequence 0's run alone, bit for bit."""
+    lens = [17, 40, 5]
+    q, k, v, do = (t.detach().float() for t in _packed(lens, lens, 2, 2, 16, F32))
+    u = torch.nn.functional.normalize(randn(16), dim=0)
+    rows = slice(17, 57)
+    q[rows] = 40 * u + 0.01 * q[rows]
+    k[rows] = -40 * u + 0.01 * k[rows]
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    cu = _cu(lens)
+    out, lse = kernels.attention_varlen(q, k, v, cu, cu, causal=True, return_lse=True)
+    assert lse[:, rows].max() < -350
+    grads = _grads(out, (q, k, v), do)
+    assert all(torch.isfinite(g).all() for g in grads)
+    cq = cu.tolist()
+    seq = [_seq(t.detach(), cq, 0).requires_grad_() for t in (q, k, v)]
+    o_0 = kernels.attention(*seq, causal=True)
+    for g, g_0 in zip(grads, _grads(o_0, seq, _seq(do, cq, 0))):
+        assert torch.equal(_seq(g, cq, 0), g_0)
+
+
 def test_varlen_dropout():
     """Each (sequence, head, row, column) has its own Philox word: the kernel's mask is
     reference.dropout_keep_mask_varlen's, checked through the oracle (forward and gradients),

@@ -1,7 +1,9 @@
-"""The forward's tensor-descriptor (TMA) loads against its per-thread loads.
+"""The tensor-descriptor (TMA) loads against the per-thread loads, forward and backward.
 
 On sm_90 the forward reads K, V (and Q) tiles through tensor descriptors made per
-program (``kernels.core.forward.row_tiles``; the TMA constexpr picked by ``tma_mode``); Triton's
+program (``kernels.core.tma.row_tiles``; the TMA constexpr picked by ``tma_mode``), the
+backward the tiles each kernel streams (Q and dO in dK/dV, K and V in dQ: ``bwd_tma_modes``);
+Triton's
 interpreter emulates descriptor loads, elements outside the descriptor's bounds included, so on
 CPU the same code path runs here. Both paths must give the same bits: the descriptor's bounds
 (a sequence's k_len rows, the true head dim) read as zeros exactly where the masked loads do, so
@@ -11,7 +13,8 @@ import pytest
 import torch
 from helpers import DEVICE, randn
 
-from kernels.core import configs, forward
+from kernels.core import configs, tma
+from kernels.core.backward import attention_backward, bwd_tma_modes
 from kernels.core.call import make_problem
 from kernels.core.forward import attention_forward, tma_mode
 
@@ -129,10 +132,68 @@ def test_scratch_allocator_is_scoped(monkeypatch):
     launch only, the caller's (here: none) restored after."""
     from triton.runtime import _allocation
     before = _allocation._allocator.get()
-    monkeypatch.setattr(forward, "interpreter_active", lambda: False)
-    with forward.tma_scratch(torch.device("cpu"), 2):
+    monkeypatch.setattr(tma, "interpreter_active", lambda: False)
+    with tma.tma_scratch(torch.device("cpu"), 2):
         buf = _allocation._allocator.get()(384, 128, None)
         assert buf.numel() == 384 and buf.dtype == torch.int8
     assert _allocation._allocator.get() is before
-    with forward.tma_scratch(torch.device("cpu"), 0):
+    with tma.tma_scratch(torch.device("cpu"), 0):
         assert _allocation._allocator.get() is before
+
+
+def _both_backward(q, k, v, do, **kw):
+    """(descriptor path, per-thread path) gradients of one call."""
+    o, lse = attention_forward(q, k, v, tma=0, **kw)
+    return (attention_backward(do, q, k, v, o, lse, **kw),
+            attention_backward(do, q, k, v, o, lse, tma=0, **kw))
+
+
+@pytest.mark.parametrize("q_len,k_len,d,dv,hq,hkv,causal,window,dropout_p,dtype", [
+    (37, 45, 24, 24, 2, 2, True, None, 0.0, F16),    # padded head dim, ragged tiles
+    (20, 33, 32, 16, 4, 2, False, None, 0.3, BF16),  # Dv != D, GQA (group loop), dropout
+    (30, 30, 16, 16, 2, 1, True, 7, 0.0, F32),       # a sliding window's masked edges
+], ids=lambda x: str(x).replace("torch.", ""))
+def test_backward_same_bits(q_len, k_len, d, dv, hq, hkv, causal, window, dropout_p, dtype):
+    q, k, v = randn(2, hq, q_len, d, dtype=dtype), randn(2, hkv, k_len, d, dtype=dtype), \
+        randn(2, hkv, k_len, dv, dtype=dtype)
+    do = randn(2, hq, q_len, dv, dtype=dtype)
+    assert bwd_tma_modes(make_problem(q, k, v), do) == (1, 1)
+    got, want = _both_backward(q, k, v, do, causal=causal, window=window, softmax_scale=0.3,
+                               dropout_p=dropout_p, seed=11)
+    _same(got, want)
+
+
+def test_backward_packed_sequences_do_not_leak():
+    """Sequence 1 of a packed batch has NaN queries, output gradients, keys and values: the
+    gradients of sequences 0 and 2 (whose last query / key tiles overlap its rows in dK/dV and
+    dQ) stay finite, and both paths agree bit for bit."""
+    cu_q = torch.tensor([0, 9, 14, 26], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 13, 19, 40], dtype=torch.int32, device=DEVICE)
+    q, k, v = randn(26, 4, 16, dtype=F16), randn(40, 2, 16, dtype=F16), randn(40, 2, 16,
+                                                                               dtype=F16)
+    do = randn(26, 4, 16, dtype=F16)
+    q[9:14], do[9:14] = float("nan"), float("nan")
+    k[13:19], v[13:19] = float("nan"), float("inf")
+    kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=12, max_seqlen_k=21)
+    assert bwd_tma_modes(make_problem(q, k, v, **kw), do[None].transpose(1, 2)) == (1, 1)
+    for causal in (False, True):
+        got, want = _both_backward(q, k, v, do, causal=causal, softmax_scale=0.3, **kw)
+        _same(got, want)
+        dq, dk, dv = got
+        for g, own in ((dq, slice(9, 14)), (dk, slice(13, 19)), (dv, slice(13, 19))):
+            rest = torch.ones(g.shape[0], dtype=torch.bool)
+            rest[own] = False
+            assert torch.isfinite(g[rest]).all()
+
+
+@pytest.mark.parametrize("layout,d,dtype,modes", [
+    ("contiguous", 64, F16, (1, 1)),
+    ("contiguous", 20, F16, (0, 0)),   # rows of 40 bytes
+    ("transposed", 32, BF16, (1, 1)),
+    ("offset", 32, F16, (1, 0)),       # k, v 2 bytes off 16: dQ's descriptors cannot read them
+    ("contiguous", 384, BF16, (0, 0)),  # padded to 512 > 256 elements a box side
+], ids=lambda x: str(x).replace("torch.", ""))
+def test_backward_tma_modes_layouts(layout, d, dtype, modes):
+    k = _view((2, 2, 9, d), dtype, layout)
+    q, do = randn(2, 4, 5, d, dtype=dtype), randn(2, 4, 5, d, dtype=dtype)
+    assert bwd_tma_modes(make_problem(q, k, k), do) == modes

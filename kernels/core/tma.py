@@ -1,0 +1,76 @@
+"""Tensor-memory-accelerator (TMA) tile loads: the jit helper that makes a tensor descriptor
+per program, and the host-side checks of what TMA can read.
+
+Kernels that take a ``TMA`` constexpr read tiles through ``row_tiles`` descriptors (on sm_90 one
+bulk tensor copy per tile, ``UTMALDG``, instead of per-thread cp.async and its 64-bit address
+arithmetic) and keep per-thread loads as the fallback for what TMA cannot read
+(``tma_rows_ok``). Descriptors made in a kernel live in a global scratch buffer that Triton
+allocates through ``triton.set_allocator`` (``tma_scratch``).
+"""
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import interpreter_active
+from .configs import tma_capable
+
+__all__ = ["row_tiles", "tma_rows_ok", "tma_scratch", "tma_capable"]
+
+
+@triton.jit
+def row_tiles(base, n_rows, row_stride, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+              BLOCK_D: tl.constexpr):
+    """Tensor descriptor of the (n_rows × HEAD_DIM) matrix at ``base`` (rows ``row_stride``
+    apart, unit column stride) read in (BLOCK_ROWS × BLOCK_D) tiles: on sm_90+ a TMA descriptor
+    (``desc.load([row, 0])`` is one bulk tensor copy into shared memory), which reads elements
+    outside the matrix -- rows >= n_rows, head-dim padding -- as zeros. Needs a 16-byte aligned
+    base and row stride (``tma_rows_ok`` checks them)."""
+    return tl.make_tensor_descriptor(base, shape=[n_rows, HEAD_DIM], strides=[row_stride, 1],
+                                     block_shape=[BLOCK_ROWS, BLOCK_D])
+
+
+# TMA's limits (CUDA driver API, cuTensorMapEncodeTiled): a 16-byte aligned global address
+# and strides, strides below 2**40 bytes, at most 256 elements per box dimension.
+_TMA_ALIGN = 16
+_TMA_MAX_BOX = 256
+_TMA_MAX_STRIDE = 2 ** 40
+
+
+def tma_rows_ok(x, strides, n_rows, block_width) -> bool:
+    """Whether every (batch, head) matrix of the 4-D view ``x`` -- rows ``strides[2]`` apart,
+    its batch and head offsets ``strides[0]``, ``strides[1]`` -- can be read by a TMA
+    descriptor at its (sequence's) first row, in tiles ``block_width`` wide."""
+    size = x.element_size()
+    batch, heads = x.shape[0], x.shape[1]
+    offsets = [s for s, n in ((strides[0], batch), (strides[1], heads)) if n > 1]
+    return (n_rows > 0 and block_width <= _TMA_MAX_BOX and x.data_ptr() % _TMA_ALIGN == 0
+            and 0 < strides[2] * size < _TMA_MAX_STRIDE
+            and all(s * size % _TMA_ALIGN == 0 for s in (*offsets, strides[2])))
+
+
+@contextlib.contextmanager
+def tma_scratch(device, on):
+    """Triton's allocator for the launch: device-side tensor descriptors live in a global
+    scratch buffer (128 bytes per descriptor and program) that Triton allocates through
+    ``triton.set_allocator`` at launch. Installed for the launch only (the caller's own
+    allocator, if any, is restored: Triton keeps it in a ContextVar); the interpreter and
+    launches without descriptors need none."""
+    if not on or interpreter_active():
+        yield
+        return
+
+    def alloc(size, alignment, stream):
+        return torch.empty(size, dtype=torch.int8, device=device)
+
+    var = getattr(getattr(triton.runtime, "_allocation", None), "_allocator", None)
+    if var is None:             # a Triton without the ContextVar: set it for good
+        triton.set_allocator(alloc)
+        yield
+        return
+    token = var.set(alloc)
+    try:
+        yield
+    finally:
+        var.reset(token)
