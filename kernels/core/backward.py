@@ -144,7 +144,7 @@ def _bwd_preprocess(O, DO, LSE, STATS, stride_o, stride_do, stride_lse, stride_s
 def _bwd_dkdv(Q, K, V, DO, STATS, DK, DV,
               stride_q, stride_k, stride_v, stride_do, stride_dk, stride_dv, stride_stats,
               seq, score, drop,
-              BUCKETS,  # autotune key only: power-of-two buckets of (q_len, k_len)
+              BUCKETS,  # autotune key only: Problem.tune_buckets
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
               BLOCK_DV: tl.constexpr, SPEC: tl.constexpr,
               VARLEN: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -321,7 +321,7 @@ def _bwd_dkdv(Q, K, V, DO, STATS, DK, DV,
 def _bwd_dq(Q, K, V, DO, STATS, DQ,
             stride_q, stride_k, stride_v, stride_do, stride_dq, stride_stats,
             seq, score, drop,
-            BUCKETS,  # autotune key only: power-of-two buckets of (q_len, k_len)
+            BUCKETS,  # autotune key only: Problem.tune_buckets
             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
             BLOCK_DV: tl.constexpr, SPEC: tl.constexpr,
             VARLEN: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,

@@ -228,8 +228,11 @@ class Problem(NamedTuple):
 
     def tune_buckets(self) -> tuple:
         """The kernels' BUCKETS, part of the autotune key: (q_len, k_len) rounded up to powers
-        of two, so a new length re-tunes only when it changes bucket."""
-        return (triton.next_power_of_2(self.q_len), triton.next_power_of_2(self.k_len))
+        of two, so a new length re-tunes only when it changes bucket, and whether query heads
+        are grouped (GQA / MQA: 1, else 0), which the backward's pruning reads (a dK/dV tile
+        tuned on an ungrouped call spilled when reused by a grouped one)."""
+        return (triton.next_power_of_2(self.q_len), triton.next_power_of_2(self.k_len),
+                int(self.group > 1))
 
 
 def score_args(call: AttentionCall, dummy: torch.Tensor) -> ScoreArgs:

@@ -46,7 +46,7 @@ def load_rows(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr,
 def _attn_fwd(Q, K, V, O, LSE,
               stride_q, stride_k, stride_v, stride_o, stride_lse,
               seq, score, drop, split,
-              BUCKETS,  # autotune key only: power-of-two buckets of (q_len, k_len)
+              BUCKETS,  # autotune key only: Problem.tune_buckets
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
               HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
               SPEC: tl.constexpr, VARLEN: tl.constexpr,

@@ -108,3 +108,14 @@ def test_backward_tiles_fit_the_row_statistics_padding():
     from kernels.core.configs import BWD_ROW_PAD
     for cfg in bwd_configs() + bwd_configs(interpret=True):
         assert BWD_ROW_PAD % cfg.kwargs["BLOCK_M"] == 0, cfg
+
+
+def test_autotune_key_tells_grouped_heads_apart():
+    """The backward's pruning keeps fewer dK/dV tiles for grouped query heads (a 64 x 128 tile
+    spilled there): a call with grouped heads must not reuse the tuning of an ungrouped call of
+    the same shape, so the autotune key (BUCKETS) says which it is."""
+    from kernels.core.call import make_problem
+    q = randn(1, 4, 100, 64)
+    mha = make_problem(q, randn(1, 4, 100, 64), randn(1, 4, 100, 64)).tune_buckets()
+    gqa = make_problem(q, randn(1, 2, 100, 64), randn(1, 2, 100, 64)).tune_buckets()
+    assert mha[:2] == gqa[:2] == (128, 128) and mha != gqa
