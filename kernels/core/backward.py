@@ -46,12 +46,12 @@ import triton.language as tl
 from .call import AttentionCall, make_problem, packed_view, score_args, score_spec
 from .common import (LOG2E, block_d, dot_operand, dot_precision, interpreter_active,
                      round_for_store, widen, widen_bf16)
-from .configs import (BWD_ROW_PAD, BWD_TUNE_KEY, autotune_enabled, bwd_configs, fixed_config,
-                      prune_bwd_configs)
+from .configs import (BWD_ROW_PAD, BWD_TUNE_KEY, TMA_DKDV_DROPOUT_MAX_WIDTH, autotune_enabled,
+                      bwd_configs, fixed_config, prune_bwd_configs)
 from .score import dropout_keep, probs_from_lse, scaled_scores, score_grad
 from .tma import row_tiles, tma_capable, tma_rows_ok, tma_scratch
 from .tiles import (clamp_ranges, edge_bound, key_range, mask_key_bounds, mask_query_bounds,
-                    query_range, seq_bounds)
+                    program_ids, query_range, seq_bounds)
 
 _LOG2E = tl.constexpr(LOG2E)
 # Elements per program of the (memory-bound) delta pre-pass, independent of the autotuned
@@ -170,10 +170,10 @@ def _bwd_dkdv(Q, K, V, DO, STATS, DK, DV,
     Works in the transposed orientation (keys x queries) so that every dot takes a loaded tile
     or a freshly computed one as is: Q is loaded as Q^T, and only loaded tiles get tl.trans.
     """
-    pid_n = tl.program_id(0)
-    # Heads and batch on grid axes 1 and 2 (65535 each), not one B*H axis.
-    kv_h = tl.program_id(1)
-    b = tl.program_id(2)
+    # Heads and batch on grid axes 1 and 2 (65535 each), not one B*H axis. Causal: the first
+    # key blocks (seen by the most queries) are the longest and start first in each head
+    # (``tiles.program_ids`` says why not every head's first).
+    pid_n, kv_h, b = program_ids(False, True)
     q_start, q_len, k_start, k_len = seq_bounds(b, seq, VARLEN, False)
     start_n = pid_n * BLOCK_N
     if VARLEN:
@@ -335,12 +335,10 @@ def _bwd_dq(Q, K, V, DO, STATS, DQ,
     dPd = dO V^T need no register transpose. Grid: (cdiv(q_len or max_seqlen_q, BLOCK_M),
     heads_q, batch or number of sequences).
     """
-    # Causal: the last query blocks see the most keys. Blocks are issued in reverse so the
-    # longest programs start first and the short ones fill the tail (less load imbalance).
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    # Heads and batch on grid axes 1 and 2 (65535 each), not one B*H axis.
-    h = tl.program_id(1)
-    b = tl.program_id(2)
+    # Causal: the last query blocks see the most keys; every head's longest blocks start first
+    # and the short ones fill the tail (``program_ids``). Heads and batch on grid axes 1 and 2
+    # (65535 each), not one B*H axis.
+    pid_m, h, b = program_ids(SPEC.causal, False)
     q_start, q_len, k_start, k_len = seq_bounds(b, seq, VARLEN, False)
     start_m = pid_m * BLOCK_M
     if VARLEN:
@@ -455,18 +453,20 @@ _bwd_dq_tuned = triton.autotune(configs=bwd_configs(kernel="dq"), key=BWD_TUNE_K
                                 )(_bwd_dq)
 
 
-def bwd_tma_modes(pb, do) -> tuple:
+def bwd_tma_modes(pb, do, dropout=False) -> tuple:
     """The TMA constexprs (``_bwd_dkdv``'s docstring) of the dK/dV and dQ launches on problem
     ``pb`` with output gradient ``do`` (4-D, as the kernels see it): 1 where the GPU takes
     tensor descriptors (``tma_capable``: sm_90, and the interpreter) and the tiles that kernel
     streams can be read by them (``tma_rows_ok``: Q and dO for dK/dV, and the row statistics
-    with int32 coordinates; K and V for dQ), else 0
-    (per-thread loads: strides or bases that are not multiples of 16 bytes, a zero row stride,
-    head dims padded past 256, other GPUs)."""
+    with int32 coordinates; K and V for dQ), else 0 (per-thread loads: strides or bases that
+    are not multiples of 16 bytes, a zero row stride, head dims padded past 256, other GPUs;
+    and dK/dV with dropout at padded head dims over ``TMA_DKDV_DROPOUT_MAX_WIDTH``, where the
+    descriptor path spilled)."""
     if not tma_capable(pb.q.device):
         return 0, 0
     width, width_v = block_d(pb.q.shape[-1]), block_d(pb.v.shape[-1])
-    dkdv = (tma_rows_ok(pb.q, pb.strides(pb.q), pb.q_len, width)
+    dkdv = (not (dropout and max(width, width_v) > TMA_DKDV_DROPOUT_MAX_WIDTH)
+            and tma_rows_ok(pb.q, pb.strides(pb.q), pb.q_len, width)
             and tma_rows_ok(do, pb.strides(do), pb.q_len, width_v)
             and stats_layout(pb)[1][2] < 2 ** 31)
     dq = (tma_rows_ok(pb.k, pb.strides(pb.k), pb.k_len, width)
@@ -547,7 +547,7 @@ def attention_backward(do, q, k, v, o, lse, call=None, *, cu_seqlens_q=None, cu_
                   VARLEN=pb.varlen,
                   DROPOUT=call.dropout_mode, DOT_PRECISION=dot_precision(q.dtype),
                   WIDEN=widen_bf16(q.dtype))
-    tma_dkdv, tma_dq = bwd_tma_modes(pb, do) if tma is None else (tma, tma)
+    tma_dkdv, tma_dq = bwd_tma_modes(pb, do, call.dropout) if tma is None else (tma, tma)
     dkdv_args = dict(common, DK=dk4, DV=dv4, stride_dk=pb.strides(dk4),
                      stride_dv=pb.strides(dv4), TMA=tma_dkdv)
     dq_args = dict(common, DQ=dq4, stride_dq=pb.strides(dq4), TMA=tma_dq)

@@ -77,6 +77,10 @@ def gpu_of(device=None) -> Gpu:
 # head_dim-128 causal configs, the default among them, compile to 128 registers and spill 4-8 B,
 # so both keep per-thread loads until their tables are re-checked with it.
 TMA_MAJORS = (9,)
+# dK/dV with dropout keeps per-thread loads from this padded head dim up: with descriptors its
+# default 32 x 128 tile compiled to 255 registers and spilled 72-120 B at head_dim 128 on sm_90
+# (Philox words, keep mask and the descriptors' tiles live at once); per-thread loads: 0 B.
+TMA_DKDV_DROPOUT_MAX_WIDTH = 64
 
 
 def tma_capable(device=None) -> bool:

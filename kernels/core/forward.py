@@ -19,7 +19,8 @@ from .configs import (FWD_TUNE_KEY, PACK_GQA_MAX_Q_LEN, autotune_enabled, clamp_
                       fixed_config, fwd_configs, nominal_tiles, num_splits_heuristic,
                       prune_configs, tma_capable)
 from .score import dropout_keep, finish_rows, mask_scores, online_softmax, scaled_scores
-from .tiles import clamp_ranges, edge_bound, key_range, mask_key_bounds, seq_bounds
+from .tiles import (clamp_ranges, edge_bound, key_range, mask_key_bounds, program_ids,
+                    seq_bounds)
 from .splitkv import combine_splits
 from .tma import row_tiles, tma_rows_ok, tma_scratch
 
@@ -80,20 +81,13 @@ def _attn_fwd(Q, K, V, O, LSE,
     -- another packed sequence's, a KV cache's unfilled ones -- and columns past the head dim
     read as zeros exactly as the masked loads do; 2 = Q's tile too (not with PACK_GQA).
     """
-    pid = tl.program_id(0)
+    # Causal: the longest rows (the last blocks) of every head first (``program_ids``).
+    pid, pid_h, b = program_ids(SPEC.causal, False)
     if SPLIT:
         split_id = pid % split.num_splits
         pid_m = pid // split.num_splits
-        n_blocks = tl.num_programs(0) // split.num_splits
     else:
         pid_m = pid
-        n_blocks = tl.num_programs(0)
-    if SPEC.causal:
-        # Longest rows first: the GPU starts the most expensive causal blocks early, so the
-        # short ones fill the tail instead of leaving SMs idle at the end.
-        pid_m = n_blocks - 1 - pid_m
-    pid_h = tl.program_id(1)
-    b = tl.program_id(2)
     q_start, q_len, k_start, k_len = seq_bounds(b, seq, VARLEN, SEQUSED_K)
     start_m = pid_m * BLOCK_M
     if VARLEN:

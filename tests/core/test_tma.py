@@ -197,3 +197,12 @@ def test_backward_tma_modes_layouts(layout, d, dtype, modes):
     k = _view((2, 2, 9, d), dtype, layout)
     q, do = randn(2, 4, 5, d, dtype=dtype), randn(2, 4, 5, d, dtype=dtype)
     assert bwd_tma_modes(make_problem(q, k, k), do) == modes
+
+
+def test_backward_dropout_keeps_per_thread_loads_at_wide_heads():
+    """dK/dV with dropout takes descriptors up to padded head dim 64 only (wider, its default
+    tile spilled with them on sm_90: configs.TMA_DKDV_DROPOUT_MAX_WIDTH); dQ is unaffected."""
+    for d, want in ((64, (1, 1)), (128, (0, 1)), (96, (0, 1))):
+        q = randn(1, 2, 8, d, dtype=F16)
+        assert bwd_tma_modes(make_problem(q, q, q), q, dropout=True) == want
+        assert bwd_tma_modes(make_problem(q, q, q), q, dropout=False) == (1, 1)
