@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Compile-only check of the feature variants the shared static tool does not launch: head
-dims up to 512 with a value head dim of its own, soft-capping, sinks, ALiBi, chunked attention.
+dims up to 512 with a value head dim of its own, soft-capping, sinks, ALiBi, chunked attention,
+grouped-query heads, windows and packed sequences (with and without dropout).
 
 Uses ``sm90_static.py`` (the shared tool, default ``../shared/tools``) as a library: the same
 stand-in driver and the same patched launch that compiles each kept config for one GPU
@@ -24,7 +25,10 @@ PROJECT = os.path.dirname(HERE)
 DIMS = [("d512", 512, 512), ("mla 192/128", 192, 128), ("d256", 256, 256)]
 # (label, AttentionCall fields + mods) at head_dim 128, causal.
 FEATURES = ["softcap", "sinks", "alibi", "chunk", "gpt-oss (window+sinks)",
-            "gemma2 (window+softcap)", "dropout+sinks"]
+            "gemma2 (window+softcap)", "dropout+sinks", "gqa 4:1", "gqa 4:1+dropout",
+            "window 512+dropout", "packed 1365+2731", "packed+dropout"]
+# A real 45-bit seed: Triton specialises an int argument equal to 1.
+SEED = 0x5DEECE66D123
 
 
 def main(argv=None):
@@ -51,16 +55,30 @@ def main(argv=None):
     dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[a.dtype]
     B, H, S = 1, 16, a.seq
 
-    def launch(label, d, dv, call):
-        q, k = (torch.empty((B, H, S, d), dtype=dt) for _ in range(2))
-        v = torch.empty((B, H, S, dv), dtype=dt)
+    def launch(label, d, dv, call, heads_kv=H, packed=None):
+        """Compile the forward (and backward) of one call: dense (B, H, S, d), or packed
+        sequences of the given lengths ((total, H, d), cu_seqlens)."""
         st.LABEL.clear()
         st.LABEL.update(side="project", dtype=a.dtype, head_dim=f"{d}/{dv}", flags=label)
-        attention_forward(q, k, v, call)
+        if packed:
+            total = sum(packed)
+            cu = torch.tensor([0] + packed).cumsum(0).to(torch.int32)
+            q, k = torch.empty((total, H, d), dtype=dt), torch.empty((total, heads_kv, d), dtype=dt)
+            v = torch.empty((total, heads_kv, dv), dtype=dt)
+            lens = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(packed),
+                        max_seqlen_k=max(packed))
+            o_shape, lse_shape = (total, H, dv), (H, total)
+        else:
+            q = torch.empty((B, H, S, d), dtype=dt)
+            k = torch.empty((B, heads_kv, S, d), dtype=dt)
+            v = torch.empty((B, heads_kv, S, dv), dtype=dt)
+            lens = {}
+            o_shape, lse_shape = (B, H, S, dv), (B, H, S)
+        attention_forward(q, k, v, call, **lens)
         if a.backward:
-            o, do = (torch.empty((B, H, S, dv), dtype=dt) for _ in range(2))
-            lse = torch.empty((B, H, S), dtype=torch.float32)
-            attention_backward(do, q, k, v, o, lse, call)
+            o, do = (torch.empty(o_shape, dtype=dt) for _ in range(2))
+            lse = torch.empty(lse_shape, dtype=torch.float32)
+            attention_backward(do, q, k, v, o, lse, call, **lens)
 
     sinks = torch.zeros(H)
     slopes = torch.ones(H)
@@ -78,13 +96,18 @@ def main(argv=None):
                 "chunk": dict(chunk_size=1024),
                 "gpt-oss (window+sinks)": dict(window=128, mods=CallMods(sinks=sinks)),
                 "gemma2 (window+softcap)": dict(window=1024, mods=CallMods(softcap=50.0)),
-                # A real 45-bit seed: Triton specialises an int argument equal to 1.
-                "dropout+sinks": dict(dropout_p=0.1, seed=0x5DEECE66D123,
-                                      mods=CallMods(sinks=sinks)),
+                "dropout+sinks": dict(dropout_p=0.1, seed=SEED, mods=CallMods(sinks=sinks)),
+                "gqa 4:1": dict(),
+                "gqa 4:1+dropout": dict(dropout_p=0.1, seed=SEED),
+                "window 512+dropout": dict(window=512, dropout_p=0.1, seed=SEED),
+                "packed 1365+2731": dict(),
+                "packed+dropout": dict(dropout_p=0.1, seed=SEED),
             }
             for label in FEATURES:
                 launch(label, d, d, AttentionCall(causal=True, softmax_scale=d ** -0.5,
-                                                  **calls[label]))
+                                                  **calls[label]),
+                       heads_kv=H // 4 if label.startswith("gqa") else H,
+                       packed=[1365, 2731] if label.startswith("packed") else None)
     st.print_table(st.RECORDS)
     st.print_summary(st.RECORDS)
     if a.json:

@@ -128,16 +128,14 @@ def _bwd_preprocess(O, DO, LSE, STATS, stride_o, stride_do, stride_lse, stride_s
     do_ptrs = DO + b.to(tl.int64) * stride_do[0] + h.to(tl.int64) * stride_do[1] \
         + rows * stride_do[2] + offs_d[None, :]
     # Casting straight to fp32 is right for bf16 under the interpreter too (what `widen` does).
-    o = tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)
-    do = tl.load(do_ptrs, mask=mask, other=0.0).to(tl.float32)
-    delta = tl.sum(o * do, axis=1)
     lse = tl.load(LSE + b.to(tl.int64) * stride_lse[0] + h.to(tl.int64) * stride_lse[1]
                   + q_start + offs_m, mask=row_ok, other=float("inf"))
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
-    stats = stats_row0(b, h, q_start, stride_stats) + offs_m
+    stats = STATS + stats_row0(b, h, q_start, stride_stats) + offs_m
     padded = offs_m < tl.cdiv(q_len, ROW_PAD) * ROW_PAD
-    tl.store(STATS + stats, lse2, mask=padded)
-    tl.store(STATS + stride_stats[2] + stats, delta, mask=padded)
+    tl.store(stats, tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E), mask=padded)
+    o = tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(do_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(stats + stride_stats[2], tl.sum(o * do, axis=1), mask=padded)
 
 
 @triton.jit
@@ -172,7 +170,7 @@ def _bwd_dkdv(Q, K, V, DO, STATS, DK, DV,
     """
     # Heads and batch on grid axes 1 and 2 (65535 each), not one B*H axis. Causal: the first
     # key blocks (seen by the most queries) are the longest and start first in each head
-    # (``tiles.program_ids`` says why not every head's first).
+    # (``tiles.program_ids`` says why not every head's first, as in the forward).
     pid_n, kv_h, b = program_ids(False, True)
     q_start, q_len, k_start, k_len = seq_bounds(b, seq, VARLEN, False)
     start_n = pid_n * BLOCK_N
@@ -335,10 +333,12 @@ def _bwd_dq(Q, K, V, DO, STATS, DQ,
     dPd = dO V^T need no register transpose. Grid: (cdiv(q_len or max_seqlen_q, BLOCK_M),
     heads_q, batch or number of sequences).
     """
-    # Causal: the last query blocks see the most keys; every head's longest blocks start first
-    # and the short ones fill the tail (``program_ids``). Heads and batch on grid axes 1 and 2
-    # (65535 each), not one B*H axis.
-    pid_m, h, b = program_ids(SPEC.causal, False)
+    # Causal: the last query blocks see the most keys; each head's are issued first, so the
+    # short ones fill the tail. (Not every head's first, as the forward does: ``program_ids``'s
+    # re-read indices spilled this kernel on sm_80 and sm_100.) Heads and batch on grid axes 1
+    # and 2 (65535 each), not one B*H axis.
+    pid_m, h, b = program_ids(False, False)
+    pid_m = tl.num_programs(0) - 1 - pid_m
     q_start, q_len, k_start, k_len = seq_bounds(b, seq, VARLEN, False)
     start_m = pid_m * BLOCK_M
     if VARLEN:

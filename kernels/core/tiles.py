@@ -35,10 +35,11 @@ def program_ids(LONGEST_FIRST: tl.constexpr, FIRST_IS_LONGEST: tl.constexpr):
     re-read with the block axis slowest and its most expensive end first, so that every head's
     and sequence's longest block starts before any shorter one: the short blocks fill the tail
     instead of one head's long blocks starting last. FIRST_IS_LONGEST: block 0 is the longest
-    (as dK/dV's first keys would be); else the last block is (forward and dQ's last queries).
-    Used by the forward and dQ; dK/dV keeps the plain grid order (each head's longest block
-    first already): there the re-read indices cost the d128 dropout kernel 32-36 B of spill
-    on sm_90 (its batch and head indices no longer uniform registers). A scheduling
+    (as dK/dV's first keys would be); else the last block is (the forward's last queries).
+    Used by the forward only. The backward kernels keep each head's longest blocks first:
+    there the re-read indices (the batch and head indices no longer in uniform registers)
+    spilled tight kernels, dK/dV with dropout at head_dim 128 on sm_90 (32-36 B), dQ with
+    dropout at 128 on sm_80 (16 B) and on sm_100 (4-16 B). A scheduling
     model puts the causal forward's makespan at 1.26 -> 1.02 of ideal for 16 heads x 4096 on an
     H100 (benchmarks/causal_order_model.py); a GPU run must confirm it.
     """
