@@ -32,7 +32,9 @@
 # (default "versions ceilings tests bench"; e.g. "versions tests" with TESTS_TIMEOUT=500 gives
 # the compiled test suite a whole device call when compiling every test shape takes longer),
 # TEST_WORKERS (default 8: pytest-xdist processes for the tests stage when xdist is importable,
-# 0 = one process; the suite compiles ~500 kernel variants, ~0.5-1 s each, serially per process).
+# 0 = one process; the suite compiles ~500 kernel variants, ~0.5-1 s each, serially per process),
+# TEST_ARGS (default "-x": stop at the first failure; e.g. "--timeout 120" on a first run on a
+# new GPU, to see every failure in junit.xml).
 # Exit status: 0 when every stage passed, else the first failing stage's status.
 set -uo pipefail
 
@@ -52,6 +54,7 @@ BENCH_ARGS=${BENCH_ARGS:-}
 BOOK_TIMEOUT=${BOOK_TIMEOUT:-540}
 BOOK_ARGS=${BOOK_ARGS:-}
 TEST_WORKERS=${TEST_WORKERS:-8}
+TEST_ARGS=${TEST_ARGS--x}
 STAGES=" ${GPU_CHECK_STAGES:-versions ceilings tests bench} "
 wanted() { [[ "$STAGES" == *" $1 "* ]]; }
 
@@ -103,7 +106,7 @@ print(\"device\", torch.cuda.get_device_name() if torch.cuda.is_available() else
             xdist_args="-n $TEST_WORKERS"
         fi
         # shellcheck disable=SC2086
-        stage "tests (GPU)" "$tests_limit" "$PY" -m pytest tests -q -x -p no:cacheprovider \
+        stage "tests (GPU)" "$tests_limit" "$PY" -m pytest tests -q $TEST_ARGS -p no:cacheprovider \
             $xdist_args --durations=15 --junitxml "$OUTDIR/junit.xml"
     fi
     if wanted book; then
