@@ -232,7 +232,11 @@ def _bwd_dkdv(Q, K, V, DO, STATS, DK, DV,
         stats_desc = tl.make_tensor_descriptor(STATS, shape=[2, stride_stats[2]],
                                                strides=[stride_stats[2], 1],
                                                block_shape=[2, BLOCK_M])
-    for g in range(0, seq.group):
+    # Never software-pipelined (num_stages=1): it holds the pipelined query loops, but where
+    # those fold away (q_len == 1 is specialised to a constant) it would be the innermost
+    # loop, and the pipeliner cannot predicate the descriptor made in it (a compile error
+    # on sm_90, seen on an H200).
+    for g in tl.range(0, seq.group, num_stages=1):
         h = (kv_h * seq.group + g).to(tl.int64)
         Q_h = Q + off_b * stride_q[0] + h * stride_q[1] + q_rows * stride_q[2]
         DO_h = DO + off_b * stride_do[0] + h * stride_do[1] + q_rows * stride_do[2]
