@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import DTYPES, assert_parity, randn
+from helpers import DEVICE, DTYPES, assert_parity, randn
 from reference import (
     GELU,
     GPT_CONFIG_124M,
@@ -230,8 +230,8 @@ def test_layer_norm_book_example_and_torch():
     assert_book(out_ln.var(dim=-1, unbiased=False), [1.0, 1.0])
 
     x = randn(3, 7, 16)
-    ln = LayerNorm(16)
-    assert_parity(ln(x), LayerNorm(16).double()(x.double()),
+    ln = LayerNorm(16).to(DEVICE)
+    assert_parity(ln(x), LayerNorm(16).to(DEVICE, torch.float64)(x.double()),
                   F.layer_norm(x, (16,), eps=1e-5), name="LayerNorm")
 
 
@@ -287,12 +287,13 @@ def test_bottom_right_causal_matches_sdpa_with_explicit_mask():
     # SDPA's is_causal is top-left when q_len != k_len; hand it our mask instead.
     q = randn(2, 2, 7, 16)
     k, v = randn(2, 2, 19, 16), randn(2, 2, 19, 16)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(7, 19))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(7, 19, device=DEVICE))
     assert_parity(out, attention(q, k, v), attention(q, k, v, upcast=False))
 
 
 def test_matches_book_multi_head_attention():
-    mha = MultiHeadAttention(d_in=8, d_out=12, context_length=10, dropout=0.0, num_heads=3)
+    mha = MultiHeadAttention(d_in=8, d_out=12, context_length=10, dropout=0.0,
+                             num_heads=3).to(DEVICE)
     x = randn(2, 7, 8)
     b, n, _ = x.shape
 
@@ -335,16 +336,17 @@ def test_upcast_controls_the_output_dtype(dtype):
 
 def test_keep_mask_scales_kept_weights():
     q, k, v = randn(2, 2, 6, 8), randn(2, 2, 10, 8), randn(2, 2, 10, 8)
-    keep = torch.rand(2, 2, 6, 10) > 0.3
+    keep = torch.rand(2, 2, 6, 10, device=DEVICE) > 0.3
     p = 0.3
     qd, kd, vd = q.double(), k.double(), v.double()
     scores = (qd @ kd.transpose(-2, -1)) / math.sqrt(8)
-    scores = scores.masked_fill(~causal_mask(6, 10), float("-inf"))
+    scores = scores.masked_fill(~causal_mask(6, 10, device=DEVICE), float("-inf"))
     expected = (torch.softmax(scores, dim=-1) * keep / (1 - p)) @ vd
     out = attention(q, k, v, dropout_p=p, keep_mask=keep)
     assert_parity(out, expected, attention(q, k, v, dropout_p=p, keep_mask=keep, upcast=False))
     # An all-True mask is the no-dropout result scaled by 1 / (1 - p).
-    all_kept = attention(q, k, v, dropout_p=p, keep_mask=torch.ones(6, 10, dtype=torch.bool))
+    all_kept = attention(q, k, v, dropout_p=p,
+                         keep_mask=torch.ones(6, 10, dtype=torch.bool, device=DEVICE))
     assert_parity(all_kept * (1 - p), attention(q, k, v), attention(q, k, v, upcast=False))
 
 
@@ -354,7 +356,7 @@ def test_random_dropout_is_torch_dropout():
     out = attention(q, k, v, dropout_p=0.4)
     # F.dropout on a same-shaped float64 tensor draws the same Bernoulli numbers.
     torch.manual_seed(7)
-    keep = F.dropout(torch.ones(2, 2, 8, 8, dtype=torch.float64), p=0.4) != 0
+    keep = F.dropout(torch.ones(2, 2, 8, 8, dtype=torch.float64, device=DEVICE), p=0.4) != 0
     assert torch.equal(out, attention(q, k, v, dropout_p=0.4, keep_mask=keep))
     assert not torch.equal(out, attention(q, k, v))
 

@@ -275,7 +275,7 @@ def test_head_dim_over_limit():
     with pytest.raises(NotImplementedError, match="head_dim up to 512 is supported, got 520"):
         kernels.attention(q, k, v)
     q, k, v = make_qkv(1, 1, 4, 4, 64, torch.float16)
-    v = torch.randn(1, 1, 4, 513, dtype=torch.float16)
+    v = randn(1, 1, 4, 513, dtype=torch.float16)
     with pytest.raises(NotImplementedError, match="v's head_dim up to 512 is supported, got 513"):
         kernels.attention(q, k, v)
 

@@ -201,10 +201,17 @@ def test_generation_with_preallocated_cache_matches_no_cache():
 I32 = torch.int32
 
 
+# Cache lengths are checked on the host only: lengths on the GPU are the caller's contract and
+# never read (that would sync; attention_with_kvcache's docstring). The cases of these checks run
+# the whole call on the CPU, on every machine: validation raises before any kernel launches.
+HOST_CHECKED = ("must be >= 0", "must fit the cache")
+
+
 @pytest.mark.parametrize("change,err,match", [
-    (dict(cache_seqlens=torch.tensor([1, 2], dtype=torch.int64)), ValueError,
+    (dict(cache_seqlens=torch.tensor([1, 2], dtype=torch.int64, device=DEVICE)), ValueError,
      "cache_seqlens must be int32"),
-    (dict(cache_seqlens=torch.tensor([1], dtype=I32)), ValueError, r"shape \(batch,\)"),
+    (dict(cache_seqlens=torch.tensor([1], dtype=I32, device=DEVICE)), ValueError,
+     r"shape \(batch,\)"),
     (dict(cache_seqlens=[1, 2]), TypeError, "cache_seqlens must be a torch.Tensor"),
     (dict(v_cache=randn(2, 2, 30, 16)), ValueError, "k_cache and v_cache must have one shape"),
     (dict(q=randn(2, 4, 1, 16, dtype=F16)), ValueError, "q must match the caches' dtype"),
@@ -219,9 +226,11 @@ I32 = torch.int32
         "k-without-v", "k-shape", "heads", "negative-len", "overflow", "splits"])
 def test_kvcache_bad_input(change, err, match):
     args = dict(q=randn(2, 4, 1, 16), k_cache=randn(2, 2, 40, 16), v_cache=randn(2, 2, 40, 16),
-                cache_seqlens=torch.tensor([1, 2], dtype=I32), k=randn(2, 2, 1, 16),
-                v=randn(2, 2, 1, 16))
+                cache_seqlens=torch.tensor([1, 2], dtype=I32, device=DEVICE),
+                k=randn(2, 2, 1, 16), v=randn(2, 2, 1, 16))
     args.update(change)
+    if match in HOST_CHECKED:
+        args = {n: t.cpu() if isinstance(t, torch.Tensor) else t for n, t in args.items()}
     with pytest.raises(err, match=match):
         kernels.attention_with_kvcache(**args)
 
