@@ -6,7 +6,8 @@ prints no summary and writes no junit.xml) still says what ran, what failed and 
 
 writes OUT/outcomes.txt (one line per test phase that ran: outcome, node id, phase, seconds) and
 OUT/failures.txt (each failure's node id and traceback, at most MAX_TRACEBACK characters).
-Works under pytest-xdist: the controller receives every worker's reports through this hook.
+Under pytest-xdist the controller writes (it receives every worker's reports through this
+hook); the workers, which load the plugin too, write nothing.
 """
 import os
 
@@ -15,7 +16,7 @@ MAX_TRACEBACK = 6000
 
 def pytest_runtest_logreport(report):
     out = os.environ.get("TEST_LOG_DIR")
-    if not out:
+    if not out or os.environ.get("PYTEST_XDIST_WORKER"):
         return
     if report.when == "call" or report.outcome != "passed":
         with open(os.path.join(out, "outcomes.txt"), "a") as f:

@@ -8,7 +8,10 @@
 # the earlier stages left, minus a margin, as its --time-budget. Writes into OUTDIR (at most 8
 # files, so that a device call can bring all of them back):
 #   check.log                   everything printed, stage by stage (the table is near the end)
-#   junit.xml                   pytest's report
+#   junit.xml                   pytest's report (written only when pytest ends by itself)
+#   outcomes.txt, failures.txt  every test's outcome and each failure's traceback, written as
+#                               the tests end (benchmarks/failure_log.py): there even when the
+#                               stage's timeout cut pytest off
 #   ceilings.json               bf16 8192^3 matmul TFLOP/s and copy GB/s (benchmarks/ceilings.py)
 #   <date>-<gpu>.json / .csv    benchmark results (schema: benchmarks/README.md)
 #   plots.tar                   the benchmark's PNG plots
@@ -33,8 +36,9 @@
 # the compiled test suite a whole device call when compiling every test shape takes longer),
 # TEST_WORKERS (default 8: pytest-xdist processes for the tests stage when xdist is importable,
 # 0 = one process; the suite compiles ~500 kernel variants, ~0.5-1 s each, serially per process),
-# TEST_ARGS (default "-x": stop at the first failure; e.g. "--timeout 120" on a first run on a
-# new GPU, to see every failure in junit.xml).
+# TEST_ARGS (extra pytest arguments, default none: every failure is reported; e.g. "-x" to stop
+# at the first, "--timeout 300" to cut a hung test; a per-test timeout under ~90 s fails tests
+# that compile many kernels while 8-16 workers compete for the CPU: seen on an H200 host).
 # Exit status: 0 when every stage passed, else the first failing stage's status.
 set -uo pipefail
 
@@ -54,7 +58,7 @@ BENCH_ARGS=${BENCH_ARGS:-}
 BOOK_TIMEOUT=${BOOK_TIMEOUT:-540}
 BOOK_ARGS=${BOOK_ARGS:-}
 TEST_WORKERS=${TEST_WORKERS:-8}
-TEST_ARGS=${TEST_ARGS--x}
+TEST_ARGS=${TEST_ARGS:-}
 STAGES=" ${GPU_CHECK_STAGES:-versions ceilings tests bench} "
 wanted() { [[ "$STAGES" == *" $1 "* ]]; }
 
@@ -106,8 +110,9 @@ print(\"device\", torch.cuda.get_device_name() if torch.cuda.is_available() else
             xdist_args="-n $TEST_WORKERS"
         fi
         # shellcheck disable=SC2086
-        stage "tests (GPU)" "$tests_limit" "$PY" -m pytest tests -q $TEST_ARGS -p no:cacheprovider \
-            $xdist_args --durations=15 --junitxml "$OUTDIR/junit.xml"
+        TEST_LOG_DIR="$OUTDIR" stage "tests (GPU)" "$tests_limit" "$PY" -m pytest tests -q \
+            $TEST_ARGS -p no:cacheprovider -p benchmarks.failure_log -rfE $xdist_args \
+            --durations=15 --junitxml "$OUTDIR/junit.xml"
     fi
     if wanted book; then
         local book_limit

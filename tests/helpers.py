@@ -24,6 +24,25 @@ def assert_parity(out, ref, ref_lowp, *, factor=OUT_FACTOR, extra=0.0, name="out
         f"({factor}x PyTorch-{out.dtype} error + floor) + derived allowance {extra:.3e}")
 
 
+def _version(module) -> tuple:
+    return tuple(int(x) for x in module.__version__.split("+")[0].split(".")[:2])
+
+
+def interpreter_unusable_reason():
+    """Why Triton's interpreter cannot run the kernels in this environment, or None. Triton
+    3.6's interpreter turns a 1-element index array into a Python int with ``int(array)``,
+    which NumPy 2.4 made an error: every loop over tensor bounds fails (TypeError 'only
+    0-dimensional arrays can be converted to Python scalars'; seen with triton 3.6 and numpy
+    2.5 on the GPU host, reproduced with 2.4.6, not with 2.3.5). Triton 3.8 and 3.9 run."""
+    import numpy
+    import triton
+    if _version(triton) < (3, 8) and _version(numpy) >= (2, 4):
+        return (f"Triton {triton.__version__}'s interpreter fails with NumPy "
+                f"{numpy.__version__} (int() of a 1-element array); Triton >= 3.8 or NumPy < 2.4 "
+                "runs it")
+    return None
+
+
 def randn(*shape, dtype=torch.float32, device=DEVICE, requires_grad=False):
     """Standard-normal test input (never zeros or ones)."""
     x = torch.randn(*shape, dtype=torch.float32, device=device).to(dtype)
