@@ -29,6 +29,15 @@
 # GPT-2 and Llama, ~4-5 s for the 28-layer Qwen 3, 3 calls per row) = ~5-7 min, inside one
 # 10-minute call (BOOK_TIMEOUT, default 540 s). BOOK_ARGS="--book-layers 8" roughly halves the
 # generation part (recorded on the rows); a run cut by the timeout keeps the families saved.
+# Stage "tma_ab" (`GPU_CHECK_STAGES="versions tma_ab"`, ~3-5 min): the sweep's ours, SDPA flash
+# and cuDNN rows (bf16, head_dim 64 and 128, causal, seq 128 / 1024 / 4096 / 16384, fwd / bwd /
+# fwd_bwd) twice, with tensor-descriptor loads (KERNELS_TMA=1) into OUTDIR/tma1/ and without
+# (KERNELS_TMA=0) into OUTDIR/tma0/. Why: the first H200 run (2026-11-26) timed ours at seq 128
+# (batch 128 x 16 heads, d128) at 30 TFLOP/s forward vs cuDNN's 116, and fwd_bwd at 2.44 ms vs
+# fwd 0.28 + bwd 0.76; descriptors made in the kernel (one per program and tensor) are the
+# suspect for short sequences. Stage "probe" (~1 min): benchmarks/hf_grad_probe.py, the
+# per-parameter gradient errors of a tiny transformers Gemma 2 (soft-cap 1, window 4) against
+# the float64 oracle, with and without TMA (its training-gradient test failed on the H200).
 # Environment knobs: PYTHON (default python3), GPU_CHECK_BUDGET, TESTS_TIMEOUT (default 240),
 # BENCH_ARGS (extra arguments for `python -m benchmarks`, e.g. "--quick"), BOOK_TIMEOUT and
 # BOOK_ARGS (the same for stage "book", e.g. "--book-models qwen3"), GPU_CHECK_STAGES
@@ -122,6 +131,21 @@ print(\"device\", torch.cuda.get_device_name() if torch.cuda.is_available() else
         stage "book models" "$book_limit" "$PY" -m benchmarks --out-dir "$OUTDIR/book" \
             --no-plots --skip-parity --no-modules --no-sweep --no-features \
             --time-budget $(( book_limit - 30 )) --book-models $BOOK_ARGS
+    fi
+    if wanted tma_ab; then
+        local tma
+        for tma in 1 0; do
+            KERNELS_TMA=$tma stage "tma_ab KERNELS_TMA=$tma" 240 "$PY" -m benchmarks \
+                --out-dir "$OUTDIR/tma$tma" --no-plots --skip-parity --no-modules --no-features \
+                --providers kernels sdpa_flash sdpa_cudnn --dtypes bfloat16 --head-dims 64 128 \
+                --dropout 0.0 --seq-lens 128 1024 4096 16384 --time-budget 200
+        done
+    fi
+    if wanted probe; then
+        local tma
+        for tma in 1 0; do
+            KERNELS_TMA=$tma stage "probe KERNELS_TMA=$tma" 120 "$PY" -m benchmarks.hf_grad_probe
+        done
     fi
     if ! wanted bench; then
         echo; echo "=== summary ($(( $(date +%s) - start ))s in all) ==="; printf "%s" "$summary"

@@ -11,6 +11,9 @@ argument's dtype) and a long list costs minutes.
 ``KERNELS_AUTOTUNE=0`` turns autotuning off on the GPU: each launch then takes the first config
 of its list that survives pruning. The GPU test suite sets it, so that its hundreds of small
 shapes do not each compile and time every config (tests/core/test_gpu.py runs every config once).
+``KERNELS_TMA=0`` turns tensor-descriptor (TMA) loads off everywhere (``tma_capable``): the
+per-thread loads of other GPUs, for A/B timings (benchmarks/gpu_check.sh, stage "tma_ab") and
+as a way around a TMA problem on a new GPU or Triton.
 """
 import functools
 import math
@@ -86,7 +89,9 @@ TMA_DKDV_DROPOUT_MAX_WIDTH = 64
 def tma_capable(device=None) -> bool:
     """Whether the forward may use tensor-descriptor (TMA) loads on ``device``: on the GPU
     generations of ``TMA_MAJORS``, and always under Triton's interpreter (which emulates descriptor
-    loads, so the CPU test suite covers that code path)."""
+    loads, so the CPU test suite covers that code path); never with ``KERNELS_TMA=0``."""
+    if not tma_enabled():
+        return False
     if interpreter_active():
         return True
     return gpu_of(device).capability[0] in TMA_MAJORS
@@ -246,6 +251,11 @@ def bwd_configs(interpret: bool = False, kernel: str = "both"):
     if kernel not in tables:
         raise ValueError(f"kernel must be one of {sorted(tables)}, got {kernel!r}")
     return _configs(tables[kernel])
+
+
+def tma_enabled() -> bool:
+    """False when the environment sets KERNELS_TMA=0 (see the module docstring)."""
+    return os.environ.get("KERNELS_TMA", "1") != "0"
 
 
 def autotune_enabled() -> bool:

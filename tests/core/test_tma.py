@@ -206,3 +206,15 @@ def test_backward_dropout_keeps_per_thread_loads_at_wide_heads():
         q = randn(1, 2, 8, d, dtype=F16)
         assert bwd_tma_modes(make_problem(q, q, q), q, dropout=True) == want
         assert bwd_tma_modes(make_problem(q, q, q), q, dropout=False) == (1, 1)
+
+
+def test_kernels_tma_0_turns_descriptors_off(monkeypatch):
+    """KERNELS_TMA=0 (A/B timings, a way around a TMA problem): per-thread loads in the forward
+    and both backward kernels, with the same results as the descriptor path."""
+    q = randn(1, 2, 8, 64, dtype=F16)
+    pb = make_problem(q, q, q)
+    assert tma_mode(pb) == 2 and bwd_tma_modes(pb, q) == (1, 1)
+    monkeypatch.setenv("KERNELS_TMA", "0")
+    assert tma_mode(pb) == 0 and bwd_tma_modes(pb, q) == (0, 0)
+    monkeypatch.setenv("KERNELS_TMA", "1")
+    assert tma_mode(pb) == 2
