@@ -7,8 +7,9 @@
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="triton_fused")
     # or, on an existing model: model.set_attn_implementation("triton_fused")
 
-``register`` installs two things under one name (transformers >= 4.56; imported lazily, so
-``import kernels`` never needs transformers):
+``register`` installs two things under one name (transformers >= 5.4, whose mask interface
+passes ``q_length`` / ``q_offset``; imported lazily, so ``import kernels`` never needs
+transformers):
 
 * an attention function (``transformers.AttentionInterface``), called by every attention layer
   with q (batch, heads, q_len, head_dim) and k, v (batch, heads_kv, k_len, head_dim / v_dim); it
@@ -44,7 +45,10 @@ Supported exactly (the same attention as ``attn_implementation="eager"``):
 * KV-cache generation (q_len != k_len, dynamic, sliding-window and static caches; our causal mask
   is aligned bottom-right, where the new queries are), and the query rows a model keeps of a
   mask (``mask[:, :, -n:, :]``, Gemma 4's KV-shared layers under ``generate``);
-* padding-free packed batches (``position_ids`` restarting inside a row, no attention mask).
+* padding-free packed batches (``position_ids`` restarting inside a row, no attention mask),
+  as each transformers version builds their mask (up to 5.22 over the tokens' indices in the
+  row, from 5.23 over their position ids: the same attention but for chunks, which follow the
+  version's own rule).
 
 Anything else raises ``NotImplementedError`` naming it, never a silently different answer: a
 non-causal layer or bidirectional mask (encoders, cross-attention, ``config.is_causal=False``), a
@@ -56,6 +60,7 @@ queries' chunk. A layer called with no mask at all (a model that does not build 
 transformers' masking utilities) gets causal attention with its ``sliding_window``, as with
 ``flash_attention_2``. ``output_attentions=True`` warns and returns ``None`` weights, as ``sdpa``.
 """
+import inspect
 import warnings
 from typing import NamedTuple, Optional
 
@@ -92,12 +97,18 @@ def register(name: str = NAME) -> None:
 
     Afterwards ``from_pretrained(..., attn_implementation=name)``,
     ``from_config(cfg, attn_implementation=name)`` and ``model.set_attn_implementation(name)``
-    select it. Idempotent. Raises ImportError without transformers.
+    select it. Idempotent. Raises ImportError without transformers, or with a transformers
+    older than 5.4 (its mask functions take ``cache_position``, which our hook does not read).
     """
     if not isinstance(name, str) or not name or "/" in name or ":" in name:
         raise ValueError(f"name must be a plain non-empty string without '/' or ':' (those "
                          f"name Hugging Face hub kernels), got {name!r}")
     transformers, masking_utils = _transformers()
+    if "q_length" not in inspect.signature(masking_utils.sdpa_mask).parameters:
+        raise ImportError(f"kernels.hf needs transformers >= 5.4 (mask functions called with "
+                          f"q_length and q_offset); this is transformers "
+                          f"{getattr(transformers, '__version__', '?')}, whose mask functions "
+                          f"take cache_position: pip install 'transformers>=5.4'")
     transformers.AttentionInterface.register(name, attention_function)
     masking_utils.AttentionMaskInterface.register(name, mask_hook)
 
@@ -116,7 +127,9 @@ class MaskInfo:
     rows ``indices_q`` / ``indices_k`` of the flattened (batch * len) queries / keys with int32
     ``cu_seqlens_q`` / ``cu_seqlens_k``. ``valid_q`` (batch, q_length), packed layouts only:
     which query rows are kept (to re-derive the layout when a model keeps only the last query
-    rows, see ``__getitem__``).
+    rows, see ``__getitem__``). ``cu_sequences``, padding-free packed sequences only: their own
+    int32 cu_seqlens (``cu_seqlens_q`` may cut them further at a chunked layer's chunks), what
+    FlashAttention's ``cu_seq_lens_q/k`` keywords must match.
     """
     # Mask-like duck typing for transformers' own plumbing: generate() calls .contiguous() on
     # masks it prepares in advance (static caches) and passes them back into the model, whose
@@ -135,6 +148,7 @@ class MaskInfo:
         self.indices_q = self.indices_k = self.cu_seqlens_q = self.cu_seqlens_k = None
         self.max_seqlen_q = self.max_seqlen_k = None
         self.valid_q = None
+        self.cu_sequences = None
 
     def contiguous(self):
         return self
@@ -212,7 +226,8 @@ class _Pattern(NamedTuple):
     """A mask pattern the kernels compute: causal, with at most one of ``window`` and
     ``chunk_size``. ``left_padding`` (chunked): transformers' count of padding tokens before
     each row's first token, where its chunks start. ``seq_ids`` / ``positions``: padding-free
-    packed sequences (their ids, and the position ids transformers remaps the pattern to)."""
+    packed sequences (their ids, and the position ids transformers remaps the pattern to, or
+    None where it applies the pattern to the tokens' indices in the row: transformers <= 5.22)."""
     window: Optional[int] = None
     chunk_size: Optional[int] = None
     left_padding: Optional[torch.Tensor] = None
@@ -240,18 +255,10 @@ def _pattern(mask_function, mu, *, packed_ok=True):
                 if (_positive_int(cells.get("chunk_size"))
                         and isinstance(left_padding, torch.Tensor) and left_padding.dim() == 1):
                     return _Pattern(chunk_size=cells["chunk_size"], left_padding=left_padding)
-        # packed_sequence_compatibility_function: and_masks(packed ids, remapped positions)
-        if (packed_ok and len(parts) == 2
-                and _same_code(parts[0], mu.packed_sequence_mask_function, None)
-                and _same_code(parts[1], mu.remap_positions_for_packed_sequence,
-                               mu.causal_mask_function, None)):
-            remap = _cells(parts[1])
-            inner = _pattern(remap.get("mask_function"), mu, packed_ok=False)
-            seq_ids = _cells(parts[0]).get("packed_sequence_mask")
-            positions = remap.get("position_ids")
-            if (not isinstance(inner, str) and isinstance(seq_ids, torch.Tensor)
-                    and isinstance(positions, torch.Tensor)):
-                return inner._replace(seq_ids=seq_ids, positions=positions)
+        if packed_ok and len(parts) == 2:
+            packed = _packed_pattern(parts, mu)
+            if packed is not None:
+                return packed
     if mask_function is mu.bidirectional_mask_function or (
             _same_code(mask_function, mu.and_masks, mu.bidirectional_mask_function)
             and any(f is mu.bidirectional_mask_function
@@ -262,6 +269,36 @@ def _pattern(mask_function, mu, *, packed_ok=True):
             f"causal and chunked causal masks, with padding or packed sequences, are computed "
             f"by triton_fused; extra or_mask_function/and_mask_function, block-wise or "
             f"bidirectional patterns are not)")
+
+
+def _packed_pattern(parts, mu):
+    """The ``_Pattern`` of transformers' padding-free packed-sequence mask, ``and_masks(*parts)``
+    with one part ``packed_sequence_mask_function(ids)``; None if ``parts`` is not one.
+
+    transformers builds it three ways, all recognised (the order of ``and_masks`` does not
+    matter): up to 5.22 ``and_masks(pattern, packed ids)``, the pattern over the tokens' indices
+    in the row; 5.23 ``packed_sequence_compatibility_function``, ``and_masks(packed ids,
+    remap_positions_for_packed_sequence(pattern, position_ids))``; 5.24
+    ``and_masks(remap_positions_for_packed_sequence(pattern, position_ids), packed ids)``, the
+    pattern over the tokens' position ids. ``positions`` is None for the first (row indices)."""
+    packed_fn = getattr(mu, "packed_sequence_mask_function", None)
+    if _same_code(parts[1], packed_fn, None):
+        other, ids_fn = parts
+    elif _same_code(parts[0], packed_fn, None):
+        ids_fn, other = parts
+    else:
+        return None
+    seq_ids, positions = _cells(ids_fn).get("packed_sequence_mask"), None
+    if _same_code(other, getattr(mu, "remap_positions_for_packed_sequence", None),
+                  mu.causal_mask_function, None):
+        remap = _cells(other)
+        other, positions = remap.get("mask_function"), remap.get("position_ids")
+        if not isinstance(positions, torch.Tensor):
+            return None
+    inner = _pattern(other, mu, packed_ok=False)
+    if isinstance(inner, str) or not isinstance(seq_ids, torch.Tensor):
+        return None
+    return inner._replace(seq_ids=seq_ids, positions=positions)
 
 
 def _as_int(x):
@@ -406,7 +443,14 @@ def _layout(info, valid_q, valid_k):
 
 
 def _packed_sequences(info, pattern, attention_mask, device):
-    """Padding-free packed rows: one sequence per run of ids, every row kept in order."""
+    """Padding-free packed rows: one sequence per run of ids, every row kept in order.
+
+    Chunked layers: transformers puts a token in chunk ``(c - left_padding) // chunk_size`` of
+    its row, ``c`` its position id (``pattern.positions``) or its index in the row (transformers
+    <= 5.22). Inside one sequence ``c`` goes up by one per token (a new sequence starts wherever
+    the position ids do not), so cutting the sequences where a chunk starts leaves segments that
+    each hold one chunk of one sequence, no longer than ``chunk_size``: causal attention within
+    each segment is exactly transformers' mask, wherever the sequences start."""
     seq_ids, batch_size, q_length = pattern.seq_ids, info.batch_size, info.q_length
     if attention_mask is not None or info.q_offset or info.kv_offset or (
             q_length != info.kv_length or tuple(seq_ids.shape) != (batch_size, q_length)):
@@ -414,23 +458,38 @@ def _packed_sequences(info, pattern, attention_mask, device):
         return info
     starts = torch.ones_like(seq_ids, dtype=torch.bool)
     starts[:, 1:] = seq_ids[:, 1:] != seq_ids[:, :-1]
-    if pattern.chunk_size is not None:
-        # transformers counts chunks in position ids; the kernel from each sequence's start.
-        first_positions = pattern.positions.expand(batch_size, -1)[starts]
-        if bool(pattern.left_padding.ne(0).any()) or bool(
-                (first_positions % pattern.chunk_size).ne(0).any()):
-            info.unsupported = ("chunked attention over packed sequences whose position ids do "
-                                "not start at a chunk boundary")
-            return info
     n = batch_size * q_length
-    cu = torch.cat([starts.flatten().nonzero().flatten(),
-                    torch.tensor([n], device=seq_ids.device)]).to(torch.int32)
-    cu = cu.to(device or seq_ids.device)
+    cu_sequences = _starts_to_cu(starts, device)
+    if pattern.chunk_size is not None:
+        coords = pattern.positions
+        if coords is None:
+            coords = torch.arange(q_length, device=seq_ids.device)[None]
+        left_padding = pattern.left_padding
+        if (coords.dim() != 2 or coords.shape[0] not in (1, batch_size)
+                or coords.shape[1] != q_length or tuple(left_padding.shape) != (batch_size,)):
+            info.unsupported = (f"chunked attention over packed sequences with position ids of "
+                                f"shape {tuple(coords.shape)} and left padding of shape "
+                                f"{tuple(left_padding.shape)} for a batch of {batch_size} rows "
+                                f"of {q_length}")
+            return info
+        coords = coords.to(seq_ids.device) - left_padding.to(seq_ids.device)[:, None]
+        starts = starts | torch.remainder(coords, pattern.chunk_size).eq(0)
+    cu = _starts_to_cu(starts, device)
     info.dense = False
     info.indices_q = info.indices_k = None  # every row is kept, in order
     info.cu_seqlens_q = info.cu_seqlens_k = cu
+    info.cu_sequences = cu_sequences
     info.max_seqlen_q = info.max_seqlen_k = int((cu[1:] - cu[:-1]).max().item()) if n else 0
     return info
+
+
+def _starts_to_cu(starts, device):
+    """int32 cu_seqlens of the flattened (batch, len) rows cut before every True of ``starts``
+    (each row's first entry is True)."""
+    n = starts.numel()
+    cu = torch.cat([starts.flatten().nonzero().flatten(),
+                    torch.tensor([n], device=starts.device)]).to(torch.int32)
+    return cu.to(device or starts.device)
 
 
 # --------------------------------------------------------------------------------------------
@@ -548,7 +607,9 @@ def _check_flash_kwargs(kwargs, info):
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is None and cu_k is None:
         return
-    ours = None if info.dense else info.cu_seqlens_q
+    # The packed sequences themselves (a chunked layer cuts them further at its chunks).
+    ours = None if info.dense else (
+        info.cu_sequences if info.cu_sequences is not None else info.cu_seqlens_q)
     for given in (cu_q, cu_k):
         if given is None:
             continue

@@ -15,13 +15,15 @@ import pytest
 import torch
 from helpers import assert_parity
 from hf_helpers import (VOCAB, assert_training_grads_match, masked_attention, models,
-                        padded_batch)
+                        padded_batch, skip_module_unless_registered)
 
 transformers = pytest.importorskip(
     "transformers", reason="Hugging Face transformers is not installed (pip install -e '.[hf]')")
 from transformers import masking_utils as mu  # noqa: E402
 
 from kernels import hf  # noqa: E402
+
+skip_module_unless_registered()
 
 ORACLE = "f64_oracle_for_tests"
 
@@ -86,6 +88,18 @@ def test_register_installs_attention_and_mask_hook():
     assert model.config._attn_implementation == hf.NAME
     with pytest.raises(ValueError, match="hub kernels"):
         hf.register("kernels-community/flash-attn")
+
+
+def test_register_refuses_transformers_before_5_4(monkeypatch):
+    """transformers < 5.4 calls mask functions with cache_position instead of q_length and
+    q_offset (as its sdpa_mask's signature shows): register() refuses it by name."""
+    def old_sdpa_mask(batch_size, cache_position, kv_length, kv_offset=0, mask_function=None,
+                      attention_mask=None, **kwargs):
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(mu, "sdpa_mask", old_sdpa_mask)
+    with pytest.raises(ImportError, match=r"transformers >= 5\.4.*cache_position"):
+        hf.register()
 
 
 def test_import_kernels_does_not_need_transformers():
@@ -184,9 +198,10 @@ def test_unsupported_patterns_raise():
     cases = {
         "or_mask_function": mu.or_masks(mu.causal_mask_function, lambda b, h, q, k: q == k),
         "non-causal": mu.bidirectional_mask_function,
-        "block-wise": mu.and_masks(mu.causal_mask_function,
-                                   mu.blockwise_overlay(torch.zeros(1, 4, dtype=torch.long))),
     }
+    if hasattr(mu, "blockwise_overlay"):  # block-wise masks: not in transformers 5.4
+        cases["block-wise"] = mu.and_masks(
+            mu.causal_mask_function, mu.blockwise_overlay(torch.zeros(1, 4, dtype=torch.long)))
     for what, fn in cases.items():
         info = hf.mask_hook(**sizes, mask_function=fn)
         assert info.unsupported, what

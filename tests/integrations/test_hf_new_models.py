@@ -16,18 +16,21 @@ model's feature is first shown to change that oracle's logits, so a kernel ignor
 Without transformers (the ``[hf]`` extra) the file is skipped.
 """
 import contextlib
+import inspect
 
 import pytest
 import torch
 from helpers import GRAD_FACTOR, assert_parity
 from hf_helpers import (VOCAB, assert_training_grads_match, masked_attention, models,
-                        padded_batch)
+                        padded_batch, skip_module_unless_registered)
 
 transformers = pytest.importorskip(
     "transformers", reason="Hugging Face transformers is not installed (pip install -e '.[hf]')")
 from transformers import masking_utils as mu  # noqa: E402
 
 from kernels import hf, ops  # noqa: E402
+
+skip_module_unless_registered()
 
 ORACLE = "f64_oracle_new_models"
 KINDS = ["gemma2", "gpt_oss", "llama4", "gemma4", "deepseek_v2", "deepseek_v3"]
@@ -85,7 +88,20 @@ _MLA = dict(_SMALL, num_key_value_heads=4, intermediate_size=64, moe_intermediat
             first_k_dense_replace=2, n_routed_experts=2, num_experts_per_tok=1)
 
 
+# The architectures' config classes (Gemma 4 came after transformers 5.4, the oldest supported).
+_CONFIG_CLASS = {"gemma2": "Gemma2Config", "gpt_oss": "GptOssConfig",
+                 "llama4": "Llama4TextConfig", "gemma4": "Gemma4TextConfig",
+                 "deepseek_v2": "DeepseekV2Config", "deepseek_v3": "DeepseekV3Config"}
+
+
+def _skip_unless_available(kind):
+    name = _CONFIG_CLASS[kind]
+    if not hasattr(transformers, name):
+        pytest.skip(f"transformers {transformers.__version__} has no {name} ({kind})")
+
+
 def _config(kind):
+    _skip_unless_available(kind)
     if kind == "gemma2":  # layer 0 a sliding window of 4, layer 1 full; every layer capped at 1.
         # Larger weights than the default 0.02, so the cap bends the scores.
         return transformers.Gemma2Config(**_SMALL, intermediate_size=64, head_dim=8,
@@ -130,17 +146,19 @@ def _models(kind):
 
 
 def test_configs_have_the_features_under_test():
-    """The tiny configs really build what the file claims to test."""
+    """The tiny configs really build what the file claims to test (those of the architectures
+    this transformers has: the others' tests skip)."""
     attn = {kind: [layer.self_attn for layer in _models(kind)[0].model.layers]
-            for kind in KINDS}
+            for kind in KINDS if hasattr(transformers, _CONFIG_CLASS[kind])}
     assert [a.sliding_window for a in attn["gemma2"]] == [4, None]
     assert all(a.attn_logit_softcapping == 1.0 for a in attn["gemma2"])
     assert [a.sliding_window for a in attn["gpt_oss"]] == [4, None]
     assert all(a.sinks.shape == (4,) for a in attn["gpt_oss"])
     cfg = _config("llama4")
     assert cfg.layer_types == ["chunked_attention", "full_attention"]
-    assert [a.head_dim for a in attn["gemma4"]] == [16, 512, 512]
-    assert attn["gemma4"][2].is_kv_shared_layer
+    if "gemma4" in attn:
+        assert [a.head_dim for a in attn["gemma4"]] == [16, 512, 512]
+        assert attn["gemma4"][2].is_kv_shared_layer
     for kind in ("deepseek_v2", "deepseek_v3"):
         assert all((a.qk_head_dim, a.v_head_dim) == (24, 16) for a in attn[kind])
 
@@ -322,6 +340,50 @@ def test_chunked_attention_matches_transformers_mask():
         assert_parity(out[valid_q], ref[valid_q], lowp[valid_q], name=case)
 
 
+# (position ids of padding-free packed rows, chunk size). transformers counts chunks by the
+# tokens' position ids from 5.23 on, by their index in the row before: sequences start at a
+# chunk boundary or in the middle of one, by either count, or both.
+_PACKED_CHUNKED = {
+    "aligned": ([[0, 1, 2, 3, 0, 1, 0, 1]], 2),
+    "mid-chunk-positions-and-index": ([[3, 4, 5, 0, 1, 2]], 2),
+    "mid-chunk-index": ([[0, 1, 2, 3, 4, 5, 0, 1, 2, 0, 1, 2]], 4),
+    "two-rows": ([[0, 1, 2, 0, 1, 2, 3, 4], [5, 6, 7, 8, 0, 1, 2, 3]], 3),
+}
+
+
+@pytest.mark.parametrize("case", list(_PACKED_CHUNKED))
+def test_packed_chunked_attention_matches_transformers_mask(case):
+    """Padding-free packed rows through a chunked layer, both masks built by this transformers'
+    own ``create_chunked_causal_mask`` (whichever way this version builds them): the kernel on
+    our hook's MaskInfo matches exact attention over transformers' boolean mask, whose chunks
+    cut the sequences."""
+    pos, chunk = _PACKED_CHUNKED[case]
+    pos = torch.tensor(pos)
+    batch, length = pos.shape
+    cfg = _config("llama4")
+    cfg.attention_chunk_size = chunk
+    # The cache argument: past_key_values, renamed cache in transformers 5.24.
+    params = inspect.signature(mu.create_chunked_causal_mask).parameters
+    no_cache = {"cache" if "cache" in params else "past_key_values": None}
+    masks = {}
+    for impl in ("triton_fused", ORACLE):
+        cfg._attn_implementation = impl
+        masks[impl] = mu.create_chunked_causal_mask(
+            config=cfg, inputs_embeds=torch.zeros(batch, length, 1), attention_mask=None,
+            position_ids=pos, **no_cache)
+    info, ref_mask = masks["triton_fused"], masks[ORACLE]
+    assert isinstance(info, hf.MaskInfo) and info.unsupported is None, info
+    seq = mu.find_packed_sequence_indices(pos)
+    packed_causal = (seq[:, :, None] == seq[:, None, :]) & torch.ones(
+        length, length, dtype=torch.bool).tril()
+    assert not torch.equal(ref_mask[:, 0], packed_causal), "the chunks do not change the mask"
+    q, k, v = (torch.randn(batch, h, length, 8) for h in (4, 2, 2))
+    out, _ = hf.attention_function(_Module(), q, k, v, info, scaling=0.3)
+    ref = masked_attention(q, k, v, ref_mask, 0.3)
+    lowp = masked_attention(q, k, v, ref_mask, 0.3, dtype=torch.float32)
+    assert_parity(out, ref, lowp, name=case)
+
+
 def test_kept_query_rows_of_a_mask():
     """mask[:, :, -n:, :] (Gemma 4's KV-shared layers under generate): the last n query rows,
     keys and alignment unchanged, packed layouts re-derived; any other index is refused."""
@@ -373,15 +435,6 @@ def test_new_features_refuse_what_they_cannot_do_exactly():
                            mask_function=mu.chunked_causal_mask_function(4, zero), local_size=4)
     with pytest.raises(NotImplementedError, match="no longer holds"):
         hf.attention_function(module, x[:, :, :1], kv[:, :, :1], kv[:, :, :1], dropped)
-    # Packed sequences whose position ids do not start at a chunk boundary.
-    pos = torch.tensor([[3, 4, 5, 0, 1, 2]])
-    packed = mu.packed_sequence_compatibility_function(
-        mu.chunked_causal_mask_function(2, torch.zeros(1, dtype=torch.long)), pos,
-        mu.find_packed_sequence_indices(pos))
-    info = hf.mask_hook(batch_size=1, q_length=6, kv_length=6, mask_function=packed,
-                        local_size=2)
-    with pytest.raises(NotImplementedError, match="chunk boundary"):
-        hf.attention_function(module, x[:1], kv[:1], kv[:1], info)
     with pytest.raises(NotImplementedError, match="chunk size 2"):  # announced size disagrees
         hf.attention_function(module, x, kv, kv, hf.mask_hook(
             **{**chunked, "local_size": 3},
@@ -439,8 +492,10 @@ def test_training_step_gradients_match_eager(kind):
 
 
 def test_llama4_packed_sequences_match_eager():
-    """Padding-free packed rows through the chunked layer: chunks restart with each sequence
-    (position ids restart at 0, a chunk boundary)."""
+    """Padding-free packed rows through the chunked layer (chunks of 4), as this transformers
+    version counts chunks: by position ids (from 5.23; they restart at 0 with each sequence) or
+    by the tokens' index in the row (up to 5.22: the second sequence starts mid-chunk). The
+    first sequence spans two chunks either way."""
     ours, eager, oracle = _models("llama4")
     ids = torch.randint(1, VOCAB, (1, 12))
     pos = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 0, 1, 2]])
@@ -448,3 +503,8 @@ def test_llama4_packed_sequences_match_eager():
         out, ref, lowp = (m(ids, position_ids=pos, use_cache=False).logits
                           for m in (ours, oracle, eager))
     assert_parity(out, ref, lowp, name="packed llama4 logits")
+    # FlashAttention's padding-free kwargs name the sequences, not the chunks cutting them.
+    cu = torch.tensor([0, 6, 9, 12], dtype=torch.int32)
+    flash_kw = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=6, max_length_k=6)
+    with torch.no_grad():
+        assert torch.equal(ours(ids, position_ids=pos, use_cache=False, **flash_kw).logits, out)
