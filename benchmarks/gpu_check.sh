@@ -38,6 +38,9 @@
 # suspect for short sequences. Stage "probe" (~1 min): benchmarks/hf_grad_probe.py, the
 # per-parameter gradient errors of a tiny transformers Gemma 2 (soft-cap 1, window 4) against
 # the float64 oracle, with and without TMA (its training-gradient test failed on the H200).
+# Stage "profile" (~1 min): benchmarks/profile_call.py, torch.profiler's GPU kernel and host
+# times of ours and SDPA flash in fwd / bwd / fwd_bwd at that seq-128 shape, with and without
+# TMA (OUTDIR/profile_tma1.json, profile_tma0.json).
 # Environment knobs: PYTHON (default python3), GPU_CHECK_BUDGET, TESTS_TIMEOUT (default 240),
 # BENCH_ARGS (extra arguments for `python -m benchmarks`, e.g. "--quick"), BOOK_TIMEOUT and
 # BOOK_ARGS (the same for stage "book", e.g. "--book-models qwen3"), GPU_CHECK_STAGES
@@ -145,6 +148,13 @@ print(\"device\", torch.cuda.get_device_name() if torch.cuda.is_available() else
         local tma
         for tma in 1 0; do
             KERNELS_TMA=$tma stage "probe KERNELS_TMA=$tma" 120 "$PY" -m benchmarks.hf_grad_probe
+        done
+    fi
+    if wanted profile; then
+        local tma
+        for tma in 1 0; do
+            KERNELS_TMA=$tma stage "profile KERNELS_TMA=$tma" 120 "$PY" -m \
+                benchmarks.profile_call --json "$OUTDIR/profile_tma$tma.json"
         done
     fi
     if ! wanted bench; then

@@ -1,0 +1,149 @@
+"""Probe: where one call's time goes, by kernel and on the host (torch.profiler), for ours in
+the benchmark's three modes (fwd, bwd, fwd_bwd) at one shape, with SDPA's flash backend beside
+it.
+
+Why: the first H200 run (2026-11-26) timed ours at 128 x 16 heads x 128, d128, causal bf16 at
+fwd 0.283 ms, bwd 0.760 ms but fwd_bwd 2.438 ms (1.4 ms more than the two), where every other
+provider's fwd_bwd is about its fwd + bwd. The profile tells GPU kernel time (which kernel, how
+many launches) from host time (validation, the custom op, autograd, allocations)::
+
+    python -m benchmarks.profile_call [--batch 128 --heads 16 --seq 128 --head-dim 128]
+                                      [--json OUT.json]
+
+Prints, per (provider, mode): the CUDA-event time of one call (median of ``--reps``), the sum
+of its GPU kernels' times and the top kernels by time, then the host's self time of the top
+CPU ops. ``--device cpu`` runs the same on the CPU (the kernels' PyTorch path; no GPU
+kernels): a smoke test of this script, not a measurement.
+"""
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import kernels
+
+
+def _modes(fn, q, k, v, do):
+    """The benchmark's three modes (benchmarks/measure.py) of ``fn(q, k, v)``."""
+    def fwd():
+        with torch.no_grad():
+            fn(q, k, v)
+
+    out = fn(q, k, v)
+
+    def bwd():
+        torch.autograd.backward(out, do, retain_graph=True)
+
+    def fwd_bwd():
+        torch.autograd.backward(fn(q, k, v), do)
+
+    return dict(fwd=fwd, bwd=bwd, fwd_bwd=fwd_bwd)
+
+
+def _sync(cuda):
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def _call_ms(call, reps, cuda):
+    """Median time of one call: CUDA events on the GPU, the wall clock on the CPU."""
+    times = []
+    for _ in range(reps):
+        if cuda:
+            start, end = (torch.cuda.Event(enable_timing=True),
+                          torch.cuda.Event(enable_timing=True))
+            start.record()
+            call()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            call()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def profile(name, call, reps, top, cuda=True):
+    for _ in range(3):                      # compile, autotune, warm the allocator
+        call()
+    _sync(cuda)
+    ms = _call_ms(call, reps, cuda)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(reps):
+            call()
+        _sync(cuda)
+    events = prof.key_averages()
+    gpu = sorted((e for e in events if e.device_time_total > 0 and e.device_type.name == "CUDA"),
+                 key=lambda e: -e.device_time_total)
+    gpu_ms = sum(e.device_time_total for e in gpu) / 1e3 / reps
+    cpu = sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]
+    print(f"\n== {name}: {ms:.3f} ms per call (median of {reps}); GPU kernels "
+          f"{gpu_ms:.3f} ms per call")
+    for e in gpu[:top]:
+        print(f"   gpu {e.device_time_total / 1e3 / reps:8.3f} ms  x{e.count // reps:<3d} "
+              f"{e.key[:90]}")
+    for e in cpu:
+        print(f"   cpu {e.self_cpu_time_total / 1e3 / reps:8.3f} ms self  x{e.count // reps:<3d} "
+              f"{e.key[:90]}")
+    return dict(name=name, ms=ms, gpu_kernels_ms=gpu_ms,
+                gpu=[(e.key, e.device_time_total / 1e3 / reps, e.count // reps)
+                     for e in gpu[:top]],
+                cpu_self=[(e.key, e.self_cpu_time_total / 1e3 / reps, e.count // reps)
+                          for e in cpu])
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--top", type=int, default=8)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--json")
+    a = ap.parse_args(argv)
+    cuda = a.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("profile_call: no CUDA device here (--device cpu for a smoke run)")
+    shape = (a.batch, a.heads, a.seq, a.head_dim)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    q, k, v = (torch.randn(shape, device=a.device, dtype=dtype, requires_grad=True)
+               for _ in range(3))
+    do = torch.randn(shape, device=a.device, dtype=dtype)
+    providers = {
+        "ours": lambda q, k, v: kernels.attention(q, k, v, causal=True),
+        "sdpa_flash": lambda q, k, v: _flash(q, k, v),
+    }
+    device_name = torch.cuda.get_device_name() if cuda else "cpu"
+    print(f"shape {shape} {dtype} causal; {device_name}")
+    records = []
+    for pname, fn in providers.items():
+        for mode, call in _modes(fn, q, k, v, do).items():
+            records.append(profile(f"{pname} {mode}", call, a.reps, a.top, cuda))
+            for t in (q, k, v):
+                t.grad = None
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(shape=shape, device=device_name,
+                           records=records), f, indent=1)
+
+
+def _flash(q, k, v):
+    """SDPA's flash backend on the GPU (whatever SDPA picks on the CPU)."""
+    if q.device.type != "cuda":
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+if __name__ == "__main__":
+    main()
