@@ -29,8 +29,8 @@
 # GPT-2 and Llama, ~4-5 s for the 28-layer Qwen 3, 3 calls per row) = ~5-7 min, inside one
 # 10-minute call (BOOK_TIMEOUT, default 540 s). BOOK_ARGS="--book-layers 8" roughly halves the
 # generation part (recorded on the rows); a run cut by the timeout keeps the families saved.
-# Stage "tma_ab" (`GPU_CHECK_STAGES="versions tma_ab"`, ~3-5 min): the sweep's ours, SDPA flash
-# and cuDNN rows (bf16, head_dim 64 and 128, causal, seq 128 / 1024 / 4096 / 16384, fwd / bwd /
+# Stage "tma_ab" (`GPU_CHECK_STAGES="versions tma_ab"`, ~5-6 min): the sweep's ours, SDPA flash
+# and cuDNN rows (bf16, head_dim 128, causal, seq 128 / 1024 / 4096 / 16384, fwd / bwd /
 # fwd_bwd) twice, with tensor-descriptor loads (KERNELS_TMA=1) into OUTDIR/tma1/ and without
 # (KERNELS_TMA=0) into OUTDIR/tma0/. Why: the first H200 run (2026-11-26) timed ours at seq 128
 # (batch 128 x 16 heads, d128) at 30 TFLOP/s forward vs cuDNN's 116, and fwd_bwd at 2.44 ms vs
@@ -138,10 +138,10 @@ print(\"device\", torch.cuda.get_device_name() if torch.cuda.is_available() else
     if wanted tma_ab; then
         local tma
         for tma in 1 0; do
-            KERNELS_TMA=$tma stage "tma_ab KERNELS_TMA=$tma" 240 "$PY" -m benchmarks \
+            KERNELS_TMA=$tma stage "tma_ab KERNELS_TMA=$tma" 180 "$PY" -m benchmarks \
                 --out-dir "$OUTDIR/tma$tma" --no-plots --skip-parity --no-modules --no-features \
-                --providers kernels sdpa_flash sdpa_cudnn --dtypes bfloat16 --head-dims 64 128 \
-                --dropout 0.0 --seq-lens 128 1024 4096 16384 --time-budget 200
+                --providers kernels sdpa_flash sdpa_cudnn --dtypes bfloat16 --head-dims 128 \
+                --dropout 0.0 --seq-lens 128 1024 4096 16384 --time-budget 140
         done
     fi
     if wanted probe; then
