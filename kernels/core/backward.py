@@ -47,7 +47,7 @@ from .call import AttentionCall, make_problem, packed_view, score_args, score_sp
 from .common import (LOG2E, block_d, dot_operand, dot_precision, interpreter_active,
                      round_for_store, widen, widen_bf16)
 from .configs import (BWD_ROW_PAD, BWD_TUNE_KEY, TMA_DKDV_DROPOUT_MAX_WIDTH, autotune_enabled,
-                      bwd_configs, fixed_config, prune_bwd_configs)
+                      bwd_configs, launch_first_compiling, prune_bwd_configs)
 from .score import dropout_keep, probs_from_lse, scaled_scores, score_grad
 from .tma import row_tiles, tma_capable, tma_rows_ok, tma_scratch
 from .tiles import (clamp_ranges, edge_bound, key_range, mask_key_bounds, mask_query_bounds,
@@ -570,18 +570,18 @@ def attention_backward(do, q, k, v, o, lse, call=None, *, cu_seqlens_q=None, cu_
         return dq, dk, dv
 
     if config is not None:
-        config_dkdv = config_dq = config
+        configs_dkdv = configs_dq = [config]
     elif interpreter_active():
         # Under the interpreter autotuning would time every config in Python: one fixed config.
-        config_dkdv = config_dq = bwd_configs(interpret=True)[0]
-    else:  # KERNELS_AUTOTUNE=0: the first config each kernel's pruning keeps
-        config_dkdv = fixed_config(bwd_configs(kernel="dkdv"), prune_bwd_configs, dkdv_args)
-        config_dq = fixed_config(bwd_configs(kernel="dq"), prune_bwd_configs, dq_args)
+        configs_dkdv = configs_dq = bwd_configs(interpret=True)
+    else:  # KERNELS_AUTOTUNE=0: each kernel's pruned list, its first config that compiles
+        configs_dkdv = prune_bwd_configs(bwd_configs(kernel="dkdv"), {}, **dkdv_args)
+        configs_dq = prune_bwd_configs(bwd_configs(kernel="dq"), {}, **dq_args)
 
-    for kernel, cfg, grid, args in ((_bwd_dkdv, config_dkdv, dkdv_grid, dkdv_args),
-                                    (_bwd_dq, config_dq, dq_grid, dq_args)):
-        assert BWD_ROW_PAD % cfg.kwargs["BLOCK_M"] == 0, cfg   # the stats' padding covers it
+    for kernel, configs, grid, args in ((_bwd_dkdv, configs_dkdv, dkdv_grid, dkdv_args),
+                                        (_bwd_dq, configs_dq, dq_grid, dq_args)):
+        for cfg in configs:     # the stats' padding covers every tile's rows
+            assert BWD_ROW_PAD % cfg.kwargs["BLOCK_M"] == 0, cfg
         with tma_scratch(q.device, args["TMA"]):
-            kernel[grid(cfg.kwargs)](**args, **cfg.kwargs, num_warps=cfg.num_warps,
-                                     num_stages=cfg.num_stages)
+            launch_first_compiling(kernel, grid, args, configs)
     return dq, dk, dv

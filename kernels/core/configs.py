@@ -9,8 +9,9 @@ buckets of q_len and k_len, head_dim and each compiled feature flag; Triton adds
 argument's dtype) and a long list costs minutes.
 
 ``KERNELS_AUTOTUNE=0`` turns autotuning off on the GPU: each launch then takes the first config
-of its list that survives pruning. The GPU test suite sets it, so that its hundreds of small
-shapes do not each compile and time every config (tests/core/test_gpu.py runs every config once).
+of its list that survives pruning and compiles (``launch_first_compiling``). The GPU test suite
+sets it, so that its hundreds of small shapes do not each compile and time every config
+(tests/core/test_gpu.py runs every config once).
 ``KERNELS_TMA=0`` turns tensor-descriptor (TMA) loads off everywhere (``tma_capable``): the
 per-thread loads of other GPUs, for A/B timings (benchmarks/gpu_check.sh, stage "tma_ab") and
 as a way around a TMA problem on a new GPU or Triton.
@@ -22,6 +23,8 @@ from typing import NamedTuple, Optional
 
 import torch
 import triton
+from triton.compiler.errors import CompileTimeAssertionFailure
+from triton.runtime.errors import OutOfResources, PTXASError
 
 from .common import interpreter_active
 
@@ -265,8 +268,29 @@ def autotune_enabled() -> bool:
 
 def fixed_config(configs, prune, kernel_args):
     """The config a launch uses without autotuning: the first of ``configs`` that ``prune``
-    (an ``early_config_prune`` hook) keeps for these keyword arguments of the kernel."""
+    (an ``early_config_prune`` hook) keeps for these keyword arguments of the kernel (the next
+    kept one where it does not compile: ``launch_first_compiling``)."""
     return prune(configs, {}, **kernel_args)[0]
+
+
+# What a config's compilation or loading may raise; the autotuner skips such a config, and so
+# does a launch without autotuning. Seen: triton 3.6's ptxas crashes (error -11) on sm_90 for
+# q_len == k_len == 1 with causal masking (both lengths specialised to constants) at the
+# 128-row, 8-warp dQ tiles and the 2-stage packed-GQA forward tiles; other configs compile.
+_COMPILE_ERRORS = (PTXASError, OutOfResources, CompileTimeAssertionFailure)
+
+
+def launch_first_compiling(kernel, grid, kernel_args, configs):
+    """Launch ``kernel`` with the first of ``configs`` (a pruned list, in order) that compiles
+    and loads, as the autotuner would among them; ``grid(config.kwargs)`` gives each one's grid.
+    Raises the last config's error when none does."""
+    for i, cfg in enumerate(configs):
+        try:
+            return kernel[grid(cfg.kwargs)](**kernel_args, **cfg.kwargs, num_warps=cfg.num_warps,
+                                            num_stages=cfg.num_stages)
+        except _COMPILE_ERRORS:
+            if i == len(configs) - 1:
+                raise
 
 
 def smem_bytes(config, block_d: int, elem_bytes: int) -> int:

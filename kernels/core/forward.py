@@ -16,7 +16,7 @@ from .call import (AttentionCall, SplitArgs, make_problem, packed_view, score_ar
 from .common import (block_d, dot_operand, dot_precision, interpreter_active,
                      round_for_store, widen, widen_bf16)
 from .configs import (FWD_TUNE_KEY, PACK_GQA_MAX_Q_LEN, autotune_enabled, clamp_splits,
-                      fixed_config, fwd_configs, nominal_tiles, num_splits_heuristic,
+                      fwd_configs, launch_first_compiling, nominal_tiles, num_splits_heuristic,
                       prune_configs, tma_capable)
 from .score import dropout_keep, finish_rows, mask_scores, online_softmax, scaled_scores
 from .tiles import (clamp_ranges, edge_bound, key_range, mask_key_bounds, program_ids,
@@ -347,13 +347,14 @@ def attention_forward(q, k, v, call=None, *, cu_seqlens_q=None, cu_seqlens_k=Non
         if config is None and not interpreter_active() and autotune_enabled():
             _attn_fwd_tuned[grid](**args)
         else:
-            if config is None and interpreter_active():
+            if config is not None:
+                configs = [config]
+            elif interpreter_active():
                 # Autotuning in the interpreter would time every config in Python: one config.
-                config = fwd_configs(interpret=True)[0]
-            elif config is None:
-                config = fixed_config(fwd_configs(), prune_configs, args)
-            _attn_fwd[grid(config.kwargs)](**args, **config.kwargs, num_warps=config.num_warps,
-                                           num_stages=config.num_stages)
+                configs = fwd_configs(interpret=True)
+            else:   # KERNELS_AUTOTUNE=0: the pruned list's first config that compiles
+                configs = prune_configs(fwd_configs(), {}, **args)
+            launch_first_compiling(_attn_fwd, grid, args, configs)
     if num_splits > 1:
         combine_splits(split.o_part, split.lse_part, o4, lse, call.mods.sinks)
     return o, lse

@@ -119,3 +119,41 @@ def test_autotune_key_tells_grouped_heads_apart():
     mha = make_problem(q, randn(1, 4, 100, 64), randn(1, 4, 100, 64)).tune_buckets()
     gqa = make_problem(q, randn(1, 2, 100, 64), randn(1, 2, 100, 64)).tune_buckets()
     assert mha[:2] == gqa[:2] == (128, 128) and mha != gqa
+
+
+class _FakeKernel:
+    """A jit kernel stand-in whose compilation fails for the configs named in ``failing``
+    (as ptxas does for some degenerate specialisations), recording what was launched."""
+
+    def __init__(self, failing, error):
+        self.failing, self.error, self.launched = failing, error, []
+
+    def __getitem__(self, grid):
+        def launch(**kwargs):
+            key = (kwargs["BLOCK_M"], kwargs["BLOCK_N"])
+            if key in self.failing:
+                raise self.error
+            self.launched.append((key, grid))
+        return launch
+
+
+def test_launch_without_autotuning_skips_configs_that_do_not_compile():
+    """KERNELS_AUTOTUNE=0 takes the first kept config that compiles, as the autotuner would
+    (triton 3.6's ptxas crashes on sm_90 at q_len == k_len == 1 causal for some tiles), and
+    raises when none does; compile-time errors only."""
+    from triton.runtime.errors import PTXASError
+
+    from kernels.core.configs import launch_first_compiling
+    configs = bwd_configs(kernel="dq")[:3]
+    keys = [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in configs]
+    grid = lambda kw: (kw["BLOCK_M"],)     # noqa: E731
+    kernel = _FakeKernel({keys[0]}, PTXASError("ptxas failed with error code -11"))
+    launch_first_compiling(kernel, grid, {"x": 1}, configs)
+    assert kernel.launched == [(keys[1], (keys[1][0],))]
+    kernel = _FakeKernel(set(keys), PTXASError("ptxas failed"))
+    with pytest.raises(PTXASError):
+        launch_first_compiling(kernel, grid, {}, configs)
+    assert kernel.launched == []
+    kernel = _FakeKernel({keys[0]}, ValueError("not a compile error"))
+    with pytest.raises(ValueError):
+        launch_first_compiling(kernel, grid, {}, configs)
