@@ -11,9 +11,18 @@ from the real launchers' arguments. Nothing is timed; no GPU is needed.
 Usage (the tool's venv: triton 3.6, a CPU torch)::
 
     ~/.cache/sm90-venv/bin/python benchmarks/static_features.py [--arch 90] [--json out.json]
-        [--only dims|features]
+        [--only dims|features|shapes]
+
+``--only shapes`` (not part of the default run): degenerate lengths, where Triton specialises
+an int argument equal to 1 and loops fold away -- q_len x k_len in SHAPES, causal or not, with
+or without dropout, MHA and 2:1 GQA, head_dim 64 and 8 (``--dtype``; with ``--backward`` the
+backward too; every kept config). 2026-11-26 it found dK/dV's descriptor in a loop the
+pipeliner could not predicate at q_len 1 (fixed) and ptxas crashing (error -11) at k_len 1
+causal for dQ's 128-row tiles and the 2-stage packed-GQA forward (other kept configs compile:
+launches skip the failing ones).
 """
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -27,6 +36,8 @@ DIMS = [("d512", 512, 512), ("mla 192/128", 192, 128), ("d256", 256, 256)]
 FEATURES = ["softcap", "sinks", "alibi", "chunk", "gpt-oss (window+sinks)",
             "gemma2 (window+softcap)", "dropout+sinks", "gqa 4:1", "gqa 4:1+dropout",
             "window 512+dropout", "packed 1365+2731", "packed+dropout"]
+# (q_len, k_len) of ``--only shapes``: both 1, one 1, one past a 128-row tile, a whole tile.
+SHAPES = [(1, 1), (1, 3), (3, 1), (1, 130), (16, 16)]
 # A real 45-bit seed: Triton specialises an int argument equal to 1.
 SEED = 0x5DEECE66D123
 
@@ -37,7 +48,7 @@ def main(argv=None):
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     ap.add_argument("--seq", type=int, default=4096)
-    ap.add_argument("--only", choices=["dims", "features"])
+    ap.add_argument("--only", choices=["dims", "features", "shapes"])
     ap.add_argument("--backward", action="store_true", help="also compile the backward")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
@@ -55,9 +66,10 @@ def main(argv=None):
     dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[a.dtype]
     B, H, S = 1, 16, a.seq
 
-    def launch(label, d, dv, call, heads_kv=H, packed=None):
-        """Compile the forward (and backward) of one call: dense (B, H, S, d), or packed
-        sequences of the given lengths ((total, H, d), cu_seqlens)."""
+    def launch(label, d, dv, call, heads_kv=H, packed=None, seq_lens=None):
+        """Compile the forward (and backward) of one call: dense (B, H, S, d) -- (q_len, k_len)
+        = ``seq_lens`` if given --, or packed sequences of the given lengths ((total, H, d),
+        cu_seqlens)."""
         st.LABEL.clear()
         st.LABEL.update(side="project", dtype=a.dtype, head_dim=f"{d}/{dv}", flags=label)
         if packed:
@@ -69,11 +81,12 @@ def main(argv=None):
                         max_seqlen_k=max(packed))
             o_shape, lse_shape = (total, H, dv), (H, total)
         else:
-            q = torch.empty((B, H, S, d), dtype=dt)
-            k = torch.empty((B, heads_kv, S, d), dtype=dt)
-            v = torch.empty((B, heads_kv, S, dv), dtype=dt)
+            sq, sk = seq_lens or (S, S)
+            q = torch.empty((B, H, sq, d), dtype=dt)
+            k = torch.empty((B, heads_kv, sk, d), dtype=dt)
+            v = torch.empty((B, heads_kv, sk, dv), dtype=dt)
             lens = {}
-            o_shape, lse_shape = (B, H, S, dv), (B, H, S)
+            o_shape, lse_shape = (B, H, sq, dv), (B, H, sq)
         attention_forward(q, k, v, call, **lens)
         if a.backward:
             o, do = (torch.empty(o_shape, dtype=dt) for _ in range(2))
@@ -108,6 +121,14 @@ def main(argv=None):
                                                   **calls[label]),
                        heads_kv=H // 4 if label.startswith("gqa") else H,
                        packed=[1365, 2731] if label.startswith("packed") else None)
+        if a.only == "shapes":
+            for (lq, lk), d, causal, p, kv_heads in itertools.product(
+                    SHAPES, (64, 8), (False, True), (0.0, 0.1), (H, H // 2)):
+                call = AttentionCall(causal=causal, softmax_scale=d ** -0.5, dropout_p=p,
+                                     seed=SEED if p else 0)
+                label = f"{lq}x{lk}{' causal' if causal else ''}{' dropout' if p else ''}" \
+                        f"{' gqa' if kv_heads < H else ''}"
+                launch(label, d, d, call, heads_kv=kv_heads, seq_lens=(lq, lk))
     st.print_table(st.RECORDS)
     st.print_summary(st.RECORDS)
     if a.json:

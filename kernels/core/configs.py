@@ -275,8 +275,8 @@ def fixed_config(configs, prune, kernel_args):
 
 # What a config's compilation or loading may raise; the autotuner skips such a config, and so
 # does a launch without autotuning. Seen: triton 3.6's ptxas crashes (error -11) on sm_90 for
-# q_len == k_len == 1 with causal masking (both lengths specialised to constants) at the
-# 128-row, 8-warp dQ tiles and the 2-stage packed-GQA forward tiles; other configs compile.
+# k_len == 1 with causal masking (the length specialised to a constant) at the 128-row, 8-warp
+# dQ tiles and the 2-stage packed-GQA forward tiles; other configs compile.
 _COMPILE_ERRORS = (PTXASError, OutOfResources, CompileTimeAssertionFailure)
 
 

@@ -139,7 +139,7 @@ class _FakeKernel:
 
 def test_launch_without_autotuning_skips_configs_that_do_not_compile():
     """KERNELS_AUTOTUNE=0 takes the first kept config that compiles, as the autotuner would
-    (triton 3.6's ptxas crashes on sm_90 at q_len == k_len == 1 causal for some tiles), and
+    (triton 3.6 ptxas crashes on sm_90 at k_len == 1 causal for some tiles), and
     raises when none does; compile-time errors only."""
     from triton.runtime.errors import PTXASError
 
