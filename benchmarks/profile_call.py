@@ -25,22 +25,9 @@ import torch.nn.functional as F
 
 import kernels
 
+from .measure import mode_maker
 
-def _modes(fn, q, k, v, do):
-    """The benchmark's three modes (benchmarks/measure.py) of ``fn(q, k, v)``."""
-    def fwd():
-        with torch.no_grad():
-            fn(q, k, v)
-
-    out = fn(q, k, v)
-
-    def bwd():
-        torch.autograd.backward(out, do, retain_graph=True)
-
-    def fwd_bwd():
-        torch.autograd.backward(fn(q, k, v), do)
-
-    return dict(fwd=fwd, bwd=bwd, fwd_bwd=fwd_bwd)
+MODES = ("fwd", "bwd", "fwd_bwd")
 
 
 def _sync(cuda):
@@ -126,7 +113,9 @@ def main(argv=None):
     print(f"shape {shape} {dtype} causal; {device_name}")
     records = []
     for pname, fn in providers.items():
-        for mode, call in _modes(fn, q, k, v, do).items():
+        for mode in MODES:
+            # The benchmark's own timed functions (benchmarks/measure.py).
+            call = mode_maker(lambda fn=fn: fn(q, k, v), mode, do, (q, k, v))()
             records.append(profile(f"{pname} {mode}", call, a.reps, a.top, cuda))
             for t in (q, k, v):
                 t.grad = None

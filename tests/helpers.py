@@ -24,22 +24,25 @@ def assert_parity(out, ref, ref_lowp, *, factor=OUT_FACTOR, extra=0.0, name="out
         f"({factor}x PyTorch-{out.dtype} error + floor) + derived allowance {extra:.3e}")
 
 
-def _version(module) -> tuple:
-    return tuple(int(x) for x in module.__version__.split("+")[0].split(".")[:2])
-
-
 def interpreter_unusable_reason():
-    """Why Triton's interpreter cannot run the kernels in this environment, or None. Triton
-    3.6's interpreter turns a 1-element index array into a Python int with ``int(array)``,
-    which NumPy 2.4 made an error: every loop over tensor bounds fails (TypeError 'only
-    0-dimensional arrays can be converted to Python scalars'; seen with triton 3.6 and numpy
-    2.5 on the GPU host, reproduced with 2.4.6, not with 2.3.5). Triton 3.8 and 3.9 run."""
+    """Why Triton's CPU interpreter cannot run the kernels here, or None. Triton <= 3.6's
+    interpreter converts 1-element index arrays with int(), which NumPy >= 2.4 rejects (every
+    loop over tensor bounds fails with TypeError; fixed upstream, triton-lang/triton#9171): e.g.
+    the GPU host's triton 3.6 with numpy 2.5 (2026-11-26)."""
+    import inspect
+
     import numpy
     import triton
-    if _version(triton) < (3, 8) and _version(numpy) >= (2, 4):
-        return (f"Triton {triton.__version__}'s interpreter fails with NumPy "
-                f"{numpy.__version__} (int() of a 1-element array); Triton >= 3.8 or NumPy < 2.4 "
-                "runs it")
+
+    try:
+        from triton.runtime import interpreter
+        src = inspect.getsource(interpreter._patch_lang_tensor)
+    except (ImportError, AttributeError, OSError, TypeError):
+        return None
+    if (tuple(int(x) for x in numpy.__version__.split(".")[:2] if x.isdigit()) >= (2, 4)
+            and "int(self.handle.data)" in src):
+        return (f"Triton {triton.__version__}'s interpreter breaks with NumPy "
+                f"{numpy.__version__} (triton-lang/triton#9171)")
     return None
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import interpreter_unusable_reason
 
 from benchmarks.book_models import (BOOK_SHAPES, FAMILIES, book_rows, family_config,
                                     format_book, package_reason)
@@ -100,27 +101,6 @@ def _check_schema(data, csv_path):
     return meta, rows
 
 
-def _interpreter_unusable():
-    """Why Triton's CPU interpreter cannot run here, or None. Triton <= 3.6's interpreter
-    converts 1-element arrays with int(), which NumPy >= 2.4 rejects (TypeError; fixed upstream,
-    triton-lang/triton#9171): e.g. a GPU host with triton 3.6 and numpy 2.5."""
-    import inspect
-
-    import numpy
-    import triton
-
-    try:
-        from triton.runtime import interpreter
-        src = inspect.getsource(interpreter._patch_lang_tensor)
-    except (ImportError, AttributeError, OSError, TypeError):
-        return None
-    if (tuple(int(x) for x in numpy.__version__.split(".")[:2] if x.isdigit()) >= (2, 4)
-            and "int(self.handle.data)" in src):
-        return (f"Triton {triton.__version__}'s interpreter breaks with NumPy "
-                f"{numpy.__version__} (triton-lang/triton#9171)")
-    return None
-
-
 def test_cli_quick_cpu(tmp_path):
     """`python -m benchmarks --quick` on CPU: what a CPU user can choose between. Ours is the
     PyTorch fallback there (never Triton's interpreter), next to SDPA's CPU backends and the
@@ -183,7 +163,7 @@ def test_cli_interpreter_cpu(tmp_path):
     (grouped-query heads, sliding window, chunked attention, packed sequences, MLA head dims,
     decoding against a KV cache, SDPA's flash backend with ours, recorded as skipped on CPU),
     all in Triton's interpreter."""
-    reason = _interpreter_unusable()
+    reason = interpreter_unusable_reason()
     if reason:
         pytest.skip(reason)
     proc, data, csv_path = _run_cli(tmp_path, "--quick", "--interpreter", "--no-modules",
@@ -222,7 +202,7 @@ def test_integration_rows_cpu():
     """Issue 12 on CPU: the hf rows run a tiny Llama (sdpa vs ours; training with and without
     dropout, greedy generation) with speed-ups from their own medians and no target judged;
     sdpa_impl records why it is skipped. No assertion on speed."""
-    reason = _interpreter_unusable()
+    reason = interpreter_unusable_reason()
     if reason:
         pytest.skip(reason)
     rows = feature_rows("cpu", torch.bfloat16, ["hf", "sdpa_impl"])
@@ -258,7 +238,7 @@ def test_book_model_rows_cpu():
     recorded as such. No assertion on speed (one warm-up and one timed call per row)."""
     pytest.importorskip("llms_from_scratch", reason="llms-from-scratch is not installed "
                         "(pip install --no-deps llms-from-scratch==1.0.19)")
-    reason = _interpreter_unusable()
+    reason = interpreter_unusable_reason()
     if reason:
         pytest.skip(reason)
     threads = torch.get_num_threads()

@@ -47,7 +47,8 @@ from .call import AttentionCall, make_problem, packed_view, score_args, score_sp
 from .common import (LOG2E, block_d, dot_operand, dot_precision, interpreter_active,
                      round_for_store, widen, widen_bf16)
 from .configs import (BWD_ROW_PAD, BWD_TUNE_KEY, TMA_DKDV_DROPOUT_MAX_WIDTH, autotune_enabled,
-                      bwd_configs, launch_first_compiling, prune_bwd_configs)
+                      bwd_configs, fixed_configs, launch_first_compiling,
+                      prune_bwd_configs)
 from .score import dropout_keep, probs_from_lse, scaled_scores, score_grad
 from .tma import row_tiles, tma_capable, tma_rows_ok, tma_scratch
 from .tiles import (clamp_ranges, edge_bound, key_range, mask_key_bounds, mask_query_bounds,
@@ -575,8 +576,8 @@ def attention_backward(do, q, k, v, o, lse, call=None, *, cu_seqlens_q=None, cu_
         # Under the interpreter autotuning would time every config in Python: one fixed config.
         configs_dkdv = configs_dq = bwd_configs(interpret=True)
     else:  # KERNELS_AUTOTUNE=0: each kernel's pruned list, its first config that compiles
-        configs_dkdv = prune_bwd_configs(bwd_configs(kernel="dkdv"), {}, **dkdv_args)
-        configs_dq = prune_bwd_configs(bwd_configs(kernel="dq"), {}, **dq_args)
+        configs_dkdv = fixed_configs(bwd_configs(kernel="dkdv"), prune_bwd_configs, dkdv_args)
+        configs_dq = fixed_configs(bwd_configs(kernel="dq"), prune_bwd_configs, dq_args)
 
     for kernel, configs, grid, args in ((_bwd_dkdv, configs_dkdv, dkdv_grid, dkdv_args),
                                         (_bwd_dq, configs_dq, dq_grid, dq_args)):

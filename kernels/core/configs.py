@@ -266,11 +266,11 @@ def autotune_enabled() -> bool:
     return os.environ.get("KERNELS_AUTOTUNE", "1") != "0"
 
 
-def fixed_config(configs, prune, kernel_args):
-    """The config a launch uses without autotuning: the first of ``configs`` that ``prune``
-    (an ``early_config_prune`` hook) keeps for these keyword arguments of the kernel (the next
-    kept one where it does not compile: ``launch_first_compiling``)."""
-    return prune(configs, {}, **kernel_args)[0]
+def fixed_configs(configs, prune, kernel_args):
+    """The configs a launch may use without autotuning, in order: those of ``configs`` that
+    ``prune`` (an ``early_config_prune`` hook) keeps for these keyword arguments of the kernel.
+    The launch takes the first that compiles (``launch_first_compiling``)."""
+    return prune(configs, {}, **kernel_args)
 
 
 # What a config's compilation or loading may raise; the autotuner skips such a config, and so

@@ -16,8 +16,8 @@ from .call import (AttentionCall, SplitArgs, make_problem, packed_view, score_ar
 from .common import (block_d, dot_operand, dot_precision, interpreter_active,
                      round_for_store, widen, widen_bf16)
 from .configs import (FWD_TUNE_KEY, PACK_GQA_MAX_Q_LEN, autotune_enabled, clamp_splits,
-                      fwd_configs, launch_first_compiling, nominal_tiles, num_splits_heuristic,
-                      prune_configs, tma_capable)
+                      fixed_configs, fwd_configs, launch_first_compiling, nominal_tiles,
+                      num_splits_heuristic, prune_configs, tma_capable)
 from .score import dropout_keep, finish_rows, mask_scores, online_softmax, scaled_scores
 from .tiles import (clamp_ranges, edge_bound, key_range, mask_key_bounds, program_ids,
                     seq_bounds)
@@ -353,7 +353,7 @@ def attention_forward(q, k, v, call=None, *, cu_seqlens_q=None, cu_seqlens_k=Non
                 # Autotuning in the interpreter would time every config in Python: one config.
                 configs = fwd_configs(interpret=True)
             else:   # KERNELS_AUTOTUNE=0: the pruned list's first config that compiles
-                configs = prune_configs(fwd_configs(), {}, **args)
+                configs = fixed_configs(fwd_configs(), prune_configs, args)
             launch_first_compiling(_attn_fwd, grid, args, configs)
     if num_splits > 1:
         combine_splits(split.o_part, split.lse_part, o4, lse, call.mods.sinks)

@@ -10,7 +10,7 @@ import torch
 from helpers import GRAD_FACTOR, assert_parity, randn
 
 import reference
-from kernels.core.configs import bwd_configs, fixed_config, fwd_configs, prune_configs
+from kernels.core.configs import bwd_configs, fixed_configs, fwd_configs, prune_configs
 from kernels.core.backward import attention_backward
 from kernels.core.forward import attention_forward
 
@@ -76,7 +76,7 @@ def test_fixed_config_fits_shared_memory(d):
     from kernels.core.common import block_d
     from kernels.core.configs import HOPPER, smem_bytes
     q = torch.empty(1, dtype=torch.bfloat16)
-    cfg = fixed_config(fwd_configs(), prune_configs, {"Q": q, "BLOCK_D": block_d(d)})
+    cfg = fixed_configs(fwd_configs(), prune_configs, {"Q": q, "BLOCK_D": block_d(d)})[0]
     assert smem_bytes(cfg, block_d(d), 2) <= HOPPER.fwd_smem_cap
     if d <= 128:
         assert cfg is fwd_configs()[0] or cfg.kwargs == fwd_configs()[0].kwargs
