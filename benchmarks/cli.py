@@ -85,107 +85,165 @@ def _dtype_name(text):
             f"unknown dtype {text!r}; use one of {', '.join(sorted(DTYPE_ALIASES))}") from None
 
 
+def _number(kind, low, low_ok=True, high=None):
+    """An argparse ``type=`` that parses ``kind`` (int or float) and checks ``low <= x`` (or
+    ``low < x`` when not ``low_ok``) and ``x < high``: a bad value becomes argparse's one-line
+    error naming the flag, instead of a traceback deep in the run (``--seq-lens 0`` was a
+    ZeroDivisionError)."""
+    name = "an integer" if kind is int else "a number"
+    bound = (f">= {low}" if low_ok else f"> {low}") + (f" and < {high}" if high else "")
+
+    def parse(text):
+        try:
+            x = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {name} {bound}, got {text!r}") from None
+        if x != x or (x < low if low_ok else x <= low) or (high is not None and x >= high):
+            raise argparse.ArgumentTypeError(f"expected {name} {bound}, got {text!r}")
+        return x
+    parse.__name__ = kind.__name__  # what argparse names in its own messages
+    return parse
+
+
+_POSITIVE_INT = _number(int, 1)
+_COUNT = _number(int, 0)             # 0 has a meaning (none / PyTorch's default / no limit)
+_POSITIVE_FLOAT = _number(float, 0.0, low_ok=False)
+_SECONDS = _number(float, 0.0)
+_PROBABILITY = _number(float, 0.0, high=1.0)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (argparse prints the whole ~20-line usage first)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a default only where there is one to show: options whose default depends on the
+    device say it in their help (from DEFAULTS), switches have none."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False) or "default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _per_device(key):
+    """``key``'s defaults as help text: GPU, GPU --quick, CPU, CPU --quick."""
+    def show(v):
+        return " ".join(map(str, v)) if isinstance(v, list) else str(v)
+    d = DEFAULTS
+    return (f"default: GPU {show(d['cuda'][key])} (--quick {show(d['cuda_quick'][key])}); "
+            f"CPU {show(d['cpu'][key])} (--quick {show(d['cpu_quick'][key])})")
+
+
 def build_parser():
-    """The argparse parser (every sweep dimension can be chosen)."""
+    """The argparse parser (every sweep dimension can be chosen). Options come in groups, each
+    a screen or less of ``--help``; every numeric option is checked as it is parsed."""
     from .book_models import FAMILIES as BOOK_FAMILIES
     from .features import FEATURES
     from .flops import MODES
     from .providers import ALL_PROVIDERS
 
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks",
-        description="Parity check + benchmark of kernels.attention against PyTorch attention "
-                    "implementations. Defaults depend on the device (GPU: full sweep within "
-                    "--time-budget; CPU: ours as CPU tensors run it, the PyTorch fallback, vs "
-                    "SDPA and the reference, with peak memory; Triton's interpreter only with "
-                    "--interpreter).")
-    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
-                   help="cuda if available (auto), or force the CPU path")
-    p.add_argument("--interpreter", action="store_true",
-                   help="CPU: also run our Triton kernel in Triton's interpreter (1,000-4,000x "
-                        "slower than PyTorch): its parity check, rows 'kernels (Triton "
-                        "interpreter)' checked against the fallback at a tiny shape, and the "
-                        "feature rows (about 50 s more on 2 cores)")
-    p.add_argument("--quick", action="store_true", help="a small sweep (a quick look / smoke)")
-    p.add_argument("--seq-lens", type=int, nargs="+", help="sequence lengths (q_len = k_len)")
-    p.add_argument("--modes", nargs="+", choices=list(MODES))
-    p.add_argument("--dtypes", type=_dtype_name, nargs="+", help="bf16, fp16, fp32")
-    p.add_argument("--head-dims", type=int, nargs="+")
-    p.add_argument("--dropout", type=float, nargs="+", help="dropout probabilities")
-    p.add_argument("--providers", nargs="+", choices=list(ALL_PROVIDERS),
-                   help="default: GPU all but kernels_interpreter; CPU kernels (the PyTorch "
-                        "fallback), reference, sdpa_math, sdpa_flash (torch.compile ones run on "
-                        "CPU only when named here)")
-    p.add_argument("--tokens", type=int, help="batch*seq_len per point (batch >= 1)")
-    p.add_argument("--hidden", type=int, help="heads*head_dim per point")
-    p.add_argument("--quadratic-max-seq", type=int,
-                   help="largest seq_len for providers that store seq^2 scores (reference, "
-                        "reference_compiled, sdpa_math)")
-    p.add_argument("--time-budget", type=float,
-                   help="seconds for the whole run; points not started by then are recorded "
-                        "as 'skipped: time budget' (0 = no limit)")
-    p.add_argument("--warmup-ms", type=float, default=10.0, help="do_bench warm-up time (GPU)")
-    p.add_argument("--rep-ms", type=float, default=50.0, help="do_bench repetition time (GPU)")
-    p.add_argument("--cpu-reps", type=int, default=3, help="most timed runs per row on CPU")
-    p.add_argument("--cpu-max-s", type=float, default=1.0,
-                   help="on CPU, no further timed run of a row starts this many seconds after "
-                        "its warm-up call began (at least one timed run)")
-    p.add_argument("--cpu-threads", type=int, default=1,
-                   help="on CPU, PyTorch's intra-op threads (torch.set_num_threads); 1 keeps "
-                        "the timings of these tiny shapes steady on a busy machine (0 = "
-                        "PyTorch's default)")
-    p.add_argument("--out-dir", default=DEFAULT_OUT, help="where JSON/CSV/PNG go")
-    p.add_argument("--no-plots", action="store_true")
-    p.add_argument("--no-modules", action="store_true",
-                   help="skip the MultiHeadAttention and GPT training-step benchmarks")
-    p.add_argument("--no-sweep", action="store_true", help="skip the attention sweep")
-    p.add_argument("--features", nargs="+", choices=list(FEATURES),
-                   help="feature rows to run (default: all; on CPU none, or with --interpreter "
-                        "all but hf, in Triton's interpreter): gqa = "
-                        "grouped-query heads vs MHA and SDPA enable_gqa, window = sliding "
-                        "window vs full causal, chunk = chunked attention (Llama 4) vs full "
-                        "causal and vs the chunks as a batch, varlen = "
-                        "packed sequences vs the dense kernel on the same tokens, mla = q/k "
-                        "head dim 192 with v 128 vs v padded to 192 and SDPA, decode = one "
-                        "query token against KV caches of 1k-128k keys, split-KV vs unsplit vs "
-                        "SDPA, in GB/s of K and V read, hf = a transformers Llama model's "
-                        "training step and generation, attn_implementation sdpa vs "
-                        "triton_fused, sdpa_impl = F.scaled_dot_product_attention's flash "
-                        "backend, PyTorch's vs ours (CUDA only)")
-    p.add_argument("--no-features", action="store_true", help="skip the feature rows")
-    p.add_argument("--book-models", nargs="*", choices=list(BOOK_FAMILIES), metavar="FAMILY",
-                   help="also run the book-model rows (opt-in; no FAMILY = all of "
-                        f"{', '.join(BOOK_FAMILIES)}): llms-from-scratch's models as they are "
-                        "vs kernels.fuse_attention, greedy generation tokens/s (GPU: batch 1 "
-                        "and 8, prompt 512, 256 new tokens) and a training step (GPU: seq "
-                        "2048), Qwen 3 0.6B / Llama 3.2 1B / GPT-2 124M shapes, random weights")
-    p.add_argument("--book-layers", type=int,
-                   help="layers of the book models (default: each config's own; fewer for a "
-                        "shorter run, recorded on the rows)")
-    p.add_argument("--fallback-row", action="store_true",
-                   help="also measure the PyTorch fallback for CPU tensors (TRITON_INTERPRET "
-                        "off) vs SDPA at batch 1, 2 heads, head_dim 64, fp32: time and peak "
-                        "memory, in fresh processes (about 2 minutes on 2 cores; runs last, "
-                        "not cut by --time-budget)")
-    p.add_argument("--fallback-seq", type=int, default=16384,
-                   help="seq_len of --fallback-row")
-    p.add_argument("--fallback-dropout", action="store_true",
-                   help="also measure the PyTorch fallback with dropout 0.1 vs SDPA with "
-                        "dropout 0.1 (batch 1, 8 heads, head_dim 64, fp32, fwd_bwd) at "
-                        "--fallback-dropout-seqs on 1 and 2 threads, 5 timed calls each, and "
-                        "peak memory without dropout at seq 8192 (issue 22), in fresh "
-                        "processes; 20-30 min on 2 cores, SDPA needs ~9 GB at 8k; runs last")
-    p.add_argument("--fallback-dropout-seqs", type=int, nargs="+", default=[1024, 4096, 8192],
-                   help="seq_lens of --fallback-dropout")
-    p.add_argument("--fallback-threads", type=int, nargs="+", default=[1, 2],
-                   help="PyTorch thread counts of --fallback-dropout")
-    p.add_argument("--fallback-memory-seq", type=int, default=8192,
-                   help="seq_len of --fallback-dropout's memory rows without dropout (0: none)")
-    p.add_argument("--skip-parity", action="store_true", help="do not run the parity check")
-    p.add_argument("--table-metric", choices=["tflops", "ms"],
-                   help="what the terminal table shows (default: tflops on GPU, ms on CPU)")
-    p.add_argument("--strict", action="store_true",
-                   help="exit with status 2 when any row has status 'error: ...'")
+    p = _Parser(
+        prog="python -m benchmarks", formatter_class=_Help,
+        description="Parity check, then a benchmark of kernels.attention against PyTorch's "
+                    "attention. GPU: the full sweep within --time-budget. CPU: ours as CPU "
+                    "tensors run it (the PyTorch fallback) vs SDPA and the book's reference, "
+                    "with peak memory; these CPU figures say nothing about GPU speed.")
+    run = p.add_argument_group("what to run")
+    run.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+                     help="auto: cuda if available")
+    run.add_argument("--quick", action="store_true", help="a small sweep (a quick look)")
+    run.add_argument("--skip-parity", action="store_true", help="do not run the parity check")
+    run.add_argument("--no-modules", action="store_true",
+                     help="skip the MultiHeadAttention and GPT training-step rows")
+    run.add_argument("--no-sweep", action="store_true", help="skip the attention sweep")
+    run.add_argument("--features", nargs="+", choices=list(FEATURES), metavar="FEATURE",
+                     help=f"feature rows to run, of {', '.join(FEATURES)} (default: all on "
+                          "GPU; none on CPU unless --interpreter); benchmarks/README.md says "
+                          "what each compares")
+    run.add_argument("--no-features", action="store_true", help="skip the feature rows")
+    run.add_argument("--interpreter", action="store_true",
+                     help="CPU: also run our Triton kernel in Triton's interpreter (1,000-4,000x "
+                          "slower than PyTorch) at a tiny shape, checked against the fallback")
+    run.add_argument("--strict", action="store_true",
+                     help="exit with status 2 when any row has status 'error: ...'")
+
+    sweep = p.add_argument_group("sweep dimensions (defaults depend on the device)")
+    sweep.add_argument("--seq-lens", type=_POSITIVE_INT, nargs="+", metavar="N",
+                       help="sequence lengths, q_len = k_len; " + _per_device("seq_lens"))
+    sweep.add_argument("--modes", nargs="+", choices=list(MODES),
+                       help="default: all of " + ", ".join(MODES))
+    sweep.add_argument("--dtypes", type=_dtype_name, nargs="+", metavar="DTYPE",
+                       help="bf16, fp16, fp32; " + _per_device("dtypes"))
+    sweep.add_argument("--head-dims", type=_POSITIVE_INT, nargs="+", metavar="D",
+                       help=_per_device("head_dims"))
+    sweep.add_argument("--dropout", type=_PROBABILITY, nargs="+", metavar="P",
+                       help="dropout probabilities in [0, 1); " + _per_device("dropout"))
+    sweep.add_argument("--providers", nargs="+", choices=list(ALL_PROVIDERS), metavar="NAME",
+                       help=f"of {', '.join(ALL_PROVIDERS)} (default: GPU all but "
+                            "kernels_interpreter; CPU kernels, reference, sdpa_math, "
+                            "sdpa_flash)")
+    sweep.add_argument("--tokens", type=_POSITIVE_INT,
+                       help="batch * seq_len per point (batch >= 1); " + _per_device("tokens"))
+    sweep.add_argument("--hidden", type=_POSITIVE_INT,
+                       help="heads * head_dim per point; " + _per_device("hidden"))
+    sweep.add_argument("--quadratic-max-seq", type=_POSITIVE_INT, metavar="N",
+                       help="largest seq_len for the providers that store seq^2 scores "
+                            "(reference, reference_compiled, sdpa_math); default: GPU 8192, "
+                            "CPU no limit")
+    sweep.add_argument("--time-budget", type=_SECONDS, metavar="S",
+                       help="seconds for the whole run, 0 = no limit; points not started by "
+                            "then are recorded as 'skipped: time budget'; "
+                            + _per_device("time_budget"))
+
+    timing = p.add_argument_group("timing")
+    timing.add_argument("--warmup-ms", type=_POSITIVE_FLOAT, default=10.0,
+                        help="do_bench warm-up time (GPU)")
+    timing.add_argument("--rep-ms", type=_POSITIVE_FLOAT, default=50.0,
+                        help="do_bench repetition time (GPU)")
+    timing.add_argument("--cpu-reps", type=_POSITIVE_INT, default=3,
+                        help="most timed runs per row on CPU")
+    timing.add_argument("--cpu-max-s", type=_SECONDS, default=1.0,
+                        help="CPU: no timed run of a row starts this many seconds after its "
+                             "warm-up call began (at least one runs)")
+    timing.add_argument("--cpu-threads", type=_COUNT, default=1,
+                        help="CPU: PyTorch's intra-op threads, 0 = PyTorch's default (1 keeps "
+                             "small shapes steady on a busy machine)")
+
+    out = p.add_argument_group("output")
+    out.add_argument("--out-dir", default=DEFAULT_OUT, help="where JSON/CSV/PNG go")
+    out.add_argument("--no-plots", action="store_true", help="no PNG plots")
+    out.add_argument("--table-metric", choices=["tflops", "ms"],
+                     help="what the terminal table shows (default: tflops on GPU, ms on CPU)")
+
+    extra = p.add_argument_group("extra rows, opt-in (run after the sweep's budget is decided)")
+    extra.add_argument("--book-models", nargs="*", choices=list(BOOK_FAMILIES),
+                       metavar="FAMILY",
+                       help="llms-from-scratch's models as they are vs kernels.fuse_attention: "
+                            "generation tokens/s and a training step, random weights (default: "
+                            f"not run; no FAMILY = all of {', '.join(BOOK_FAMILIES)})")
+    extra.add_argument("--book-layers", type=_POSITIVE_INT, metavar="N",
+                       help="layers of the book models (default: each config's own)")
+    extra.add_argument("--fallback-row", action="store_true",
+                       help="the PyTorch fallback for CPU tensors vs SDPA, batch 1, 2 heads, "
+                            "head_dim 64, fp32: time and peak memory in fresh processes "
+                            "(about 2 min on 2 cores)")
+    extra.add_argument("--fallback-seq", type=_POSITIVE_INT, default=16384, metavar="N",
+                       help="seq_len of --fallback-row")
+    extra.add_argument("--fallback-dropout", action="store_true",
+                       help="the fallback with dropout 0.1 vs SDPA with dropout 0.1 (batch 1, "
+                            "8 heads, head_dim 64, fp32, fwd_bwd) on 1 and 2 threads, and peak "
+                            "memory without dropout; 20-30 min on 2 cores")
+    extra.add_argument("--fallback-dropout-seqs", type=_POSITIVE_INT, nargs="+",
+                       default=[1024, 4096, 8192], metavar="N",
+                       help="seq_lens of --fallback-dropout")
+    extra.add_argument("--fallback-threads", type=_POSITIVE_INT, nargs="+", default=[1, 2],
+                       metavar="T", help="PyTorch thread counts of --fallback-dropout")
+    extra.add_argument("--fallback-memory-seq", type=_COUNT, default=8192, metavar="N",
+                       help="seq_len of --fallback-dropout's memory rows, 0 = none")
     return p
 
 

@@ -19,7 +19,9 @@ else:
 import pytest  # noqa: E402
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects: the quick marks must be on by then
 def pytest_collection_modifyitems(config, items):
+    _mark_quick(config, items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device; this machine has none "
@@ -33,3 +35,100 @@ def pytest_collection_modifyitems(config, items):
 def _seed_every_test(request):
     """Each test gets its own fixed seed (from its id): fresh inputs per test, reproducible runs."""
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+# --------------------------------------------------------------------------------------------
+# `pytest -m quick`: one small test per route, the README's test command (a few minutes on 2
+# cores). `pytest` alone runs the full suite, which is what CI (.ci/run) runs on both stacks.
+# Each route names the tests that cover it; on a machine without a package the route's tests
+# are skipped by their own checks, as in the full suite.
+# --------------------------------------------------------------------------------------------
+QUICK = {
+    "dense forward (fp32, fp16, bf16; causal and not; q_len != k_len)": [
+        "tests/core/test_forward.py::test_forward_parity[2-3-17-17-32-True-torch.float16]",
+        "tests/core/test_forward.py::test_forward_parity[1-2-64-64-64-True-torch.bfloat16]",
+        "tests/core/test_forward.py::test_forward_parity[1-1-97-200-16-False-torch.float32]",
+        "tests/core/test_forward.py::test_bad_input",
+    ],
+    "backward": [
+        "tests/core/test_backward.py::test_backward_parity[2x2-q17-k17-d40-causal-float16]",
+        "tests/core/test_backward.py::test_backward_parity[1x2-q64-k17-d64-full-float32]",
+    ],
+    "dropout (the Philox mask, forward and backward)": [
+        "tests/core/test_dropout_mask.py::test_philox_matches_triton_randint4x",
+        "tests/core/test_forward.py::test_dropout_parity[33-70-True-torch.float32]",
+        "tests/core/test_backward.py::test_dropout_parity[f32-causal]",
+    ],
+    "grouped-query heads, sliding window, packed sequences (varlen)": [
+        "tests/core/test_gqa_window_varlen.py::test_gqa_parity[4-4-17-17-float16]",
+        "tests/core/test_gqa_window_varlen.py::test_window_parity[1-2-2-40-40-float32]",
+        "tests/core/test_gqa_window_varlen.py::test_varlen_parity[other-causal-gqa]",
+        "tests/core/test_gqa_window_varlen.py::test_varlen_dropout",
+    ],
+    "KV cache and split-KV": [
+        "tests/core/test_kvcache.py::test_kvcache_parity_and_append[4-4-2-7-True-True-2-float32]",
+        "tests/core/test_kvcache.py::test_split_kv_parity[1-17-2-2-float32]",
+    ],
+    "mods (softcap, ALiBi, score/mask mods, sinks, chunks)": [
+        "tests/core/test_mods.py::test_feature_parity[everything]",
+    ],
+    "CPU fallback (PyTorch path, same semantics and dropout mask)": [
+        "tests/core/test_forward.py::test_cpu_fallback_same_semantics",
+        "tests/core/test_forward.py::test_cpu_fallback_gradients[13-21-True-0.3]",
+        "tests/core/test_fallback.py::test_fallback_parity[causal-rect]",
+        "tests/core/test_fallback_mods.py::test_dense[one-block-everything-chunk]",
+        "tests/core/test_fallback_mods.py::test_dropout[one-block-sinks]",
+        "tests/core/test_fallback_mods.py::test_packed[one-block]",
+        "tests/core/test_fallback_mods.py::test_kvcache[one-block-append]",
+        "tests/core/test_fallback_philox.py::test_fallback_mask_is_the_kernels[1-gqa-causal]",
+        "tests/core/test_layouts_property.py::test_module_fallback",
+    ],
+    "structure and the oracle": [
+        "tests/core/test_structure.py::test_product_never_imports_the_oracles",
+        "tests/test_reference.py::test_matches_book_multi_head_attention",
+    ],
+    "the book's modules, fuse_attention, LoRA": [
+        "tests/integrations/test_modules.py::test_forward_backward_parity[mha-torch.float32]",
+        "tests/integrations/test_modules.py::test_training_dropout_gradients",
+        "tests/integrations/test_fuse.py::test_fuse_gpt_swaps_every_block_and_keeps_parameters",
+        "tests/integrations/test_lora.py::"
+        "test_lora_model_fused_trains_like_the_unfused[gpt-float32-lora_then_fuse]",
+    ],
+    "the book's companion package (llms-from-scratch)": [
+        "tests/integrations/test_book_models.py::"
+        "test_twin_matches_package_class[qwen3-torch.float32]",
+    ],
+    "transformers": [
+        "tests/integrations/test_hf.py::test_logits_match_eager[llama]",
+        "tests/integrations/test_hf.py::test_training_step_gradients_match_eager[gpt2]",
+    ],
+    "SDPA registration and context parallelism": [
+        "tests/integrations/test_sdpa.py::test_sdpa_op_forward_backward[causal]",
+        "tests/integrations/test_distributed.py::"
+        "test_ring_matches_single_device[w2-zigzag-causal-fp32]",
+    ],
+    "the benchmark CLI's argument errors": [
+        "tests/test_benchmarks_smoke.py::test_cli_rejects_bad_values",
+    ],
+}
+QUICK_IDS = {node for nodes in QUICK.values() for node in nodes}
+
+
+def _mark_quick(config, items):
+    """Mark the QUICK tests ``quick`` (a bare function name marks all its parametrizations);
+    with ``-m quick``, a listed id that its collected file does not have is an error (a renamed
+    test would silently drop its route from the quick run)."""
+    quick = pytest.mark.quick
+    seen, files = set(), set()
+    for item in items:
+        files.add(item.nodeid.split("::")[0])
+        base = item.nodeid.split("[")[0]
+        for node in (item.nodeid, base):
+            if node in QUICK_IDS:
+                item.add_marker(quick)
+                seen.add(node)
+    if "quick" in (config.getoption("markexpr") or ""):
+        missing = sorted(n for n in QUICK_IDS - seen if n.split("::")[0] in files)
+        if missing:
+            raise pytest.UsageError("tests/conftest.py QUICK names tests that were not "
+                                    "collected (renamed or removed?): " + ", ".join(missing))

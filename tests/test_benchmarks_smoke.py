@@ -975,3 +975,49 @@ def test_cpu_outputs_are_gitignored():
     gpu = "2026-11-22-nvidia-h100-80gb-hbm3"
     names = [gpu + ".json", gpu + ".csv"] + plot_filenames(gpu, modes, memory=True)
     assert not any(ignored(n) for n in names), [n for n in names if ignored(n)]
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--seq-lens", "0"], "--seq-lens"),               # was a ZeroDivisionError deep in the run
+    (["--seq-lens", "128", "-5"], "--seq-lens"),
+    (["--head-dims", "0"], "--head-dims"),
+    (["--tokens", "-1"], "--tokens"),
+    (["--dropout", "1.0"], "--dropout"),
+    (["--dropout", "-0.1"], "--dropout"),
+    (["--cpu-reps", "0"], "--cpu-reps"),
+    (["--cpu-threads", "-1"], "--cpu-threads"),
+    (["--time-budget", "nan"], "--time-budget"),
+    (["--warmup-ms", "0"], "--warmup-ms"),
+    (["--fallback-seq", "x"], "--fallback-seq"),
+    (["--providers", "nope"], "--providers"),
+    (["--dtypes", "int8"], "--dtypes"),
+])
+def test_cli_rejects_bad_values(argv, flag, capsys):
+    """Every bad value is one line on stderr naming its flag, exit status 2, before anything
+    runs (argparse's ``type=`` checks; the parser prints no usage block)."""
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert f"argument {flag}" in err and "error" in err
+
+
+def test_cli_help_shows_defaults_and_no_issue_numbers():
+    """``--help``: defaults shown (fixed ones by argparse, per-device ones in the help text),
+    options in groups of a screen or less, no issue numbers."""
+    text = build_parser().format_help()
+    assert "(default: 16384)" in text and "default: GPU 128 256" in text
+    assert "issue" not in text.lower()
+    groups = text.split("\n\n")
+    assert max(len(g.splitlines()) for g in groups) <= 45
+    # Every option with a value says its default (fixed, or per device in its help).
+    parser = build_parser()
+    formatter = parser.formatter_class(parser.prog)
+    for action in parser._actions:
+        if action.nargs != 0 and action.option_strings:
+            assert "default" in formatter._get_help_string(action), action.option_strings
+    # Good values still parse.
+    args = build_parser().parse_args(["--seq-lens", "64", "--dropout", "0", "0.5",
+                                      "--time-budget", "0", "--cpu-threads", "0"])
+    assert args.seq_lens == [64] and args.dropout == [0.0, 0.5] and args.time_budget == 0.0
