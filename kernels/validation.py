@@ -253,12 +253,42 @@ def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_
     return tuple(maxima)
 
 
+_PAGED_LAYOUT = "(num_blocks, page_size, heads_kv, head_dim) (paged: block_table is given)"
+
+
+def check_block_table(block_table, q, k_cache):
+    """A paged cache's block_table: int32 (batch, max_blocks) on q's device, and caches in the
+    paged layout; returns (batch, heads_kv, capacity = max_blocks * page_size, head_dim)."""
+    if not isinstance(block_table, torch.Tensor):
+        raise TypeError(f"block_table must be a torch.Tensor, got {type(block_table).__name__}")
+    if block_table.dtype != torch.int32 or block_table.dim() != 2 or \
+            block_table.shape[0] != q.shape[0]:
+        raise ValueError(f"block_table must be int32 (batch, max_blocks) with q's batch "
+                         f"{q.shape[0]}, got {block_table.dtype} {tuple(block_table.shape)}")
+    if block_table.device != q.device:
+        raise ValueError(f"block_table must be on q's device {q.device}, got "
+                         f"{block_table.device}")
+    num_blocks, page_size, heads_kv, D = k_cache.shape
+    if num_blocks == 0 or page_size == 0:
+        raise ValueError(f"k_cache with block_table must be {_PAGED_LAYOUT} with at least one "
+                         f"page of at least one row, got {tuple(k_cache.shape)}")
+    heads_q = q.shape[1]
+    if (heads_kv == 0 and heads_q != 0) or (heads_kv != 0 and heads_q % heads_kv != 0):
+        raise ValueError(f"k_cache with block_table must be {_PAGED_LAYOUT}: q's heads "
+                         f"({heads_q}, q {tuple(q.shape)}) must be a multiple of its heads_kv "
+                         f"(dim 2), got k_cache {tuple(k_cache.shape)} (a dense (batch, "
+                         f"heads_kv, max_len, head_dim) cache takes no block_table)")
+    return q.shape[0], heads_kv, block_table.shape[1] * page_size, D
+
+
 def check_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, window,
-                   num_splits):
+                  num_splits, block_table=None):
     """Validation of ``attention_with_kvcache``; returns causal as a bool."""
     layout = "(batch, heads, seq, head_dim)"
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        check_tensor(name, t, 4, layout)
+    paged = block_table is not None
+    check_tensor("q", q, 4, layout)
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_tensor(name, t, 4, _PAGED_LAYOUT if paged else layout)
     if k_cache.shape[:-1] != v_cache.shape[:-1] or k_cache.dtype != v_cache.dtype:
         raise ValueError(f"k_cache and v_cache must have one shape (but for head_dim) and "
                          f"dtype, got k_cache "
@@ -268,7 +298,10 @@ def check_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scal
         raise ValueError(f"k and v must be given together (new keys and values to append), "
                          f"got k {'None' if k is None else 'a tensor'} and v "
                          f"{'None' if v is None else 'a tensor'}")
-    B, heads_kv, max_len, D = k_cache.shape
+    if paged:
+        B, heads_kv, max_len, D = check_block_table(block_table, q, k_cache)
+    else:
+        B, heads_kv, max_len, D = k_cache.shape
     q_len = q.shape[2]
     if k is not None:
         for name, t, dim in (("k", k, D), ("v", v, v_cache.shape[3])):
@@ -281,6 +314,11 @@ def check_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scal
         raise ValueError(f"q must match the caches' dtype, batch and head_dim: q "
                          f"{tuple(q.shape)} {q.dtype}, caches {tuple(k_cache.shape)} "
                          f"{k_cache.dtype}")
+    if paged:
+        # The shared checks on (batch, heads_kv, page_size, D) views of the pages.
+        num_blocks, page_size = k_cache.shape[:2]
+        k_cache, v_cache = (t.transpose(1, 2)[:1].expand(B, -1, -1, -1)
+                            for t in (k_cache, v_cache))
     causal = validate_attention(q, k_cache, v_cache, causal, 0.0, softmax_scale, None, window)
     check_num_splits(num_splits)
     if not isinstance(cache_seqlens, torch.Tensor):
@@ -300,7 +338,16 @@ def check_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scal
             raise ValueError(f"cache_seqlens must be >= 0, got {lens}")
         if any(n + new > max_len for n in lens):
             raise ValueError(f"cache_seqlens + {new} new positions must fit the cache "
-                             f"(max_len {max_len}), got cache_seqlens {lens}")
+                             f"(max_len {max_len}{' = max_blocks * page_size' if paged else ''}"
+                             f"), got cache_seqlens {lens}")
+        if paged and block_table.device.type == "cpu":
+            # The pages each row reads or writes must exist (the others are never read).
+            for b, n in enumerate(lens):
+                used = block_table[b, :-(-(n + new) // page_size)]
+                if used.numel() and (used.min() < 0 or used.max() >= num_blocks):
+                    raise ValueError(f"block_table[{b}] must hold page indices in [0, "
+                                     f"{num_blocks}) for its {n + new} positions, got "
+                                     f"{used.tolist()}")
     return causal
 
 

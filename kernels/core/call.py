@@ -125,13 +125,18 @@ class AttentionCall:
 class SeqArgs(NamedTuple):
     """Lengths of a launch (the kernels' ``seq``): dense lengths, or with packed sequences the
     longest ones (grid extents) and the cu_seqlens pointers; ``k_lens``: per-row key counts
-    (a KV cache's filled length). Pointers a variant does not read are any valid tensor."""
+    (a KV cache's filled length). Pointers a variant does not read are any valid tensor.
+    A paged KV cache (the forward's PAGED; kernels/core/paged.py): logical key position j of
+    batch entry b is row j % page_size of page block_table[b, j // page_size]."""
     group: int        # query heads per kv head
     q_len: int
     k_len: int
     cu_q: torch.Tensor
     cu_k: torch.Tensor
     k_lens: torch.Tensor
+    block_table: torch.Tensor   # int32 (B, max_blocks) page indices (read only when PAGED)
+    bt_stride: int              # block_table's row stride (its column stride is 1)
+    page_size: int              # key rows per page (1 when not paged)
 
 
 class ScoreArgs(NamedTuple):
@@ -206,11 +211,21 @@ class Problem(NamedTuple):
         sequences, whose offsets come from cu_seqlens instead."""
         return (0 if self.varlen else x.stride(0)), x.stride(1), x.stride(2)
 
-    def seq_args(self, dummy, k_lens=None) -> SeqArgs:
-        """The kernels' ``seq``; ``dummy`` stands in for pointers this launch never reads."""
+    def seq_args(self, dummy, k_lens=None, block_table=None) -> SeqArgs:
+        """The kernels' ``seq``; ``dummy`` stands in for pointers this launch never reads.
+        ``block_table``: int32 (B, max_blocks) with unit column stride, for a paged cache
+        whose k, v are viewed (num_blocks, heads_kv, page_size, D) (``paged.paged_problem``)."""
         cu_q, cu_k = (self.cu_q, self.cu_k) if self.varlen else (dummy, dummy)
+        # Constant stand-ins when not paged: no new specialization of the unpaged kernels.
+        bt_stride = 0
+        if block_table is None:
+            block_table, page_size = dummy, 1
+        else:
+            assert block_table.dtype == torch.int32 and block_table.stride(-1) == 1
+            bt_stride, page_size = block_table.stride(0), self.k.shape[2]
         return SeqArgs(group=self.group, q_len=self.q_len, k_len=self.k_len, cu_q=cu_q,
-                       cu_k=cu_k, k_lens=dummy if k_lens is None else k_lens)
+                       cu_k=cu_k, k_lens=dummy if k_lens is None else k_lens,
+                       block_table=block_table, bt_stride=bt_stride, page_size=page_size)
 
     def drop_args(self, call: AttentionCall) -> DropArgs:
         """The kernels' ``drop``: the lse layout's row ids by default; with the call's

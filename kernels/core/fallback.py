@@ -678,11 +678,15 @@ def backward(do, q, k, v, o, lse, cu_q, cu_k, call, dq, dk, dv):
     return dq, dk, dv
 
 
-def kvcache_forward(q, k_cache, v_cache, cache_seqlens, k, v, call, o):
+def kvcache_forward(q, k_cache, v_cache, cache_seqlens, k, v, call, o, block_table=None):
     """``attention_with_kvcache`` row by row: append (k, v) in place, then each row b attends
     to its first n_b cache positions as ``call`` says (its queries at positions n_b - q_len...
     on the key axis, for the causal rules and the mods' q_idx). Returns (o, lse (B, H_q,
-    q_len)); o and v_cache have v's head_dim."""
+    q_len)); o and v_cache have v's head_dim. With ``block_table``: paged caches
+    (``paged_kvcache_forward``)."""
+    if block_table is not None:
+        return paged_kvcache_forward(q, k_cache, v_cache, cache_seqlens, k, v, call, o,
+                                     block_table)
     B, H, q_len, _ = q.shape
     lens = cache_seqlens.tolist()
     if k is not None:
@@ -694,5 +698,30 @@ def kvcache_forward(q, k_cache, v_cache, cache_seqlens, k, v, call, o):
         n = n + (q_len if k is not None else 0)
         o_b, lse_b = _forward(q[b:b + 1], k_cache[b:b + 1, :, :n], v_cache[b:b + 1, :, :n],
                               None, None, call, o[b:b + 1], batch0=b)
+        lse[b:b + 1] = lse_b
+    return o, lse
+
+
+def paged_kvcache_forward(q, k_cache, v_cache, cache_seqlens, k, v, call, o, block_table):
+    """``kvcache_forward`` on paged caches (num_blocks, page_size, H_kv, D or Dv) with
+    block_table int32 (B, max_blocks) (kernels/core/paged.py): the new rows are written into
+    their pages in place, then each row's filled positions are gathered (this path's
+    simplicity over the kernels' page-by-page reads) and attended to as ``kvcache_forward``
+    does."""
+    B, H, q_len, _ = q.shape
+    page_size = k_cache.shape[1]
+    lens = cache_seqlens.tolist()
+    table = block_table.long()
+    new = q_len if k is not None else 0
+    lse = torch.empty((B, H, q_len), dtype=torch.float32, device=q.device)
+    for b, n in enumerate(lens):
+        pos = torch.arange(n + new, device=q.device)
+        pages, rows = table[b, pos // page_size], pos % page_size
+        if k is not None:
+            k_cache[pages[n:], rows[n:]] = k[b].transpose(0, 1)
+            v_cache[pages[n:], rows[n:]] = v[b].transpose(0, 1)
+        kd = k_cache[pages, rows].transpose(0, 1).unsqueeze(0)  # (1, H_kv, n + new, D)
+        vd = v_cache[pages, rows].transpose(0, 1).unsqueeze(0)
+        _, lse_b = _forward(q[b:b + 1], kd, vd, None, None, call, o[b:b + 1], batch0=b)
         lse[b:b + 1] = lse_b
     return o, lse
