@@ -209,7 +209,7 @@ def _bwd_dkdv(Q, K, V, DO, STATS, DK, DV,
                                            SPEC.edge, BLOCK_M, BLOCK_N)
     if SPEC.mask_ranges is not None:
         # The mask mod's own bound on the query rows that see these keys (kernels/core/mods.py).
-        c0, c1 = mask_query_bounds(b, start_n, diag, score, SPEC, BLOCK_M, BLOCK_N)
+        c0, c1 = mask_query_bounds(b, start_n, diag, k_len, score, SPEC, BLOCK_M, BLOCK_N)
         lo, full_lo, full_hi, hi = clamp_ranges(lo, full_lo, full_hi, hi, c0, c1)
 
     # The first query tiles run before the pipelined loop: the causal diagonal, or without a
@@ -393,7 +393,8 @@ def _bwd_dq(Q, K, V, DO, STATS, DQ,
     lo, full_lo, full_hi, hi = key_range(start_m, start_m + BLOCK_M, q_len, k_len, score.window,
                                          SPEC.causal, SPEC.edge, BLOCK_N)
     if SPEC.mask_ranges is not None:
-        c0, c1 = mask_key_bounds(b, start_m, start_m + BLOCK_M, diag, score, SPEC, BLOCK_N)
+        c0, c1 = mask_key_bounds(b, start_m, start_m + BLOCK_M, diag, k_len, score, SPEC,
+                                 BLOCK_N)
         lo, full_lo, full_hi, hi = clamp_ranges(lo, full_lo, full_hi, hi, c0, c1)
     MASKED: tl.constexpr = (True, False, True)
     q_edge = edge_bound(offs_m + diag, score.window, SPEC.edge, False)[:, None] \

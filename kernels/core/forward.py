@@ -155,7 +155,7 @@ def _attn_fwd(Q, K, V, O, LSE,
     diag = k_len - q_len
     if SPEC.mask_ranges is not None:
         # The mask mod's own bound on the keys these rows see (kernels/core/mods.py).
-        c0, c1 = mask_key_bounds(b, m_lo, m_hi, diag, score, SPEC, BLOCK_N)
+        c0, c1 = mask_key_bounds(b, m_lo, m_hi, diag, k_len, score, SPEC, BLOCK_N)
         lo, full_lo, full_hi, hi = clamp_ranges(lo, full_lo, full_hi, hi, c0, c1)
     if SPLIT:
         # Split s takes an even share of this block's key tiles; all bounds stay tile-aligned.
@@ -200,8 +200,7 @@ def _attn_fwd(Q, K, V, O, LSE,
                                        score, SPEC)
             x = mask_scores(x, b, h_tile, offs_m[:, None], offs_n[None, :], k_len, diag, q_edge,
                             score, SPEC, MASKED[RANGE])
-            p, alpha, m_i, l_i = online_softmax(x, x_scale, m_i, l_i,
-                                                MASKED[RANGE] or SPEC.mask_mod is not None)
+            p, alpha, m_i, l_i = online_softmax(x, x_scale, m_i, l_i, SPEC, MASKED[RANGE])
             acc = acc * alpha[:, None]
             if DROPOUT:
                 keep = dropout_keep(drop, drop_rows, offs_m, start_n, BLOCK_M, BLOCK_N, DROPOUT)

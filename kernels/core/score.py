@@ -6,7 +6,7 @@ works on the transposed tile and passes its indices transposed)::
 
     x, x_scale = scaled_scores(qk, ...)       base-2 scores x · x_scale: the score mods
     forward:   x = mask_scores(x, ...)        -inf where invisible (masked tiles only)
-               p, alpha, m_i, l_i = online_softmax(x, x_scale, m_i, l_i)
+               p, alpha, m_i, l_i = online_softmax(x, x_scale, m_i, l_i, SPEC, MASKED)
                ... o, lse = finish_rows(acc, m_i, l_i, ...)      the sinks join the rows here
     backward:  p = probs_from_lse(x, x_scale, lse2, ...)   exp2(x·x_scale - lse·log2 e),
                                                           0 where invisible
@@ -104,17 +104,22 @@ def mask_scores(x, b, h, rows, cols, k_len, diag, edge, score, SPEC: tl.constexp
 
 
 @triton.jit
-def online_softmax(x, x_scale, m_i, l_i, MASKED: tl.constexpr):
+def online_softmax(x, x_scale, m_i, l_i, SPEC: tl.constexpr, MASKED: tl.constexpr):
     """One step of the online softmax over the masked score tile ``x`` (BLOCK_M rows), whose
     base-2 scores are ``x · x_scale`` (``x_scale`` > 0).
 
     Returns (p, alpha, m_new, l_new): the tile's unnormalised weights ``exp2(x · x_scale -
     m_new)``, the factor ``exp2(m_i - m_new)`` that rescales what was accumulated before, and
     the updated running row max (base 2) and row sum. The row sum counts every weight: dropout
-    zeroes weights after it. MASKED: the tile may hold -inf scores.
+    zeroes weights after it. MASKED: ``mask_scores`` masked the tile (it may hold -inf).
+
+    -inf scores come from the mask, and from score mods too (a mod may mask by returning -inf,
+    as FlexAttention's do): with any mod in SPEC every tile is guarded. The plain score's
+    unmasked tiles have finite scores and compile without the guard.
     """
+    MAY_HOLD_NEG_INF: tl.constexpr = MASKED or SPEC.mask_mod is not None or len(SPEC.mods) != 0
     m_new = tl.maximum(m_i, tl.max(x, 1) * x_scale)
-    if MASKED:
+    if MAY_HOLD_NEG_INF:
         # A row that has seen no visible key yet keeps m = -inf; subtracting 0 instead of
         # -inf avoids (-inf) - (-inf) = NaN and leaves its p at exp2(-inf) = 0.
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)

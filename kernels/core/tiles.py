@@ -225,21 +225,33 @@ def clamp_ranges(lo, full_lo, full_hi, hi, c0, c1):
 
 
 @triton.jit
-def mask_key_bounds(b, m_lo, m_hi, diag, score, SPEC: tl.constexpr, BLOCK_N: tl.constexpr):
+def mask_key_bounds(b, m_lo, m_hi, diag, k_len, score, SPEC: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
     """[c0, c1) tile-aligned: the keys a mask mod's ``kv_range`` lets query rows [m_lo, m_hi)
-    see (kernels/core/mods.py); call only when ``SPEC.mask_ranges`` is set."""
+    see (kernels/core/mods.py); call only when ``SPEC.mask_ranges`` is set.
+
+    The mod's bounds are clamped to the keys [0, k_len) before any arithmetic: the contract
+    allows any superset (0, 2**31 - 1 included), and rounding such a bound up to a tile would
+    wrap int32 (then every tile was skipped: zeros). A reversed range is empty."""
     kv_lo, kv_hi = SPEC.mask_ranges[0](b, m_lo + diag, m_hi + diag, score.mask_aux)
-    c0 = (tl.maximum(kv_lo, 0) // BLOCK_N) * BLOCK_N
-    c1 = tl.cdiv(tl.maximum(kv_hi, c0), BLOCK_N) * BLOCK_N
+    kv_lo = tl.minimum(tl.maximum(kv_lo, 0), k_len).to(tl.int32)
+    kv_hi = tl.minimum(tl.maximum(kv_hi, kv_lo), k_len).to(tl.int32)
+    c0 = (kv_lo // BLOCK_N) * BLOCK_N
+    c1 = tl.cdiv(kv_hi, BLOCK_N) * BLOCK_N
     return c0, c1
 
 
 @triton.jit
-def mask_query_bounds(b, start_n, diag, score, SPEC: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr):
+def mask_query_bounds(b, start_n, diag, k_len, score, SPEC: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """[c0, c1) multiples of BLOCK_M: the query rows a mask mod's ``q_range`` says can see keys
-    [start_n, start_n + BLOCK_N); call only when ``SPEC.mask_ranges`` is set."""
+    [start_n, start_n + BLOCK_N); call only when ``SPEC.mask_ranges`` is set.
+
+    The mod's positions are clamped to the queries' [diag, k_len) (rows [0, q_len)) before
+    any arithmetic, as in ``mask_key_bounds``: int32-max or int32-min bounds cannot wrap."""
     p_lo, p_hi = SPEC.mask_ranges[1](b, start_n, start_n + BLOCK_N, score.mask_aux)
-    c0 = (tl.maximum(p_lo - diag, 0) // BLOCK_M) * BLOCK_M
-    c1 = tl.cdiv(tl.maximum(p_hi - diag, c0), BLOCK_M) * BLOCK_M
+    p_lo = tl.minimum(tl.maximum(p_lo, diag), k_len).to(tl.int32)
+    p_hi = tl.minimum(tl.maximum(p_hi, p_lo), k_len).to(tl.int32)
+    c0 = ((p_lo - diag) // BLOCK_M) * BLOCK_M
+    c1 = tl.cdiv(p_hi - diag, BLOCK_M) * BLOCK_M
     return c0, c1
