@@ -20,6 +20,7 @@ Rows (same keys as the attention sweep, plus the extras named here):
 """
 import contextlib
 import copy
+import os
 import time
 
 import torch
@@ -208,3 +209,129 @@ def gpt_rows(device, dtype, opts, deadline=float("inf"), progress=None, quick=Fa
             free_memory(device)
         rows.append(row)
     return rows
+
+
+# --------------------------------------------------------------------------------------------
+# CPU: the fused module against the book's class, one row per size (``python -m
+# benchmarks.modules``). Not a timed test: a measurement, written to benchmarks/results/.
+# --------------------------------------------------------------------------------------------
+# (batch, tokens, d_model): the book's small sizes up to GPT-2's width at 1k tokens; heads of
+# 64 as in GPT-2 (d_model // 64).
+CPU_RATIO_SIZES = ((8, 64, 128), (4, 256, 256), (2, 512, 256), (2, 1024, 768))
+CPU_RATIO_DROPOUTS = (0.0, 0.1)
+
+
+def _interleaved_ms(fns, reps, max_s):
+    """{name: [ms, ...]} of the callables ``fns`` run in turn (one warm-up each, then up to
+    ``reps`` rounds, stopping after ``max_s`` seconds): on a loaded machine both sides see the
+    same load, so their ratio holds where their absolute times do not."""
+    for fn in fns.values():
+        fn()
+    times = {name: [] for name in fns}
+    start = time.perf_counter()
+    for _ in range(reps):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - t0) * 1e3)
+        if time.perf_counter() - start > max_s:
+            break
+    return times
+
+
+def cpu_ratio_rows(sizes=CPU_RATIO_SIZES, dropouts=CPU_RATIO_DROPOUTS, reps=15, max_s=20.0,
+                   threads=1):
+    """Rows ``bench="module_cpu_ratio"``: ``reference.MultiHeadAttention`` (the book's class)
+    and ``kernels.FusedMultiHeadAttention`` with the same weights, training mode, fp32, on CPU
+    tensors with TRITON_INTERPRET unset (ours = the PyTorch fallback), x (batch, tokens,
+    d_model) requiring grad; modes ``fwd`` (the forward, recording the graph) and ``fwd_bwd``
+    (forward, ``.sum().backward()``). Per row: medians and p20/p80 of interleaved runs,
+    ``speedup`` = book ms / fused ms (>= 1: ours is at least as fast)."""
+    import statistics
+
+    import kernels
+    import reference
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("TRITON_INTERPRET=1: the fused module would run Triton's "
+                           "interpreter, not the CPU fallback; unset it")
+    torch.set_num_threads(threads)
+    rows = []
+    for batch, seq, emb in sizes:
+        heads = max(1, emb // 64)
+        for p in dropouts:
+            torch.manual_seed(0)
+            book = reference.MultiHeadAttention(emb, emb, seq, p, heads).train()
+            fused = kernels.FusedMultiHeadAttention(emb, emb, seq, p, heads).train()
+            fused.load_state_dict(book.state_dict(), strict=False)
+            x = torch.randn(batch, seq, emb, requires_grad=True)
+            for mode in ("fwd", "fwd_bwd"):
+                def call(m, mode=mode):
+                    y = m(x)
+                    if mode == "fwd_bwd":
+                        y.sum().backward()
+                times = _interleaved_ms({"book": lambda: call(book), "fused": lambda: call(fused)},
+                                        reps, max_s)
+                med = {k: statistics.median(v) for k, v in times.items()}
+                q = {k: statistics.quantiles(v, n=5) if len(v) > 1 else [v[0]] * 4
+                     for k, v in times.items()}
+                rows.append(dict(bench="module_cpu_ratio", batch=batch, seq_len=seq,
+                                 emb_dim=emb, heads=heads, dropout_p=p, mode=mode,
+                                 threads=threads, reps=len(times["book"]),
+                                 book_ms=round(med["book"], 3), fused_ms=round(med["fused"], 3),
+                                 book_p20=round(q["book"][0], 3), book_p80=round(q["book"][3], 3),
+                                 fused_p20=round(q["fused"][0], 3),
+                                 fused_p80=round(q["fused"][3], 3),
+                                 speedup=round(med["book"] / med["fused"], 3)))
+                print(f"{batch}x{seq}x{emb} heads {heads} p={p} {mode:7s}: book "
+                      f"{med['book']:8.2f} ms  fused {med['fused']:8.2f} ms  "
+                      f"{med['book'] / med['fused']:.2f}x", flush=True)
+    return rows
+
+
+def main(argv=None):
+    """``python -m benchmarks.modules``: the CPU rows above, written to
+    ``benchmarks/results/<date>-modules-cpu.json`` and ``.csv`` (git-ignored: CPU results),
+    with versions, commit and the machine's load average before and after."""
+    import argparse
+    import csv
+    import json
+
+    from .cli import DEFAULT_OUT, REPO_DIR
+    from .report import collect_meta
+
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.modules", description=main.__doc__,
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--reps", type=int, default=15, help="most timed rounds per row")
+    ap.add_argument("--max-s", type=float, default=20.0, help="seconds per row, at most")
+    ap.add_argument("--threads", type=int, default=1, help="PyTorch intra-op threads")
+    ap.add_argument("--out-dir", default=DEFAULT_OUT)
+    args = ap.parse_args(argv)
+    if args.reps < 1 or args.max_s <= 0 or args.threads < 1:
+        ap.error(f"--reps and --threads must be >= 1 and --max-s > 0; got {args.reps}, "
+                 f"{args.threads}, {args.max_s}")
+    os.environ.pop("TRITON_INTERPRET", None)
+    load_before = os.getloadavg()
+    rows = cpu_ratio_rows(reps=args.reps, max_s=args.max_s, threads=args.threads)
+    meta = collect_meta("cpu", vars(args), REPO_DIR, interpreter=False)
+    meta.update(loadavg_before=load_before, loadavg_after=os.getloadavg(),
+                cpu_count=os.cpu_count(),
+                timing="wall clock, book and fused interleaved, medians (p20/p80 beside)")
+    os.makedirs(args.out_dir, exist_ok=True)
+    stem = os.path.join(args.out_dir, f"{meta['date'][:10]}-modules-cpu")
+    with open(stem + ".json", "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    with open(stem + ".csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]) + ["commit", "torch", "date"])
+        w.writeheader()
+        for r in rows:
+            w.writerow(dict(r, commit=meta["commit"], torch=meta["torch"], date=meta["date"]))
+    print(f"wrote {stem}.json, {stem}.csv (commit {meta['commit']}, torch {meta['torch']}, "
+          f"load average {load_before[0]:.1f} -> {os.getloadavg()[0]:.1f})")
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
