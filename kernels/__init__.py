@@ -34,6 +34,7 @@ for _name, _module in (("forward", _forward), ("backward", _backward), ("book", 
     _sys.modules[f"{__name__}.{_name}"] = _module
     globals()[_name] = _module
 del _name, _module
+from . import flash_attn_interface  # noqa: E402  FlashAttention 2's API on the functions above
 
 __all__ = ["attention", "attention_varlen", "attention_with_kvcache", "ScoreMod", "MaskMod",
            "SOFTCAP", "ALIBI", "FusedCausalAttention",

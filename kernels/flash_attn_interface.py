@@ -1,0 +1,499 @@
+"""FlashAttention 2.x's Python API on our kernels: ``from kernels.flash_attn_interface import
+flash_attn_func`` is the one change a FlashAttention user makes.
+
+Every function here has FlashAttention 2's signature and semantics (flash_attn 2.x,
+``flash_attn/flash_attn_interface.py``) and is built only on the public functions
+``kernels.attention``, ``kernels.attention_varlen`` and ``kernels.attention_with_kvcache``:
+
+* FlashAttention's layout is (batch, seqlen, heads, head_dim) (packed: (total, heads,
+  head_dim)); ours is (batch, heads, seqlen, head_dim). Our functions read any strides in
+  place, so q, k, v are passed as ``.transpose(1, 2)`` views (no copy) and the output comes
+  back as the transposed view of ours, (batch, seqlen, heads, head_dim), contiguous when q was.
+* ``causal`` is bottom-right aligned in both. ``window_size=(left, right)``: query i at position
+  P = i + seqlen_k - seqlen_q sees keys j with P - left <= j <= P + right (-1: unbounded). With
+  ``causal`` (FlashAttention then ignores ``right``) it is our causal sliding window
+  ``window = left + 1``; non-causal and two-sided windows are a mask mod (``WINDOW_MASK``)
+  whose kv_range / q_range let the kernels skip the tiles outside the band.
+* ``softcap`` (0: off), ``alibi_slopes`` (FlashAttention's convention, ours too: the bias
+  ``-slope * |i + seqlen_k - seqlen_q - j|``), ``dropout_p`` map one to one. ``deterministic``
+  is accepted and changes nothing: our backward is always deterministic.
+* ``return_attn_probs=True`` returns ``(out, softmax_lse, S_dmask)`` as FlashAttention does:
+  lse (batch, heads, seqlen_q) (varlen: (heads, total_q)), and ``S_dmask`` the attention
+  probabilities (batch, heads, seqlen_q, seqlen_k) (varlen: (batch, heads, max_seqlen_q,
+  max_seqlen_k), zero outside each sequence), negative where dropout dropped the weight, as
+  FlashAttention encodes it. They are computed by a **slow path meant for tests**: the same
+  kernel run again with v = the identity (512 keys at a time), so masks, mods and the dropout
+  mask are exactly those of ``out``; FlashAttention pads the last two dims to multiples of
+  128, we do not.
+* ``flash_attn_with_kvcache``: dense caches (batch_cache, seqlen_cache, heads_k, head_dim) or,
+  with ``block_table``, paged ones (num_blocks, page_block_size, heads_k, head_dim) (any page
+  size; needs an ``attention_with_kvcache`` that takes ``block_table=``); new ``k`` / ``v``
+  (any number of new tokens) are written into the cache at ``cache_seqlens`` in place and
+  ``cache_seqlens`` is not advanced; rotary embeddings (``rotary_cos`` / ``rotary_sin``,
+  interleaved or GPT-NeoX style) are applied to q and the new k in PyTorch before the kernel;
+  ``cache_batch_idx`` selects cache rows (natively through the paged path when available, else
+  by a gathered copy of the selected rows).
+
+Not supported (``NotImplementedError`` naming the argument): ``cache_leftpad``, and
+FlashAttention 3's arguments (FP8 descales, ``qv``, ``scheduler_metadata``, ...). Errors
+FlashAttention raises (a dtype other than fp16 / bf16 -- fp32 is accepted here --, q, k, v
+dtypes or head dims that differ, heads_q not a multiple of heads_k, wrong ranks) are raised as
+the same type, RuntimeError, with our own message. Where FlashAttention is stricter than our
+kernels (head_dim > 256, softcap with dropout, batch 0, any paged block size), we accept.
+"""
+import inspect
+
+import torch
+import triton
+import triton.language as tl
+
+from .core.mods import MaskMod
+from .ops import attention, attention_varlen, attention_with_kvcache
+
+__all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
+           "flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
+           "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache", "WINDOW_MASK"]
+
+# FlashAttention 3's arguments that FlashAttention 2's API does not have and we cannot honour.
+_FA3_ONLY = ("qv", "q_descale", "k_descale", "v_descale", "scheduler_metadata",
+             "attention_chunk", "sm_margin", "pack_gqa", "sink_token_length", "rotary_seqlens",
+             "page_table", "seqused_q", "seqused_k", "cu_seqlens_k_new", "max_seqlen_q",
+             "cu_seqlens_q", "s_aux", "learnable_sink")
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Keys per identity slice of the probabilities' slow path (our head_dim_v limit).
+_PROBS_KEYS = 512
+# Window edges beyond this are unbounded (and keep kv_range / q_range arithmetic in int32).
+_WINDOW_CAP = 1 << 30
+
+
+# ---------------------------------------------------------------------------- window mask mod
+@triton.jit
+def _window_fn(b, h, q_idx, kv_idx, aux):
+    """FlashAttention's local window: q_idx - left <= kv_idx <= q_idx + right; aux[0] = int32
+    (left, right), each capped at 2**30 (= unbounded)."""
+    left = tl.load(aux[0])
+    right = tl.load(aux[0] + 1)
+    return (kv_idx >= q_idx - left) & (kv_idx <= q_idx + right)
+
+
+@triton.jit
+def _window_keys(b, q_lo, q_hi, aux):
+    return q_lo - tl.load(aux[0]), q_hi + tl.load(aux[0] + 1)
+
+
+@triton.jit
+def _window_queries(b, kv_lo, kv_hi, aux):
+    return kv_lo - tl.load(aux[0] + 1), kv_hi + tl.load(aux[0])
+
+
+def _window_torch(b, h, q_idx, kv_idx, aux):
+    left, right = aux[0].reshape(-1).tolist()
+    return (kv_idx >= q_idx - left) & (kv_idx <= q_idx + right)
+
+
+WINDOW_MASK = MaskMod("flash_attn.window", _window_fn, _window_torch, kv_range=_window_keys,
+                      q_range=_window_queries)
+
+
+def _window_args(window_size, causal, device):
+    """Our (causal, window, mask_mod, mod_aux) for FlashAttention's ``window_size`` and
+    ``causal``."""
+    try:
+        left, right = (int(x) for x in window_size)
+    except (TypeError, ValueError):
+        raise ValueError(f"window_size must be a pair (left, right) of ints (-1: unbounded), "
+                         f"got {window_size!r}") from None
+    left = _WINDOW_CAP if left < 0 else min(left, _WINDOW_CAP)
+    right = _WINDOW_CAP if right < 0 else min(right, _WINDOW_CAP)
+    if causal or right == 0:
+        # FlashAttention ignores ``right`` when causal; (left, 0) is causal with a window.
+        return True, (None if left >= _WINDOW_CAP else left + 1), None, ()
+    if left >= _WINDOW_CAP and right >= _WINDOW_CAP:
+        return False, None, None, ()
+    aux = torch.tensor([left, right], dtype=torch.int32, device=device)
+    return False, None, WINDOW_MASK, (aux,)
+
+
+# ---------------------------------------------------------------------------- validation
+def _reject_fa3(kwargs):
+    """FlashAttention 3's arguments: NotImplementedError; anything else: TypeError."""
+    for name in kwargs:
+        if name in _FA3_ONLY:
+            raise NotImplementedError(f"{name} is a FlashAttention 3 argument; "
+                                      f"kernels.flash_attn_interface implements FlashAttention "
+                                      f"2's API and does not support it")
+    if kwargs:
+        raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(kwargs))}")
+
+
+def _check(q, k, v, dims, layout):
+    """FlashAttention's checks, its exception type (RuntimeError), our messages."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != dims:
+            raise RuntimeError(f"{name} must be {dims}-D {layout}, got shape {tuple(t.shape)}")
+    if q.dtype not in _DTYPES:
+        raise RuntimeError(f"q must be float16 or bfloat16 (float32 is accepted too), got "
+                           f"{q.dtype}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise RuntimeError(f"q and {name} must have the same dtype, got {q.dtype} and "
+                               f"{t.dtype}")
+        if t.shape[-1] != q.shape[-1]:
+            raise RuntimeError(f"q and {name} must have the same head dim, got {q.shape[-1]} "
+                               f"and {t.shape[-1]}")
+    if k.shape[-2] != v.shape[-2]:
+        raise RuntimeError(f"k and v must have the same number of heads, got {k.shape[-2]} "
+                           f"and {v.shape[-2]}")
+    if k.shape[-2] == 0 or q.shape[-2] % k.shape[-2] != 0:
+        raise RuntimeError(f"the number of query heads must be a multiple of the number of "
+                           f"key/value heads, got {q.shape[-2]} and {k.shape[-2]}")
+
+
+def _softcap(softcap):
+    return None if softcap is None or softcap == 0 else float(softcap)
+
+
+def _seed(dropout_p, return_attn_probs):
+    """An explicit dropout seed when the probabilities are wanted too (the slow path must draw
+    the same mask); else None: ours draws one from PyTorch's default generator."""
+    if dropout_p > 0 and return_attn_probs:
+        return int(torch.randint(0, 2 ** 62, ()).item())
+    return None
+
+
+# ---------------------------------------------------------------------------- probabilities
+def _identity_slice(n_keys, c0, c1, dtype, device):
+    """(n_keys, c1 - c0): key j -> one-hot column j - c0 (zero rows outside [c0, c1))."""
+    cols = torch.arange(c0, c1, device=device)
+    return (torch.arange(n_keys, device=device)[:, None] == cols[None, :]).to(dtype)
+
+
+def _encode_dropped(probs, dropped_probs):
+    """FlashAttention's S_dmask: the probabilities, negated where dropout dropped them."""
+    return torch.where((dropped_probs == 0) & (probs != 0), -probs, probs)
+
+
+def _probs_dense(q, k, dropout_p, seed, kw):
+    """(batch, heads, seqlen_q, seqlen_k) attention probabilities of ``attention(q, k, ., **kw)``
+    in our layout: the kernel run on v = identity slices (the slow path)."""
+    B, Hq, Lq, _ = q.shape
+    Hk, Lk = k.shape[1], k.shape[2]
+    probs = q.new_zeros((B, Hq, Lq, Lk))
+    for c0 in range(0, Lk, _PROBS_KEYS):
+        c1 = min(Lk, c0 + _PROBS_KEYS)
+        v = _identity_slice(Lk, c0, c1, q.dtype, q.device).expand(B, Hk, Lk, c1 - c0)
+        with torch.no_grad():
+            p = attention(q, k, v, dropout_p=0.0, **kw)
+            if dropout_p > 0:
+                p = _encode_dropped(p, attention(q, k, v, dropout_p=dropout_p, seed=seed, **kw))
+        probs[..., c0:c1] = p
+    return probs
+
+
+def _probs_varlen(q, k, cu_q, cu_k, max_q, max_k, dropout_p, seed, kw):
+    """(batch, heads, max_seqlen_q, max_seqlen_k) probabilities of ``attention_varlen``, zero
+    outside each sequence (the slow path, as ``_probs_dense``)."""
+    n_seq = cu_q.numel() - 1
+    lens_q, lens_k = ((cu[1:] - cu[:-1]).long() for cu in (cu_q, cu_k))
+    seq_q = torch.repeat_interleave(torch.arange(n_seq, device=q.device), lens_q)
+    seq_k = torch.repeat_interleave(torch.arange(n_seq, device=q.device), lens_k)
+    row_q = torch.arange(q.shape[0], device=q.device) - cu_q.long()[seq_q]
+    row_k = torch.arange(k.shape[0], device=q.device) - cu_k.long()[seq_k]
+    probs = q.new_zeros((n_seq, q.shape[1], max_q, max_k))
+    for c0 in range(0, max_k, _PROBS_KEYS):
+        c1 = min(max_k, c0 + _PROBS_KEYS)
+        v = (row_k[:, None] == torch.arange(c0, c1, device=q.device)[None, :]).to(q.dtype)
+        v = v[:, None, :].expand(k.shape[0], k.shape[1], c1 - c0)
+        args = (q, k, v, cu_q, cu_k, max_q, max_k)
+        with torch.no_grad():
+            p = attention_varlen(*args, dropout_p=0.0, **kw)
+            if dropout_p > 0:
+                p = _encode_dropped(p, attention_varlen(*args, dropout_p=dropout_p, seed=seed,
+                                                        **kw))
+        probs[seq_q, :, row_q, c0:c1] = p
+    return probs
+
+
+# ---------------------------------------------------------------------------- dense
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
+                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                    return_attn_probs=False, **fa3_kwargs):
+    """FlashAttention 2's ``flash_attn_func`` on our kernels (differentiable).
+
+    Args:
+        q: (batch, seqlen_q, heads, head_dim); k, v: (batch, seqlen_k, heads_k, head_dim),
+            heads % heads_k == 0 (query head h reads kv head h // (heads / heads_k)).
+            float16 / bfloat16 (float32 too), read in place (any strides).
+        dropout_p: dropout probability (0.0 in evaluation).
+        softmax_scale: scale of q kᵀ; default 1 / sqrt(head_dim).
+        causal: bottom-right aligned causal mask.
+        window_size: (left, right), -1 = unbounded: query i sees keys
+            [i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right].
+        softcap: > 0: ``softcap * tanh(s / softcap)`` on the scaled scores; 0 = off.
+        alibi_slopes: fp32 (heads,) or (batch, heads): bias ``-slope * |i + seqlen_k -
+            seqlen_q - j|``.
+        deterministic: accepted; our backward is always deterministic.
+        return_attn_probs: also return softmax_lse and the probabilities (module docstring:
+            a slow path for tests).
+
+    Returns:
+        out (batch, seqlen_q, heads, head_dim); with ``return_attn_probs``: (out, softmax_lse
+        fp32 (batch, heads, seqlen_q), S_dmask (batch, heads, seqlen_q, seqlen_k)).
+    """
+    _reject_fa3(fa3_kwargs)
+    _check(q, k, v, 4, "(batch, seqlen, heads, head_dim)")
+    return _dense(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p,
+                  softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs)
+
+
+def _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+           return_attn_probs):
+    """The dense functions in our layout (batch, heads, seq, head_dim)."""
+    causal, window, mask_mod, mod_aux = _window_args(window_size, causal, q.device)
+    kw = dict(causal=causal, softmax_scale=softmax_scale, window=window,
+              softcap=_softcap(softcap), alibi_slopes=alibi_slopes, mask_mod=mask_mod,
+              mod_aux=mod_aux)
+    seed = _seed(dropout_p, return_attn_probs)
+    out, lse = attention(q, k, v, dropout_p=dropout_p, seed=seed, return_lse=True, **kw)
+    if not return_attn_probs:
+        return out.transpose(1, 2)
+    return out.transpose(1, 2), lse, _probs_dense(q, k, dropout_p, seed, kw)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
+                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                              deterministic=False, return_attn_probs=False, **fa3_kwargs):
+    """``flash_attn_func`` with qkv (batch, seqlen, 3, heads, head_dim) stacked (views of it
+    are passed on: the gradient lands in qkv's slices)."""
+    _reject_fa3(fa3_kwargs)
+    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 5 or qkv.shape[2] != 3:
+        raise RuntimeError(f"qkv must be (batch, seqlen, 3, heads, head_dim), got "
+                           f"{tuple(getattr(qkv, 'shape', ()))}")
+    return flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale,
+                           causal, window_size, softcap, alibi_slopes, deterministic,
+                           return_attn_probs)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
+                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                             deterministic=False, return_attn_probs=False, **fa3_kwargs):
+    """``flash_attn_func`` with kv (batch, seqlen_k, 2, heads_k, head_dim) stacked."""
+    _reject_fa3(fa3_kwargs)
+    if not isinstance(kv, torch.Tensor) or kv.dim() != 5 or kv.shape[2] != 2:
+        raise RuntimeError(f"kv must be (batch, seqlen_k, 2, heads_k, head_dim), got "
+                           f"{tuple(getattr(kv, 'shape', ()))}")
+    return flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal,
+                           window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+# ---------------------------------------------------------------------------- varlen
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                           softcap=0.0, alibi_slopes=None, deterministic=False,
+                           return_attn_probs=False, block_table=None, **fa3_kwargs):
+    """FlashAttention 2's ``flash_attn_varlen_func`` on ``kernels.attention_varlen``.
+
+    Args:
+        q: (total_q, heads, head_dim); k, v: (total_k, heads_k, head_dim): packed sequences
+            (the layout is ours too: passed as they are).
+        cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) cumulative lengths.
+        max_seqlen_q, max_seqlen_k: the longest sequences.
+        block_table: paged keys for varlen: NotImplementedError (use flash_attn_with_kvcache).
+        Others: as in ``flash_attn_func``; alibi_slopes may be (batch, heads).
+
+    Returns:
+        out (total_q, heads, head_dim); with ``return_attn_probs``: (out, softmax_lse fp32
+        (heads, total_q), S_dmask (batch, heads, max_seqlen_q, max_seqlen_k)).
+    """
+    _reject_fa3(fa3_kwargs)
+    if block_table is not None:
+        raise NotImplementedError("block_table in flash_attn_varlen_func is not supported: "
+                                  "paged caches go through flash_attn_with_kvcache")
+    _check(q, k, v, 3, "(total, heads, head_dim)")
+    causal, window, mask_mod, mod_aux = _window_args(window_size, causal, q.device)
+    kw = dict(causal=causal, softmax_scale=softmax_scale, window=window,
+              softcap=_softcap(softcap), alibi_slopes=alibi_slopes, mask_mod=mask_mod,
+              mod_aux=mod_aux)
+    seed = _seed(dropout_p, return_attn_probs)
+    out, lse = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                dropout_p=dropout_p, seed=seed, return_lse=True, **kw)
+    if not return_attn_probs:
+        return out
+    return out, lse, _probs_varlen(q, k, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                                   int(max_seqlen_k), dropout_p, seed, kw)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
+                                     softmax_scale=None, causal=False, window_size=(-1, -1),
+                                     softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False, **fa3_kwargs):
+    """``flash_attn_varlen_func`` with qkv (total, 3, heads, head_dim) stacked."""
+    _reject_fa3(fa3_kwargs)
+    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 4 or qkv.shape[1] != 3:
+        raise RuntimeError(f"qkv must be (total, 3, heads, head_dim), got "
+                           f"{tuple(getattr(qkv, 'shape', ()))}")
+    return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens,
+                                  max_seqlen, max_seqlen, dropout_p, softmax_scale, causal,
+                                  window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, dropout_p=0.0, softmax_scale=None,
+                                    causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False,
+                                    return_attn_probs=False, **fa3_kwargs):
+    """``flash_attn_varlen_func`` with kv (total_k, 2, heads_k, head_dim) stacked."""
+    _reject_fa3(fa3_kwargs)
+    if not isinstance(kv, torch.Tensor) or kv.dim() != 4 or kv.shape[1] != 2:
+        raise RuntimeError(f"kv must be (total_k, 2, heads_k, head_dim), got "
+                           f"{tuple(getattr(kv, 'shape', ()))}")
+    return flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k,
+                                  max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                                  window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs)
+
+
+# ---------------------------------------------------------------------------- KV cache
+def _paged_supported():
+    """Whether ``attention_with_kvcache`` takes ``block_table=`` (paged caches)."""
+    return "block_table" in inspect.signature(attention_with_kvcache).parameters
+
+
+def _rotate(x, cos, sin, interleaved):
+    """Rotary embedding of x (batch, seqlen, heads, head_dim) with per-token cos, sin (batch,
+    seqlen, rotary_dim / 2), in fp32, on the first rotary_dim dims (FlashAttention's
+    ``apply_rotary_emb``: pairs (0, 1), (2, 3), ... when interleaved, else (i, i + rd / 2))."""
+    rd = 2 * cos.shape[-1]
+    xr = x[..., :rd].float()
+    cos, sin = cos[:, :, None].float(), sin[:, :, None].float()
+    if interleaved:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        rot = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    else:
+        x1, x2 = xr[..., :rd // 2], xr[..., rd // 2:]
+        rot = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return torch.cat((rot.to(x.dtype), x[..., rd:]), dim=-1)
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
+                            rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
+                            cache_leftpad=None, block_table=None, softmax_scale=None,
+                            causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+                            return_softmax_lse=False, **fa3_kwargs):
+    """FlashAttention 2's ``flash_attn_with_kvcache`` on ``kernels.attention_with_kvcache``
+    (forward only, as FlashAttention's).
+
+    Args:
+        q: (batch, seqlen_q, heads, head_dim).
+        k_cache, v_cache: (batch_cache, seqlen_cache, heads_k, head_dim), or with
+            ``block_table`` paged: (num_blocks, page_block_size, heads_k, head_dim).
+        k, v: optional (batch, seqlen_new, heads_k, head_dim): written into the caches **in
+            place** at positions cache_seqlens[b] ... cache_seqlens[b] + seqlen_new - 1 (any
+            seqlen_new); attention then covers cache_seqlens[b] + seqlen_new keys.
+            ``cache_seqlens`` is not advanced (the caller does it).
+        rotary_cos, rotary_sin: optional (seqlen_ro, rotary_dim / 2) (with k, v): the new k is
+            rotated at positions cache_seqlens[b] + j; q at cache_seqlens[b] + i when causal or
+            windowed, else every query at cache_seqlens[b].
+        cache_seqlens: int or int32 (batch,): filled length of each cache row; None = the
+            whole cache (not with k, v).
+        cache_batch_idx: optional int32 (batch,): row b uses cache row cache_batch_idx[b].
+        cache_leftpad: NotImplementedError.
+        block_table: optional int32 (batch, max_blocks_per_seq): page indices of each row
+            (needs ``attention_with_kvcache(block_table=...)``; else NotImplementedError).
+        rotary_interleaved: True: rotate dims (0, 1), (2, 3), ...; False: GPT-NeoX halves.
+        num_splits: split-KV (0: heuristic, 1: none).
+        return_softmax_lse: also return lse fp32 (batch, heads, seqlen_q).
+        Others: as in ``flash_attn_func``.
+
+    Returns:
+        out (batch, seqlen_q, heads, head_dim) [, softmax_lse].
+    """
+    _reject_fa3(fa3_kwargs)
+    if cache_leftpad is not None:
+        raise NotImplementedError("cache_leftpad is not supported by kernels.flash_attn_interface "
+                                  "(left-padded caches: shift each row's keys to start at 0)")
+    paged = block_table is not None
+    if paged and not _paged_supported():
+        raise NotImplementedError("block_table (paged KV caches) needs kernels."
+                                  "attention_with_kvcache(block_table=...), which this version "
+                                  "does not have")
+    if paged and cache_batch_idx is not None:
+        raise RuntimeError("cache_batch_idx cannot be combined with block_table (a paged "
+                           "cache's rows are chosen by the block table)")
+    _check(q, k_cache, v_cache, 4, "(batch, seqlen, heads, head_dim)")
+    if (k is None) != (v is None):
+        raise RuntimeError("k and v (new keys and values) must be given together")
+    if k is not None:
+        _check(q, k, v, 4, "(batch, seqlen_new, heads_k, head_dim)")
+        if cache_seqlens is None:
+            raise RuntimeError("appending k, v needs cache_seqlens (where to write them)")
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise RuntimeError("rotary_cos and rotary_sin must be given together")
+    if rotary_cos is not None and k is None:
+        raise RuntimeError("rotary_cos / rotary_sin rotate the new keys: pass k and v too")
+    B = q.shape[0]
+    capacity = (block_table.shape[1] * k_cache.shape[1]) if paged else k_cache.shape[1]
+    if cache_seqlens is None:
+        lens = torch.full((B,), capacity, dtype=torch.int32, device=q.device)
+    elif isinstance(cache_seqlens, int):
+        lens = torch.full((B,), cache_seqlens, dtype=torch.int32, device=q.device)
+    else:
+        lens = cache_seqlens.to(device=q.device, dtype=torch.int32)
+    causal, window, mask_mod, mod_aux = _window_args(window_size, causal, q.device)
+
+    if rotary_cos is not None:
+        pos_k = lens.long()[:, None] + torch.arange(k.shape[1], device=q.device)
+        k = _rotate(k, rotary_cos[pos_k], rotary_sin[pos_k], rotary_interleaved)
+        if causal or window is not None or mask_mod is not None:
+            pos_q = lens.long()[:, None] + torch.arange(q.shape[1], device=q.device)
+        else:
+            pos_q = lens.long()[:, None].expand(B, q.shape[1])
+        q = _rotate(q, rotary_cos[pos_q], rotary_sin[pos_q], rotary_interleaved)
+
+    if cache_batch_idx is not None and _paged_supported():
+        # A dense cache is a paged one whose pages are whole rows: row b's only page is
+        # cache_batch_idx[b] -- read and written in place, no gathered copy.
+        block_table = cache_batch_idx.to(device=q.device, dtype=torch.int32).view(B, 1)
+        paged, cache_batch_idx = True, None
+    kc, vc = (k_cache, v_cache) if paged else (k_cache.transpose(1, 2), v_cache.transpose(1, 2))
+    extra = dict(block_table=block_table) if paged else {}
+    new_k = new_v = None
+    if k is not None:
+        if k.shape[1] == q.shape[1] and cache_batch_idx is None:
+            new_k, new_v = k.transpose(1, 2), v.transpose(1, 2)   # our kernel appends them
+        else:
+            _append(k_cache, v_cache, k, v, lens, cache_batch_idx, block_table)
+            lens = lens + k.shape[1]
+    if cache_batch_idx is not None:
+        # No paged path: the selected rows are gathered (a copy; the appends went in above).
+        idx = cache_batch_idx.to(device=q.device, dtype=torch.long)
+        kc, vc = kc[idx], vc[idx]
+    out, lse = attention_with_kvcache(q.transpose(1, 2), kc, vc, lens, new_k, new_v,
+                                      causal=causal, softmax_scale=softmax_scale, window=window,
+                                      num_splits=num_splits, return_lse=True,
+                                      softcap=_softcap(softcap), alibi_slopes=alibi_slopes,
+                                      mask_mod=mask_mod, mod_aux=mod_aux, **extra)
+    out = out.transpose(1, 2)
+    return (out, lse) if return_softmax_lse else out
+
+
+def _append(k_cache, v_cache, k, v, lens, cache_batch_idx, block_table):
+    """Write k, v (batch, n_new, heads_k, head_dim) into the caches in place at positions
+    lens[b] ... lens[b] + n_new - 1 of row b (cache row cache_batch_idx[b], or the pages of
+    block_table[b])."""
+    B, n_new = k.shape[:2]
+    pos = lens.long()[:, None] + torch.arange(n_new, device=k.device)     # (B, n_new)
+    if block_table is not None:
+        page_size = k_cache.shape[1]
+        rows = block_table.long().gather(1, pos // page_size)
+        pos = pos % page_size
+    elif cache_batch_idx is not None:
+        rows = cache_batch_idx.long()[:, None].expand(B, n_new)
+    else:
+        rows = torch.arange(B, device=k.device)[:, None].expand(B, n_new)
+    k_cache[rows, pos] = k.to(k_cache.dtype)
+    v_cache[rows, pos] = v.to(v_cache.dtype)

@@ -1,0 +1,484 @@
+"""kernels.flash_attn_interface: FlashAttention 2's functions on our kernels, each against the
+float64 oracle (reference/) with the parity rule of tests/helpers.py, in FlashAttention's
+(batch, seqlen, heads, head_dim) layout.
+
+The oracle's masks for FlashAttention's ``window_size`` are written here from FlashAttention's
+documented rule (query i sees keys [i + sk - sq - left, i + sk - sq + right]), the rotary
+embedding from its documented pairing, and the KV-cache appends by plain indexing: none of it
+is the module's code. Shapes are tiny (the kernels run in Triton's CPU interpreter).
+"""
+import inspect
+import math
+
+import pytest
+import torch
+
+import kernels
+import reference
+from kernels import flash_attn_interface as fa
+from kernels.flash_attn_interface import (flash_attn_func, flash_attn_kvpacked_func,
+                                          flash_attn_qkvpacked_func, flash_attn_varlen_func,
+                                          flash_attn_varlen_kvpacked_func,
+                                          flash_attn_varlen_qkvpacked_func,
+                                          flash_attn_with_kvcache)
+from tests.helpers import DEVICE, GRAD_FACTOR, assert_parity, randn
+
+PAGED = "block_table" in inspect.signature(kernels.attention_with_kvcache).parameters
+
+
+# ------------------------------------------------------------------------------ the oracle
+def _fa_mask(causal, window_size):
+    """FlashAttention's visibility as a reference mask_mod (positions on the key axis)."""
+    left, right = window_size
+    if causal:
+        right = 0
+
+    def visible(b, h, q_idx, kv_idx, aux):
+        vis = torch.ones_like(q_idx - kv_idx, dtype=torch.bool)
+        if left >= 0:
+            vis = vis & (kv_idx >= q_idx - left)
+        if right >= 0:
+            vis = vis & (kv_idx <= q_idx + right)
+        return vis
+
+    return visible
+
+
+def _ours(t):
+    """(batch, seq, heads, dim) -> (batch, heads, seq, dim), detached leaf copies for the
+    oracle: float64 and the input dtype."""
+    return (t.detach().transpose(1, 2).double().requires_grad_(),
+            t.detach().transpose(1, 2).clone().requires_grad_())
+
+
+def _oracle(q, k, v, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+            softmax_scale=None, keep=None, dropout_p=0.0):
+    """(ref, lowp) pairs (out in FA layout, lse, grad leaves) of the oracle in float64 and in
+    the input dtype."""
+    results = []
+    for i in range(2):
+        leaves = [_ours(t)[i] for t in (q, k, v)]
+        o, lse = reference.attention(*leaves, causal=False, mask_mod=_fa_mask(causal,
+                                                                               window_size),
+                                     softcap=softcap or None, alibi_slopes=alibi_slopes,
+                                     softmax_scale=softmax_scale, keep_mask=keep,
+                                     dropout_p=dropout_p, upcast=i == 0, return_lse=True)
+        results.append((o.transpose(1, 2), lse, leaves))
+    return results
+
+
+def _grads(out, inputs, do):
+    return torch.autograd.grad(out, inputs, do)
+
+
+def _assert_grads(got, ref, lowp, do, names=("dq", "dk", "dv")):
+    (ro, _, r_in), (lo, _, l_in) = ref, lowp
+    rg = [g.transpose(1, 2) for g in _grads(ro, r_in, do.double())]
+    lg = [g.transpose(1, 2) for g in _grads(lo, l_in, do)]
+    for name, g, r, l in zip(names, got, rg, lg):
+        assert_parity(g, r, l, factor=GRAD_FACTOR, name=name)
+
+
+def _qkv(b, sq, sk, hq, hk, d, dtype=torch.float32):
+    return (randn(b, sq, hq, d, dtype=dtype, requires_grad=True),
+            randn(b, sk, hk, d, dtype=dtype, requires_grad=True),
+            randn(b, sk, hk, d, dtype=dtype, requires_grad=True))
+
+
+# ------------------------------------------------------------------------------ dense
+DENSE = {
+    "full": dict(),
+    "causal": dict(causal=True),
+    "causal_window": dict(causal=True, window_size=(4, -1)),
+    "causal_ignores_right": dict(causal=True, window_size=(3, 5)),
+    "two_sided": dict(window_size=(3, 2)),
+    "right_only": dict(window_size=(-1, 2)),
+    "left_only": dict(window_size=(5, -1)),
+    "left_zero_right": dict(window_size=(2, 0)),
+    "softcap_alibi": dict(causal=True, softcap=2.0, alibi_slopes="heads"),
+    "alibi_batch_window": dict(window_size=(6, 1), alibi_slopes="batch"),
+    "scale": dict(softmax_scale=0.7),
+}
+
+
+def _materialise(kw, b, hq):
+    kw = dict(kw)
+    if kw.get("alibi_slopes") == "heads":
+        kw["alibi_slopes"] = torch.rand(hq, device=DEVICE)
+    elif kw.get("alibi_slopes") == "batch":
+        kw["alibi_slopes"] = torch.rand(b, hq, device=DEVICE)
+    return kw
+
+
+@pytest.mark.parametrize("name", sorted(DENSE))
+@pytest.mark.parametrize("sq,sk", [(17, 23), (19, 9)])
+def test_flash_attn_func(name, sq, sk):
+    b, hq, hk = 2, 4, 2
+    kw = _materialise(DENSE[name], b, hq)
+    q, k, v = _qkv(b, sq, sk, hq, hk, 16)
+    out = flash_attn_func(q, k, v, **kw)
+    assert out.shape == (b, sq, hq, 16) and out.is_contiguous()
+    do = randn(*out.shape)
+    ref, lowp = _oracle(q, k, v, **kw)
+    assert_parity(out, ref[0], lowp[0])
+    _assert_grads(_grads(out, (q, k, v), do), ref, lowp, do)
+
+
+def test_flash_attn_func_fp16_deterministic():
+    q, k, v = _qkv(1, 13, 13, 2, 1, 32, dtype=torch.float16)
+    kw = dict(causal=True, window_size=(5, -1), deterministic=True)
+    runs = []
+    for _ in range(2):
+        out = flash_attn_func(q, k, v, **kw)
+        runs.append((out,) + _grads(out, (q, k, v), torch.ones_like(out)))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    ref, lowp = _oracle(q, k, v, causal=True, window_size=(5, -1))
+    assert_parity(runs[0][0], ref[0], lowp[0])
+
+
+def test_packed_dense():
+    """qkv / kv stacked: the gradient lands in the stacked tensor."""
+    b, s, h, d = 2, 11, 2, 16
+    qkv = randn(b, s, 3, h, d, requires_grad=True)
+    out = flash_attn_qkvpacked_func(qkv, causal=True, window_size=(3, -1))
+    do = randn(*out.shape)
+    (dqkv,) = _grads(out, (qkv,), do)
+    q, k, v = (qkv[:, :, i] for i in range(3))
+    ref, lowp = _oracle(q, k, v, causal=True, window_size=(3, -1))
+    assert_parity(out, ref[0], lowp[0])
+    _assert_grads(dqkv.unbind(2), ref, lowp, do)
+
+    q = randn(b, 7, 4, d, requires_grad=True)
+    kv = randn(b, s, 2, 2, d, requires_grad=True)
+    out = flash_attn_kvpacked_func(q, kv, window_size=(2, 3), softcap=1.5)
+    do = randn(*out.shape)
+    dq, dkv = _grads(out, (q, kv), do)
+    ref, lowp = _oracle(q, kv[:, :, 0], kv[:, :, 1], window_size=(2, 3), softcap=1.5)
+    assert_parity(out, ref[0], lowp[0])
+    _assert_grads((dq, *dkv.unbind(2)), ref, lowp, do)
+
+
+def test_return_attn_probs():
+    """(out, lse, S_dmask): lse in FA's (batch, heads, seqlen_q) and the probabilities, both
+    against the oracle; rows that see no key: lse -inf, probabilities 0."""
+    q, k, v = _qkv(2, 9, 6, 2, 1, 16)
+    out, lse, probs = flash_attn_func(q, k, v, causal=True, window_size=(2, -1),
+                                      return_attn_probs=True)
+    ref, lowp = _oracle(q, k, v, causal=True, window_size=(2, -1))
+    assert_parity(out, ref[0], lowp[0])
+    assert lse.shape == (2, 2, 9) and probs.shape == (2, 2, 9, 6)
+    finite = torch.isfinite(ref[1])
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert_parity(lse[finite], ref[1][finite], lowp[1][finite].float(), name="lse")
+    qr, kr = (t.detach().transpose(1, 2).double() for t in (q, k))
+    kr = kr.repeat_interleave(2, dim=1)
+    p_ref = torch.exp(qr @ kr.transpose(-1, -2) / 4.0 - ref[1][..., None])
+    p_ref = p_ref.nan_to_num(0.0) * reference.causal_mask(9, 6, window=3)
+    torch.testing.assert_close(probs.double(), p_ref, rtol=0, atol=1e-6)
+
+
+def test_return_attn_probs_dropout(monkeypatch):
+    """With dropout, S_dmask is negative exactly where the kernel's Philox mask dropped
+    (reference.dropout_keep_mask of the call's seed), and out is the oracle given that mask."""
+    monkeypatch.setattr(fa, "_seed", lambda p, probs: 1234 if p > 0 else None)
+    b, sq, sk, h = 1, 10, 12, 2
+    q, k, v = _qkv(b, sq, sk, h, h, 16)
+    p = 0.3
+    out, lse, s_dmask = flash_attn_func(q, k, v, dropout_p=p, causal=True,
+                                        return_attn_probs=True)
+    keep = reference.dropout_keep_mask(1234, b, h, sq, sk, p, device=DEVICE)
+    visible = reference.causal_mask(sq, sk)
+    assert torch.equal((s_dmask >= 0) | ~visible, keep | ~visible)
+    ref, lowp = _oracle(q, k, v, causal=True, keep=keep, dropout_p=p)
+    assert_parity(out, ref[0], lowp[0])
+    do = randn(*out.shape)
+    _assert_grads(_grads(out, (q, k, v), do), ref, lowp, do)
+
+
+# ------------------------------------------------------------------------------ varlen
+def _cu(lens):
+    return torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32,
+                        device=DEVICE)
+
+
+def _varlen_oracle(q, k, v, cu_q, cu_k, kw, upcast):
+    """reference.attention_varlen with FlashAttention's mask: (out, lse), differentiable in
+    q, k, v (float64 with ``upcast``, else the input dtype)."""
+    kw = dict(kw)
+    mask = _fa_mask(kw.pop("causal", False), kw.pop("window_size", (-1, -1)))
+    kw["softcap"] = kw.get("softcap") or None
+    return reference.attention_varlen(q, k, v, cu_q, cu_k, causal=False, mask_mod=mask,
+                                      upcast=upcast, return_lse=True, **kw)
+
+
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(window_size=(2, 3)),
+                                dict(causal=True, window_size=(3, -1), softcap=2.0,
+                                     alibi_slopes="batch")],
+                         ids=["causal", "two_sided", "window_softcap_alibi"])
+def test_flash_attn_varlen_func(kw):
+    lens_q, lens_k = [5, 1, 0, 12], [7, 3, 4, 9]
+    cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+    kw = _materialise(kw, 4, 4)
+    q = randn(sum(lens_q), 4, 16, requires_grad=True)
+    k, v = (randn(sum(lens_k), 2, 16, requires_grad=True) for _ in range(2))
+    out, lse, probs = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
+                                             return_attn_probs=True, **kw)
+    r_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    l_in = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    (ro, rl), (lo, _) = (_varlen_oracle(*r_in, cu_q, cu_k, kw, True),
+                         _varlen_oracle(*l_in, cu_q, cu_k, kw, False))
+    assert_parity(out, ro, lo)
+    assert lse.shape == (4, sum(lens_q)) and probs.shape == (4, 4, 12, 9)
+    finite = torch.isfinite(rl)
+    assert torch.equal(torch.isfinite(lse), finite)
+    # Rows of the probabilities sum to 1 where the row sees a key, 0 outside the sequences.
+    sums = probs.sum(-1)
+    for s, n in enumerate(lens_q):
+        rows = torch.isfinite(rl[:, int(cu_q[s]):int(cu_q[s + 1])])
+        torch.testing.assert_close(sums[s, :, :n], rows.float(), rtol=0, atol=1e-5)
+        assert sums[s, :, n:].abs().sum() == 0
+    do = randn(*out.shape)
+    for name, g, r, l in zip(("dq", "dk", "dv"), _grads(out, (q, k, v), do),
+                             _grads(ro, r_in, do.double()), _grads(lo, l_in, do)):
+        assert_parity(g, r, l, factor=GRAD_FACTOR, name=name)
+
+
+def test_varlen_packed():
+    lens = [6, 11, 2]
+    cu = _cu(lens)
+    qkv = randn(sum(lens), 3, 2, 16, requires_grad=True)
+    out = flash_attn_varlen_qkvpacked_func(qkv, cu, max(lens), causal=True)
+    q, k, v = qkv.detach().unbind(1)
+    ro, _ = _varlen_oracle(q.double(), k.double(), v.double(), cu, cu, dict(causal=True), True)
+    lo, _ = _varlen_oracle(q, k, v, cu, cu, dict(causal=True), False)
+    assert_parity(out, ro, lo)
+    (dqkv,) = _grads(out, (qkv,), torch.ones_like(out))
+    assert dqkv.shape == qkv.shape and torch.isfinite(dqkv).all()
+
+    q = randn(sum(lens), 4, 16)
+    kv = randn(sum(lens), 2, 2, 16)
+    out = flash_attn_varlen_kvpacked_func(q, kv, cu, cu, max(lens), max(lens),
+                                          window_size=(1, 1))
+    kw = dict(window_size=(1, 1))
+    ro, _ = _varlen_oracle(q.double(), kv[:, 0].double(), kv[:, 1].double(), cu, cu, kw, True)
+    lo, _ = _varlen_oracle(q, kv[:, 0], kv[:, 1], cu, cu, kw, False)
+    assert_parity(out, ro, lo)
+
+
+# ------------------------------------------------------------------------------ KV cache
+def _rotary_oracle(x, cos, sin, interleaved):
+    """The rotary embedding by its definition, as complex multiplication: pairs (2i, 2i + 1)
+    (interleaved) or (i, i + rd / 2) of the first rd dims rotated by angle theta with
+    cos(theta), sin(theta) given per (batch, token)."""
+    rd = 2 * cos.shape[-1]
+    xr = x[..., :rd].double()
+    if interleaved:
+        pairs = torch.view_as_complex(xr.reshape(*xr.shape[:-1], rd // 2, 2).contiguous())
+    else:
+        pairs = torch.complex(xr[..., :rd // 2], xr[..., rd // 2:])
+    turned = pairs * torch.complex(cos.double(), sin.double())[:, :, None]
+    if interleaved:
+        rot = torch.view_as_real(turned).flatten(-2)
+    else:
+        rot = torch.cat((turned.real, turned.imag), dim=-1)
+    return torch.cat((rot.to(x.dtype), x[..., rd:]), dim=-1)
+
+
+def _kvcache_oracle(q, k_cache, v_cache, lens, k=None, v=None, cache_batch_idx=None,
+                    rotary=None, causal=False, window_size=(-1, -1), **kw):
+    """(ref, lowp) outputs (FA layout) and the expected caches, row by row."""
+    kw.pop("num_splits", None)   # the kernel's split-KV: no difference to the oracle
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    B, n_new = q.shape[0], 0 if k is None else k.shape[1]
+    rows = list(range(B)) if cache_batch_idx is None else cache_batch_idx.tolist()
+    if rotary is not None:
+        cos, sin, interleaved = rotary
+        pos_k = torch.tensor(lens)[:, None] + torch.arange(n_new)
+        k = _rotary_oracle(k, cos[pos_k], sin[pos_k], interleaved)
+        local = causal or window_size != (-1, -1)
+        pos_q = torch.tensor(lens)[:, None] + (torch.arange(q.shape[1]) if local
+                                               else torch.zeros(q.shape[1], dtype=torch.long))
+        q = _rotary_oracle(q, cos[pos_q], sin[pos_q], interleaved)
+    outs = ([], [])
+    for b, row in enumerate(rows):
+        n = lens[b]
+        if k is not None:
+            k_cache[row, n:n + n_new], v_cache[row, n:n + n_new] = k[b], v[b]
+        ref, lowp = _oracle(q[b:b + 1], k_cache[row:row + 1, :n + n_new],
+                            v_cache[row:row + 1, :n + n_new], causal=causal,
+                            window_size=window_size, **kw)
+        outs[0].append(ref[0])
+        outs[1].append(lowp[0])
+    return torch.cat(outs[0]), torch.cat(outs[1]), k_cache, v_cache
+
+
+KVCACHE = {
+    "decode": dict(sq=1, n_new=1, causal=True),
+    "append_as_many": dict(sq=3, n_new=3, causal=True, window_size=(4, -1), num_splits=3),
+    "fewer_new_than_queries": dict(sq=4, n_new=1, causal=True),
+    "more_new_than_queries": dict(sq=2, n_new=5, causal=True, softcap=3.0),
+    "no_append": dict(sq=3, n_new=0, window_size=(2, 2), alibi_slopes="heads"),
+    "int_seqlens": dict(sq=2, n_new=2, causal=True, int_lens=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(KVCACHE))
+def test_flash_attn_with_kvcache(name):
+    case = dict(KVCACHE[name])
+    sq, n_new = case.pop("sq"), case.pop("n_new")
+    int_lens = case.pop("int_lens", False)
+    B, hq, hk, cap, d = 2, 4, 2, 24, 16
+    case = _materialise(case, B, hq)
+    q = randn(B, sq, hq, d)
+    k_cache, v_cache = randn(B, cap, hk, d), randn(B, cap, hk, d)
+    lens = [11, 11] if int_lens else [7, 15]
+    seqlens = 11 if int_lens else torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    k, v = (randn(B, n_new, hk, d), randn(B, n_new, hk, d)) if n_new else (None, None)
+    ro, lo, k_exp, v_exp = _kvcache_oracle(q, k_cache, v_cache, lens, k, v, **case)
+    before = None if int_lens else seqlens.clone()
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens,
+                                       return_softmax_lse=True, **case)
+    assert out.shape == (B, sq, hq, d) and lse.shape == (B, hq, sq)
+    assert_parity(out, ro, lo)
+    assert torch.equal(k_cache, k_exp) and torch.equal(v_cache, v_exp)
+    if before is not None:
+        assert torch.equal(seqlens, before)  # not advanced
+
+
+def test_kvcache_whole_cache_without_seqlens():
+    q, k_cache, v_cache = randn(1, 2, 2, 16), randn(1, 9, 1, 16), randn(1, 9, 1, 16)
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, causal=True)
+    ref, lowp = _oracle(q, k_cache, v_cache, causal=True)
+    assert_parity(out, ref[0], lowp[0])
+
+
+@pytest.mark.parametrize("n_new", [0, 2, 3])
+def test_kvcache_batch_idx(n_new):
+    """cache_batch_idx: row b reads (and appends into) cache row idx[b]; other rows untouched."""
+    B, cap, hk, d = 3, 20, 1, 16
+    q = randn(B, 3, 2, d)
+    k_cache, v_cache = randn(5, cap, hk, d), randn(5, cap, hk, d)
+    idx = torch.tensor([4, 0, 2], dtype=torch.int32, device=DEVICE)
+    lens = [6, 13, 9]
+    k, v = (randn(B, n_new, hk, d), randn(B, n_new, hk, d)) if n_new else (None, None)
+    ro, lo, k_exp, v_exp = _kvcache_oracle(q, k_cache, v_cache, lens, k, v,
+                                           cache_batch_idx=idx, causal=True)
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_batch_idx=idx,
+                                  cache_seqlens=torch.tensor(lens, dtype=torch.int32,
+                                                             device=DEVICE), causal=True)
+    assert_parity(out, ro, lo)
+    assert torch.equal(k_cache, k_exp) and torch.equal(v_cache, v_exp)
+
+
+def test_kvcache_batch_idx_without_paged_kernels(monkeypatch):
+    """Before paged caches landed: the gathered-copy path, same results."""
+    monkeypatch.setattr(fa, "_paged_supported", lambda: False)
+    test_kvcache_batch_idx(2)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("causal,rd", [(True, 16), (False, 8)])
+def test_kvcache_rotary(interleaved, causal, rd):
+    """q and the new k rotated at their positions (causal: each query at its own; else all at
+    cache_seqlens); rotary_dim below head_dim leaves the other dims alone."""
+    B, sq, hq, hk, cap, d = 2, 3, 2, 1, 20, 16
+    q = randn(B, sq, hq, d)
+    k_cache, v_cache = randn(B, cap, hk, d), randn(B, cap, hk, d)
+    k, v = randn(B, sq, hk, d), randn(B, sq, hk, d)
+    lens = [4, 12]
+    theta = torch.arange(cap, device=DEVICE)[:, None] * torch.rand(rd // 2, device=DEVICE)
+    cos, sin = theta.cos(), theta.sin()
+    ro, lo, k_exp, v_exp = _kvcache_oracle(q, k_cache, v_cache, lens, k, v,
+                                           rotary=(cos, sin, interleaved), causal=causal)
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos=cos, rotary_sin=sin,
+                                  cache_seqlens=torch.tensor(lens, dtype=torch.int32,
+                                                             device=DEVICE),
+                                  causal=causal, rotary_interleaved=interleaved)
+    assert_parity(out, ro, lo)
+    torch.testing.assert_close(k_cache, k_exp, rtol=0, atol=1e-6)   # rotated in fp32
+    assert torch.equal(v_cache, v_exp)
+
+
+@pytest.mark.skipif(not PAGED, reason="attention_with_kvcache has no block_table yet")
+@pytest.mark.parametrize("page_size,n_new", [(1, 1), (4, 3), (16, 2)])
+def test_kvcache_paged(page_size, n_new):
+    """Pages in shuffled order: the same as a dense cache holding the rows in order."""
+    B, sq, hq, hk, d, blocks_per_row = 2, 3, 2, 1, 16, 24 // page_size + 1
+    n_blocks = B * blocks_per_row
+    perm = torch.randperm(n_blocks, device=DEVICE).to(torch.int32)
+    table = perm.view(B, blocks_per_row)
+    k_pages, v_pages = randn(n_blocks, page_size, hk, d), randn(n_blocks, page_size, hk, d)
+    dense = [t[table.long()].reshape(B, -1, hk, d) for t in (k_pages, v_pages)]
+    q = randn(B, sq, hq, d)
+    k, v = randn(B, n_new, hk, d), randn(B, n_new, hk, d)
+    lens = [5, 17]
+    ro, lo, k_exp, _ = _kvcache_oracle(q, *dense, lens, k, v, causal=True)
+    out = flash_attn_with_kvcache(q, k_pages, v_pages, k, v, block_table=table,
+                                  cache_seqlens=torch.tensor(lens, dtype=torch.int32,
+                                                             device=DEVICE), causal=True)
+    assert_parity(out, ro, lo)
+    assert torch.equal(k_pages[table.long()].reshape(B, -1, hk, d), k_exp)
+
+
+def test_kvcache_block_table_until_paged(monkeypatch):
+    monkeypatch.setattr(fa, "_paged_supported", lambda: False)
+    q, kc = randn(1, 1, 2, 16), randn(4, 8, 1, 16)
+    with pytest.raises(NotImplementedError, match="block_table"):
+        flash_attn_with_kvcache(q, kc, kc, cache_seqlens=3,
+                                block_table=torch.zeros(1, 2, dtype=torch.int32, device=DEVICE))
+
+
+# ------------------------------------------------------------------------------ errors
+def _dense_inputs(dtype=torch.float16, hq=4, hk=2, dk=16):
+    return randn(1, 5, hq, 16, dtype=dtype), randn(1, 5, hk, dk, dtype=dtype), \
+        randn(1, 5, hk, dk, dtype=dtype)
+
+
+ERRORS = [
+    (lambda: flash_attn_func(*(t.double() for t in _dense_inputs())), RuntimeError,
+     "float16 or bfloat16"),
+    (lambda: flash_attn_func(*(t.long() for t in _dense_inputs())), RuntimeError,
+     "float16 or bfloat16"),
+    (lambda: (lambda q, k, v: flash_attn_func(q, k.float(), v))(*_dense_inputs()),
+     RuntimeError, "same dtype"),
+    (lambda: flash_attn_func(*_dense_inputs(dk=32)), RuntimeError, "same head dim"),
+    (lambda: flash_attn_func(*_dense_inputs(hq=3)), RuntimeError, "multiple of the number"),
+    (lambda: flash_attn_func(*(t[0] for t in _dense_inputs())), RuntimeError, "4-D"),
+    (lambda: flash_attn_func(*_dense_inputs(), q_descale=torch.ones(1)), NotImplementedError,
+     "q_descale"),
+    (lambda: flash_attn_func(*_dense_inputs(), qv=torch.ones(1)), NotImplementedError, "qv"),
+    (lambda: flash_attn_func(*_dense_inputs(), bogus=1), TypeError, "bogus"),
+    (lambda: flash_attn_with_kvcache(*_dense_inputs(), cache_seqlens=2,
+                                     cache_leftpad=torch.zeros(1, dtype=torch.int32)),
+     NotImplementedError, "cache_leftpad"),
+    (lambda: flash_attn_with_kvcache(*_dense_inputs(), scheduler_metadata=torch.ones(1)),
+     NotImplementedError, "scheduler_metadata"),
+    (lambda: flash_attn_with_kvcache(*_dense_inputs(), cache_batch_idx=torch.zeros(
+        1, dtype=torch.int32), block_table=torch.zeros(1, 1, dtype=torch.int32)),
+     (RuntimeError, NotImplementedError), "block_table"),
+    (lambda: flash_attn_with_kvcache(*_dense_inputs(), *_dense_inputs()[1:]), RuntimeError,
+     "cache_seqlens"),
+    (lambda: flash_attn_varlen_func(*(t[0] for t in _dense_inputs()), _cu([5]), _cu([5]), 5, 5,
+                                    block_table=torch.zeros(1, 1, dtype=torch.int32)),
+     NotImplementedError, "block_table"),
+]
+
+
+@pytest.mark.parametrize("i", range(len(ERRORS)))
+def test_errors(i):
+    call, exc, match = ERRORS[i]
+    with pytest.raises(exc, match=match):
+        call()
+
+
+def test_one_line_switch():
+    """The documented switch: the import path and kernels.flash_attn_interface are the module;
+    its outputs are read in FlashAttention's layout without copies of the inputs."""
+    from kernels.flash_attn_interface import flash_attn_func as f
+    assert f is kernels.flash_attn_interface.flash_attn_func
+    q = randn(2, 6, 2, 16)
+    out = f(q, q, q, causal=True)
+    ref, lowp = _oracle(q, q, q, causal=True)
+    assert_parity(out, ref[0], lowp[0])
+    assert math.isclose(float(out.stride(1)), 2 * 16)    # (batch, seqlen, heads, dim) dense
