@@ -13,6 +13,7 @@ Layers, each with one job:
   interpreter when TRITON_INTERPRET=1; otherwise CPU tensors take a PyTorch fallback
   (kernels/core/fallback.py) with the same semantics and dropout mask.
 """
+import dataclasses
 import os
 import sys
 import warnings
@@ -24,12 +25,12 @@ from .core import fallback
 from .core.call import AttentionCall, default_softmax_scale, lse_shape
 from .core.common import check_interpreter_setting, interpreter_active
 from .core.configs import unsupported_gpu_reason
-from .core.backward import attention_backward
-from .core.forward import attention_forward
+from .core.backward import BackwardPlan, attention_backward
+from .core.forward import ForwardPlan, attention_forward
 from .core.kvcache import kvcache_forward
 from .core.mods import NO_MODS, CallMods, MaskMod, ScoreMod, lookup, sinks_grad
 from .validation import (SEED_LIMIT, check_cu_seqlens, check_drop_layout, check_kvcache,
-                         check_mods, check_num_splits, validate_attention)
+                         check_mods, check_num_splits, check_seed, validate_attention)
 
 # The seed of every call without dropout: one shared CPU tensor (the ops never write it). Under
 # torch.compile it enters the graph as an input, so Inductor emits no CPU C++ kernel to build it.
@@ -255,12 +256,132 @@ _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 # --------------------------------------------------------------------------------------------
 # Public API
 # --------------------------------------------------------------------------------------------
-def _seed_tensor(dropout_p, seed):
+def _seed_tensor(dropout_p, seed, device):
+    """The call's Philox seed, a 0-d int64 tensor on the inputs' device: drawn there from
+    PyTorch's generator of that device when ``seed`` is None (no copy, no sync; inside a CUDA
+    graph each replay draws anew), else the given int (one host-to-device copy)."""
     if dropout_p == 0.0:
         return _NO_SEED
     if seed is None:
-        return torch.randint(0, SEED_LIMIT - 1, (), dtype=torch.int64)
-    return torch.tensor(int(seed), dtype=torch.int64)
+        return torch.randint(0, SEED_LIMIT - 1, (), dtype=torch.int64, device=device)
+    return torch.tensor(int(seed), dtype=torch.int64, device=device)
+
+
+# --------------------------------------------------------------------------------------------
+# The eager fast path of ``attention``: one launch plan per call signature
+# --------------------------------------------------------------------------------------------
+# Launch plans of ``attention`` calls without mods, by signature (``_signature``): the first
+# call of a signature validates and builds its plan; later ones skip the validation (every
+# checked property is in the key), the custom-op dispatch and the launchers' Python.
+_PLANS = {}
+_MAX_PLANS = 512   # signatures kept; a program cycling through more rebuilds them
+
+
+def _signature(t):
+    """What a plan fixes about an input tensor: class, shape, strides, dtype, device and
+    whether its data pointer is 16-byte aligned (Triton specialises pointers on it)."""
+    return (t.__class__, t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
+
+
+class _DensePlan:
+    """How ``attention(q, k, v, ...)`` runs for one validated signature (no mods): its
+    ``AttentionCall`` and, once launched, its forward plan and a backward plan per gradient
+    layout (kernels/core/forward.py ``ForwardPlan``, backward.py ``BackwardPlan``). On every
+    call the route is decided anew (``_use_fallback``: CPU tensors run the interpreter or the
+    PyTorch fallback as TRITON_INTERPRET says at that moment)."""
+
+    def __init__(self, q, k, v, causal, dropout_p, softmax_scale, window, num_splits):
+        causal = validate_attention(q, k, v, causal, dropout_p, softmax_scale, None, window)
+        check_num_splits(num_splits)
+        if softmax_scale is None:
+            softmax_scale = default_softmax_scale(q.shape[-1])
+        self.call = AttentionCall(causal, float(softmax_scale), float(dropout_p), 0,
+                                  int(window) if window is not None else None)
+        self.dropout_p, self.num_splits = float(dropout_p), int(num_splits)
+        self.fwd = None
+        self.bwd = {}
+
+    def __call__(self, q, k, v, seed, return_lse):
+        if seed is not None:
+            check_seed(seed)
+        seed_t = _seed_tensor(self.dropout_p, seed, q.device)
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            out, lse = _PlannedAttention.apply(q, k, v, seed_t, self)
+        else:
+            out, lse = self.forward(q, k, v, seed_t)
+        return (out, lse) if return_lse else out
+
+    def forward(self, q, k, v, seed_t):
+        if _use_fallback(q):
+            return fallback.forward(q, k, v, None, None,
+                                    dataclasses.replace(self.call, seed=seed_t), _out_like(q, v))
+        plan = self.fwd
+        if plan is None:
+            plan = self.fwd = ForwardPlan(q, k, v, self.call, num_splits=self.num_splits)
+        return plan(q, k, v, self.call, seed=seed_t)
+
+    def backward(self, do, q, k, v, o, lse, seed_t):
+        do = _unit_last(do)
+        if _use_fallback(q):
+            return fallback.backward(do, q, k, v, o, lse, None, None,
+                                     dataclasses.replace(self.call, seed=seed_t), _like(q),
+                                     _like(k), _like(v))
+        key = (do.stride(), do.data_ptr() % 16 == 0)
+        plan = self.bwd.get(key)
+        if plan is None:
+            plan = self.bwd[key] = BackwardPlan(do, q, k, v, o, lse, self.call)
+        return plan(do, q, k, v, o, lse, self.call, seed=seed_t)
+
+
+class _PlannedAttention(torch.autograd.Function):
+    """Autograd of the eager fast path: ``_DensePlan.forward`` / ``backward`` with no
+    custom-op dispatch in between (the compiled path keeps the custom ops)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, seed_t, plan):
+        out, lse = plan.forward(q, k, v, seed_t)
+        ctx.save_for_backward(q, k, v, out, lse, seed_t)
+        ctx.plan = plan
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        q, k, v, out, lse, seed_t = ctx.saved_tensors
+        create_graph = torch.is_grad_enabled()
+        with torch.no_grad():
+            grads = ctx.plan.backward(do, q, k, v, out, lse, seed_t)
+        if create_graph:  # a later grad of these gradients must fail with a clear message
+            grads = _NoDoubleBackward.apply(grads, q, k, v, do)
+        return (*grads, None, None)
+
+
+def _fast_plan(q, k, v, causal, dropout_p, softmax_scale, window, num_splits):
+    """The ``_DensePlan`` of this call, or None when the call takes the general path: inside
+    torch.compile (the custom ops), tensor subclasses, devices other than CPU and CUDA,
+    empty problems, a last dim that is not unit-stride (copied by the general path)."""
+    if (q.__class__ is not torch.Tensor or k.__class__ is not torch.Tensor
+            or v.__class__ is not torch.Tensor or torch.compiler.is_compiling()):
+        return None
+    # The options with their types: 1 == True, but causal=1 is an error, causal=True is not.
+    key = (_signature(q), _signature(k), _signature(v), causal, dropout_p, softmax_scale,
+           window, num_splits, causal.__class__, dropout_p.__class__, softmax_scale.__class__,
+           window.__class__, num_splits.__class__)
+    try:
+        plan = _PLANS.get(key)
+    except TypeError:   # an unhashable argument: the general path says what is wrong with it
+        return None
+    if plan is not None:
+        return plan
+    if (q.device.type not in ("cpu", "cuda") or q.numel() == 0 or k.numel() == 0
+            or v.numel() == 0 or q.dim() != 4 or q.stride(-1) != 1 or k.stride(-1) != 1
+            or v.stride(-1) != 1):
+        return None
+    plan = _DensePlan(q, k, v, causal, dropout_p, softmax_scale, window, num_splits)
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[key] = plan
+    return plan
 
 
 def _mod_op_args(mods, chunk_size):
@@ -372,6 +493,11 @@ def attention(q, k, v, *, causal=True, dropout_p=0.0, softmax_scale=None, seed=N
         A NaN in a query row that sees a key gives NaN in that row of out and lse on every
         path, as in ``reference.attention`` (tests/core/test_layouts_property.py).
     """
+    if (softcap is None and sinks is None and chunk_size is None and alibi_slopes is None
+            and score_mod is None and mask_mod is None and not mod_aux):
+        plan = _fast_plan(q, k, v, causal, dropout_p, softmax_scale, window, num_splits)
+        if plan is not None:
+            return plan(q, k, v, seed, return_lse)
     causal = validate_attention(q, k, v, causal, dropout_p, softmax_scale, seed, window)
     mods, chunk_size = check_mods(q, causal, window, softcap, sinks, chunk_size, alibi_slopes,
                                   score_mod, mask_mod, mod_aux, batch=q.shape[0])
@@ -380,7 +506,7 @@ def attention(q, k, v, *, causal=True, dropout_p=0.0, softmax_scale=None, seed=N
     if softmax_scale is None:
         softmax_scale = default_softmax_scale(q.shape[-1])
     out, lse = _fwd_op(q, k, v, None, None, -1, -1, causal, dropout_p, float(softmax_scale),
-                       _seed_tensor(dropout_p, seed), int(window or 0), int(num_splits),
+                       _seed_tensor(dropout_p, seed, q.device), int(window or 0), int(num_splits),
                        None, **_mod_op_args(mods, chunk_size))
     return (out, lse) if return_lse else out
 
@@ -443,7 +569,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     if softmax_scale is None:
         softmax_scale = default_softmax_scale(q.shape[-1])
     out, lse = _fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                       dropout_p, float(softmax_scale), _seed_tensor(dropout_p, seed),
+                       dropout_p, float(softmax_scale), _seed_tensor(dropout_p, seed, q.device),
                        int(window or 0), 0, None, **_mod_op_args(mods, chunk_size))
     return (out, lse) if return_lse else out
 
@@ -454,7 +580,8 @@ def _kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 v: Optional[torch.Tensor], causal: bool, softmax_scale: float, window: int,
                 num_splits: int, chunk_size: int, softcap: float,
                 alibi_slopes: Optional[torch.Tensor], sinks: Optional[torch.Tensor],
-                score_mod: str, mask_mod: str, mod_aux: list[torch.Tensor]
+                score_mod: str, mask_mod: str, mod_aux: list[torch.Tensor],
+                block_table: Optional[torch.Tensor] = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     call = AttentionCall.from_op(causal, softmax_scale, 0.0, 0, window, None, chunk_size,
                                  _op_mods(softcap, alibi_slopes, sinks, score_mod, mask_mod,
@@ -463,15 +590,16 @@ def _kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         return _out_like(q, v_cache), q.new_empty(tuple(q.shape[:3]), dtype=torch.float32)
     if _use_fallback(q):
         return fallback.kvcache_forward(q, k_cache, v_cache, cache_seqlens, k, v, call,
-                                        _out_like(q, v_cache))
+                                        _out_like(q, v_cache), block_table=block_table)
     return kvcache_forward(_unit_last(q), k_cache, v_cache, cache_seqlens,
                            None if k is None else _unit_last(k),
-                           None if v is None else _unit_last(v), call, num_splits=num_splits)
+                           None if v is None else _unit_last(v), call, num_splits=num_splits,
+                           block_table=block_table)
 
 
 @_kvcache_op.register_fake
 def _(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, window, num_splits,
-      chunk_size, softcap, alibi_slopes, sinks, score_mod, mask_mod, mod_aux):
+      chunk_size, softcap, alibi_slopes, sinks, score_mod, mask_mod, mod_aux, block_table=None):
     return _out_like(q, v_cache), q.new_empty(tuple(q.shape[:3]), dtype=torch.float32)
 
 
@@ -520,7 +648,7 @@ class _KVCacheForwardOnly(torch.autograd.Function):
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, *, causal=True,
                            softmax_scale=None, window=None, num_splits=0, return_lse=False,
                            softcap=None, sinks=None, chunk_size=None, alibi_slopes=None,
-                           score_mod=None, mask_mod=None, mod_aux=()):
+                           score_mod=None, mask_mod=None, mod_aux=(), block_table=None):
     """Attention of new query tokens against a preallocated KV cache (generation), optionally
     appending their keys and values first; FlashAttention's serving API in our layout.
 
@@ -548,6 +676,15 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, *
         softcap, sinks, chunk_size, alibi_slopes, score_mod, mask_mod, mod_aux: as in
             ``attention`` (positions count over the filled cache). Forward only here, so
             ``sinks`` gets no gradient.
+        block_table: optional int32 (batch, max_blocks): a **paged** cache (FlashAttention
+            2's and vLLM's layout). k_cache is then (num_blocks, page_size, heads_kv,
+            head_dim) and v_cache (num_blocks, page_size, heads_kv, head_dim_v), a pool of
+            pages shared by the batch; cache position j of row b is row j % page_size of page
+            block_table[b, j // page_size], so max_len = max_blocks * page_size (any
+            page_size >= 1). Only the entries covering a row's filled (and appended)
+            positions are read; k, v keep the (batch, heads_kv, q_len, .) layout and are
+            written into their pages. The kernels read and write the pages in place (no
+            gathered copy), with split-KV, grouped-query heads and every option above.
 
     Returns:
         out (batch, heads_q, q_len, head_dim_v) in q's dtype [, lse]. heads = 0 (q of shape
@@ -557,7 +694,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, *
         ``torch.compile(fullgraph=True)`` (a custom op that declares it mutates the caches).
     """
     causal = check_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale,
-                           window, num_splits)
+                           window, num_splits, block_table)
     mods, chunk_size = check_mods(q, causal, window, softcap, sinks, chunk_size, alibi_slopes,
                                   score_mod, mask_mod, mod_aux, batch=q.shape[0])
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -568,7 +705,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, *
         softmax_scale = default_softmax_scale(q.shape[-1])
     args = (q, k_cache, v_cache, cache_seqlens, k, v, causal, float(softmax_scale),
             int(window or 0), int(num_splits))
-    mod_args = _mod_op_args(mods, chunk_size)
+    mod_args = dict(_mod_op_args(mods, chunk_size), block_table=block_table)
     inputs = [t for t in (q, k_cache, v_cache, k, v) if t is not None]
     if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
         with torch.no_grad():
@@ -584,6 +721,12 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, *
 # --------------------------------------------------------------------------------------------
 def _integration_args(q, k, v, causal, dropout_p, softmax_scale, seed, window, cu_seqlens_q,
                       cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    seed_t = seed if isinstance(seed, torch.Tensor) else None
+    if seed_t is not None:
+        if seed_t.dtype != torch.int64 or seed_t.numel() != 1:
+            raise TypeError(f"seed as a tensor must be one int64 element, got "
+                            f"{seed_t.dtype} {tuple(seed_t.shape)}")
+        seed = None   # its value stays on the device: not read here
     if cu_seqlens_q is None:
         causal = validate_attention(q, k, v, causal, dropout_p, softmax_scale, seed, window)
         max_seqlen_q = max_seqlen_k = -1
@@ -595,7 +738,10 @@ def _integration_args(q, k, v, causal, dropout_p, softmax_scale, seed, window, c
                                                       max_seqlen_q, max_seqlen_k)
     if softmax_scale is None:
         softmax_scale = default_softmax_scale(q.shape[-1])
-    seed_t = _NO_SEED if float(dropout_p) == 0.0 else torch.tensor(int(seed), dtype=torch.int64)
+    if seed_t is None or float(dropout_p) == 0.0:
+        seed_t = _seed_tensor(float(dropout_p), seed, q.device)
+    else:
+        seed_t = seed_t.reshape(()).to(q.device)
     return (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, float(dropout_p),
             float(softmax_scale), seed_t, int(window or 0))
 
@@ -606,7 +752,9 @@ def forward_with_lse(q, k, v, *, causal=True, dropout_p=0.0, softmax_scale=None,
     """(out, lse) of ``attention`` (dense) or ``attention_varlen`` (with cu_seqlens), same
     arguments and validation, but as a plain forward: for integrations that register their own
     backward (kernels.sdpa, kernels.distributed), which pass the same arguments to
-    ``backward``. ``seed``: an int (the dropout mask's Philox key; ignored without dropout).
+    ``backward``. ``seed``: an int, or a 0-d int64 tensor on q's device (read by the
+    kernels, never by the host: no sync), the dropout mask's Philox key; ignored without
+    dropout.
     ``drop_layout``: see ``check_drop_layout`` (context parallelism's blocks)."""
     args = _integration_args(q, k, v, causal, dropout_p, softmax_scale, seed, window,
                              cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)

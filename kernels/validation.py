@@ -7,6 +7,7 @@ import math
 import numbers
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .core.common import MAX_HEAD_DIM
 from .core.mods import CallMods, MaskMod, ScoreMod
@@ -96,11 +97,7 @@ def validate_attention(q, k, v, causal, dropout_p, softmax_scale, seed, window, 
         if not (math.isfinite(softmax_scale) and softmax_scale > 0):
             raise ValueError(f"softmax_scale must be finite and > 0, got {softmax_scale}")
     if seed is not None:
-        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-            raise TypeError(f"seed must be an int in [0, 2**63) or None, got "
-                            f"{type(seed).__name__}")
-        if not (0 <= seed < SEED_LIMIT):
-            raise ValueError(f"seed must be in [0, 2**63), got {seed}")
+        check_seed(seed)
     if window is not None:
         if isinstance(window, bool) or not isinstance(window, numbers.Integral):
             raise TypeError(f"window must be an int >= 1 or None, got {type(window).__name__}")
@@ -113,6 +110,15 @@ def validate_attention(q, k, v, causal, dropout_p, softmax_scale, seed, window, 
         if window > _MAX_INT32:
             raise ValueError(f"window must be < 2**31, got {window}")
     return causal
+
+
+def check_seed(seed):
+    """A dropout seed given by the caller: an int in [0, 2**63)."""
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"seed must be an int in [0, 2**63) or None, got "
+                        f"{type(seed).__name__}")
+    if not (0 <= seed < SEED_LIMIT):
+        raise ValueError(f"seed must be in [0, 2**63), got {seed}")
 
 
 def _check_positive_int(name, value, meaning):
@@ -201,6 +207,22 @@ def check_num_splits(num_splits):
                          f"{num_splits}")
 
 
+# cu_seqlens tensor -> (its version counter, its values): what ``check_cu_seqlens`` read.
+_HOST_VALUES = WeakIdKeyDictionary()   # by identity: tensors' == is elementwise
+
+
+def _host_values(cu):
+    """``cu.tolist()`` (a small device-to-host copy: a sync on a GPU), read once per tensor
+    and version: the layers of a model share their mask's cu_seqlens, so a forward pass syncs
+    once per mask, not once per layer."""
+    hit = _HOST_VALUES.get(cu)
+    if hit is not None and hit[0] == cu._version:
+        return hit[1]
+    values = cu.tolist()
+    _HOST_VALUES[cu] = (cu._version, values)
+    return values
+
+
 def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k):
     """Checks of the packed layout; returns the (max_seqlen_q, max_seqlen_k) to launch with,
     -1 where the op must compute it (under torch.compile, where values are not read here)."""
@@ -236,7 +258,7 @@ def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_
     for name, cu, x, hint, hint_name in (
             ("cu_seqlens_q", cu_seqlens_q, q, hints[0], "max_seqlen_q"),
             ("cu_seqlens_k", cu_seqlens_k, k, hints[1], "max_seqlen_k")):
-        values = cu.tolist()  # one small device-to-host copy per tensor
+        values = _host_values(cu)
         if values[0] != 0:
             raise ValueError(f"{name} must start at 0, got {values[0]}")
         lengths = [b - a for a, b in zip(values, values[1:])]

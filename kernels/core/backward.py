@@ -43,14 +43,17 @@ import torch
 import triton
 import triton.language as tl
 
-from .call import AttentionCall, make_problem, packed_view, score_args, score_spec
+from .call import (AttentionCall, DropArgs, make_problem, packed_view,
+                   score_args, score_spec, seed_tensor)
 from .common import (LOG2E, block_d, dot_operand, dot_precision, interpreter_active,
                      round_for_store, widen, widen_bf16)
 from .configs import (BWD_ROW_PAD, BWD_TUNE_KEY, TMA_DKDV_DROPOUT_MAX_WIDTH, autotune_enabled,
-                      bwd_configs, fixed_configs, launch_first_compiling,
+                      bwd_configs, fixed_configs,
                       prune_bwd_configs)
+from .dropout import load_seed
 from .score import dropout_keep, probs_from_lse, scaled_scores, score_grad
-from .tma import row_tiles, tma_capable, tma_rows_ok, tma_scratch
+from .launch import KernelStep
+from .tma import row_tiles, tma_capable, tma_rows_ok
 from .tiles import (clamp_ranges, edge_bound, key_range, mask_key_bounds, mask_query_bounds,
                     program_ids, query_range, seq_bounds)
 
@@ -253,6 +256,8 @@ def _bwd_dkdv(Q, K, V, DO, STATS, DK, DV,
         if TMA:
             stats_row = row0.to(tl.int32)      # the descriptor's (int32) column of row 0
         drop_rows = off_b * drop.row_stride_b + h * drop.row_stride_h + q_rows + drop.row0
+        if DROPOUT:
+            drop_seed = load_seed(drop)
         # Query tiles in up to three ranges: RANGE 0 the causal diagonal (masked; without
         # causal, the peeled first tile, unmasked), RANGE 1 the rows that see every key of the
         # block (unmasked), RANGE 2 the window's / chunk's far edge (masked; only with an edge).
@@ -299,7 +304,8 @@ def _bwd_dkdv(Q, K, V, DO, STATS, DK, DV,
                     # The forward's bits: the mask depends on (seed, row id, j), not on blocks.
                     # Generated (queries x keys) and transposed as a byte tile rather than i1:
                     # the conservative element type for a layout change through shared memory.
-                    keep = dropout_keep(drop, drop_rows, offs_m, start_n, BLOCK_M, BLOCK_N, DROPOUT)
+                    keep = dropout_keep(drop, drop_seed, drop_rows, offs_m, start_n, BLOCK_M,
+                                        BLOCK_N, DROPOUT)
                     keepT = tl.trans(keep.to(tl.int8)) != 0
                     pdT = tl.where(keepT, pT * drop.scale, 0.0)
                     dpT = tl.where(keepT, dpT * drop.scale, 0.0)
@@ -361,6 +367,8 @@ def _bwd_dq(Q, K, V, DO, STATS, DQ,
     lse2_h = STATS + stats_row0(b, h, q_start, stride_stats)
     drop_rows = off_b * drop.row_stride_b + h.to(tl.int64) * drop.row_stride_h + q_rows \
         + drop.row0
+    if DROPOUT:
+        drop_seed = load_seed(drop)
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -436,7 +444,8 @@ def _bwd_dq(Q, K, V, DO, STATS, DQ,
                                False)
             dp = tl.dot(do, vT, input_precision=DOT_PRECISION)              # dPd = dO V^T
             if DROPOUT:
-                keep = dropout_keep(drop, drop_rows, offs_m, start_n, BLOCK_M, BLOCK_N, DROPOUT)
+                keep = dropout_keep(drop, drop_seed, drop_rows, offs_m, start_n, BLOCK_M, BLOCK_N,
+                                    DROPOUT)
                 dp = tl.where(keep, dp * drop.scale, 0.0)
             ds = score_grad(p * (dp - delta[:, None]), qk, b, h, offs_m[:, None],
                             offs_n[None, :], diag, score, SPEC)
@@ -509,81 +518,121 @@ def attention_backward(do, q, k, v, o, lse, call=None, *, cu_seqlens_q=None, cu_
         (``torch.empty_like``). dk, dv of a kv head sum its whole group of query heads.
     """
     call = call or AttentionCall(**call_fields)
-    pb = make_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    head_dim, head_dim_v = q.shape[-1], v.shape[-1]
-    assert v.shape[:-1] == k.shape[:-1] and k.shape[-1] == head_dim
-    assert do.shape == o.shape == (*q.shape[:-1], head_dim_v)
-    assert lse.shape == pb.lse_shape and lse.dtype == torch.float32 and lse.is_contiguous()
-    assert q.dtype == k.dtype == v.dtype and 1 <= head_dim <= 512 and 1 <= head_dim_v <= 512
-    assert 0.0 <= call.dropout_p < 1.0
-
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    if pb.batch * pb.heads == 0 or pb.q.shape[2] == 0 or pb.k.shape[2] == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
     if do.stride(-1) != 1:
         # e.g. the expanded, all-zero-stride gradient of o.sum(): one copy, then unit stride.
         do = do.contiguous()
-    if pb.varlen:
-        do, o, dq4, dk4, dv4 = (packed_view(t) for t in (do, o, dq, dk, dv))
-    else:
-        dq4, dk4, dv4 = dq, dk, dv
+    plan = BackwardPlan(do, q, k, v, o, lse, call, cu_seqlens_q=cu_seqlens_q,
+                        cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                        max_seqlen_k=max_seqlen_k, config=config, tma=tma)
+    return plan(do, q, k, v, o, lse, call, cu_seqlens_q=cu_seqlens_q,
+                cu_seqlens_k=cu_seqlens_k)
 
-    BLOCK_DV = block_d(head_dim_v)
-    # The row statistics, padded to whole tiles; delta in lse's row order, so the dropout row
-    # ids (lse offsets) stay the tiles' own.
-    stats_shape, stats_strides = stats_layout(pb)
-    stats = torch.empty(stats_shape, device=lse.device, dtype=torch.float32)
-    seq = pb.seq_args(lse)
-    pre_block_m = min(64, _PRE_BLOCK_ELEMS // BLOCK_DV)
-    _bwd_preprocess[(triton.cdiv(pb.q_len, BWD_ROW_PAD) * BWD_ROW_PAD // pre_block_m,
-                     pb.heads, pb.batch)](
-        O=o, DO=do, LSE=lse, STATS=stats, stride_o=pb.strides(o),
-        stride_do=pb.strides(do), stride_lse=pb.lse_strides, stride_stats=stats_strides,
-        seq=seq, HEAD_DIM=head_dim_v, VARLEN=pb.varlen, ROW_PAD=BWD_ROW_PAD,
-        BLOCK_M=pre_block_m, BLOCK_D=BLOCK_DV)
 
-    common = dict(Q=pb.q, K=pb.k, V=pb.v, DO=do, STATS=stats,
-                  stride_q=pb.strides(pb.q), stride_k=pb.strides(pb.k),
-                  stride_v=pb.strides(pb.v), stride_do=pb.strides(do),
-                  stride_stats=stats_strides, seq=seq, score=score_args(call, lse),
-                  drop=pb.drop_args(call), BUCKETS=pb.tune_buckets(),
-                  HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), HEAD_DIM_V=head_dim_v,
-                  # Sinks are in lse already: the backward compiles as without them.
-                  BLOCK_DV=BLOCK_DV, SPEC=score_spec(call)._replace(sinks=False),
-                  VARLEN=pb.varlen,
-                  DROPOUT=call.dropout_mode, DOT_PRECISION=dot_precision(q.dtype),
-                  WIDEN=widen_bf16(q.dtype))
-    tma_dkdv, tma_dq = bwd_tma_modes(pb, do, call.dropout) if tma is None else (tma, tma)
-    dkdv_args = dict(common, DK=dk4, DV=dv4, stride_dk=pb.strides(dk4),
-                     stride_dv=pb.strides(dv4), TMA=tma_dkdv)
-    dq_args = dict(common, DQ=dq4, stride_dq=pb.strides(dq4), TMA=tma_dq)
+class BackwardPlan:
+    """The three launches of the backward (preprocess, dK/dV, dQ) for one call signature,
+    as ``ForwardPlan`` is the forward's: built once, called per call with that signature's
+    tensors (``do`` with a unit last stride). The tensors given to ``__init__`` are not kept."""
 
-    def dkdv_grid(cfg):
-        return (triton.cdiv(pb.k_len, cfg["BLOCK_N"]), pb.heads_kv, pb.batch)
+    def __init__(self, do, q, k, v, o, lse, call, *, cu_seqlens_q=None, cu_seqlens_k=None,
+                 max_seqlen_q=None, max_seqlen_k=None, config=None, tma=None):
+        pb = make_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        head_dim, head_dim_v = q.shape[-1], v.shape[-1]
+        assert v.shape[:-1] == k.shape[:-1] and k.shape[-1] == head_dim
+        assert do.shape == o.shape == (*q.shape[:-1], head_dim_v)
+        assert lse.shape == pb.lse_shape and lse.dtype == torch.float32 and lse.is_contiguous()
+        assert q.dtype == k.dtype == v.dtype and 1 <= head_dim <= 512 and 1 <= head_dim_v <= 512
+        assert 0.0 <= call.dropout_p < 1.0
+        self.empty = pb.batch * pb.heads == 0 or pb.q.shape[2] == 0 or pb.k.shape[2] == 0
+        if self.empty:
+            return
+        self.varlen, self.dropout = pb.varlen, call.dropout
+        self.pb = pb._replace(q=None, k=None, v=None)
+        if pb.varlen:
+            do, o = packed_view(do), packed_view(o)
+        BLOCK_DV = block_d(head_dim_v)
+        # The row statistics, padded to whole tiles; delta in lse's row order, so the dropout
+        # row ids (lse offsets) stay the tiles' own.
+        self.stats_shape, stats_strides = stats_layout(pb)
+        self.dummy = dummy = torch.empty(1, dtype=torch.float32, device=q.device)
+        self.seq = None if pb.varlen else pb.seq_args(dummy)
+        # The seed pointer: a dummy here, the call's seed tensor per call with dropout.
+        self.drop = pb.drop_args(call, dummy, seed=dummy)
+        self.score = None if call.mods.has_tensors else score_args(call, dummy)
+        pre_block_m = min(64, _PRE_BLOCK_ELEMS // BLOCK_DV)
+        pre_grid = (triton.cdiv(pb.q_len, BWD_ROW_PAD) * BWD_ROW_PAD // pre_block_m,
+                    pb.heads, pb.batch)
+        self.pre = KernelStep(_bwd_preprocess, lambda cfg: pre_grid, dict(
+            stride_o=pb.strides(o), stride_do=pb.strides(do), stride_lse=pb.lse_strides,
+            stride_stats=stats_strides, HEAD_DIM=head_dim_v, VARLEN=pb.varlen,
+            ROW_PAD=BWD_ROW_PAD, BLOCK_M=pre_block_m, BLOCK_D=BLOCK_DV), configs=[None])
 
-    def dq_grid(cfg):
-        return (triton.cdiv(pb.q_len, cfg["BLOCK_M"]), pb.heads, pb.batch)
+        # dq, dk, dv are allocated like q, k, v (``torch.empty_like``): their strides too.
+        dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+        dq4, dk4, dv4 = (packed_view(t) for t in (dq, dk, dv)) if pb.varlen else (dq, dk, dv)
+        common = dict(stride_q=pb.strides(pb.q), stride_k=pb.strides(pb.k),
+                      stride_v=pb.strides(pb.v), stride_do=pb.strides(do),
+                      stride_stats=stats_strides, BUCKETS=pb.tune_buckets(),
+                      HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), HEAD_DIM_V=head_dim_v,
+                      # Sinks are in lse already: the backward compiles as without them.
+                      BLOCK_DV=BLOCK_DV, SPEC=score_spec(call)._replace(sinks=False),
+                      VARLEN=pb.varlen,
+                      DROPOUT=call.dropout_mode, DOT_PRECISION=dot_precision(q.dtype),
+                      WIDEN=widen_bf16(q.dtype))
+        tma_dkdv, tma_dq = bwd_tma_modes(pb, do, call.dropout) if tma is None else (tma, tma)
+        dkdv_fixed = dict(common, stride_dk=pb.strides(dk4), stride_dv=pb.strides(dv4),
+                          TMA=tma_dkdv)
+        dq_fixed = dict(common, stride_dq=pb.strides(dq4), TMA=tma_dq)
 
-    if config is None and not interpreter_active() and autotune_enabled():
-        with tma_scratch(q.device, tma_dkdv):
-            _bwd_dkdv_tuned[dkdv_grid](**dkdv_args)
-        with tma_scratch(q.device, tma_dq):
-            _bwd_dq_tuned[dq_grid](**dq_args)
+        def dkdv_grid(cfg):
+            return (triton.cdiv(pb.k_len, cfg["BLOCK_N"]), pb.heads_kv, pb.batch)
+
+        def dq_grid(cfg):
+            return (triton.cdiv(pb.q_len, cfg["BLOCK_M"]), pb.heads, pb.batch)
+
+        if config is None and not interpreter_active() and autotune_enabled():
+            configs_dkdv = configs_dq = None
+        elif config is not None:
+            configs_dkdv = configs_dq = [config]
+        elif interpreter_active():
+            # Under the interpreter autotuning would time every config in Python: one config.
+            configs_dkdv = configs_dq = bwd_configs(interpret=True)
+        else:  # KERNELS_AUTOTUNE=0: each kernel's pruned list, its first config that compiles
+            tensors = dict(Q=pb.q, K=pb.k, V=pb.v, DO=do, STATS=dummy, seq=self.seq,
+                           score=self.score, drop=self.drop)
+            configs_dkdv = fixed_configs(bwd_configs(kernel="dkdv"), prune_bwd_configs,
+                                         dict(dkdv_fixed, **tensors, DK=dk4, DV=dv4))
+            configs_dq = fixed_configs(bwd_configs(kernel="dq"), prune_bwd_configs,
+                                       dict(dq_fixed, **tensors, DQ=dq4))
+        for configs in (configs_dkdv, configs_dq):
+            for cfg in configs or ():     # the stats' padding covers every tile's rows
+                assert BWD_ROW_PAD % cfg.kwargs["BLOCK_M"] == 0, cfg
+        self.dkdv = KernelStep(_bwd_dkdv, dkdv_grid, dkdv_fixed, configs=configs_dkdv,
+                               tuned=_bwd_dkdv_tuned, scratch=bool(tma_dkdv))
+        self.dq = KernelStep(_bwd_dq, dq_grid, dq_fixed, configs=configs_dq,
+                             tuned=_bwd_dq_tuned, scratch=bool(tma_dq))
+
+    def __call__(self, do, q, k, v, o, lse, call, *, cu_seqlens_q=None, cu_seqlens_k=None,
+                 seed=None):
+        """(dq, dk, dv) of this signature's tensors, as ``attention_backward`` returns them;
+        ``call`` gives the per-call tensors (the seed, or ``seed``: its tensor on q's device;
+        the mods' aux tensors)."""
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        if self.empty:
+            return dq.zero_(), dk.zero_(), dv.zero_()
+        device, dummy = q.device, self.dummy
+        if self.varlen:
+            q, k, v, do, o, dq4, dk4, dv4 = (packed_view(t) for t in (q, k, v, do, o, dq, dk,
+                                                                       dv))
+            seq = self.pb._replace(cu_q=cu_seqlens_q, cu_k=cu_seqlens_k).seq_args(dummy)
+        else:
+            dq4, dk4, dv4, seq = dq, dk, dv, self.seq
+        stats = torch.empty(self.stats_shape, device=device, dtype=torch.float32)
+        self.pre(device, O=o, DO=do, LSE=lse, STATS=stats, seq=seq)
+        tensors = dict(Q=q, K=k, V=v, DO=do, STATS=stats, seq=seq,
+                       score=self.score if self.score is not None else score_args(call, dummy),
+                       drop=self.drop if not self.dropout else DropArgs(
+                           seed_tensor(call.seed, device) if seed is None else seed,
+                           *self.drop[1:]))
+        self.dkdv(device, DK=dk4, DV=dv4, **tensors)
+        self.dq(device, DQ=dq4, **tensors)
         return dq, dk, dv
-
-    if config is not None:
-        configs_dkdv = configs_dq = [config]
-    elif interpreter_active():
-        # Under the interpreter autotuning would time every config in Python: one fixed config.
-        configs_dkdv = configs_dq = bwd_configs(interpret=True)
-    else:  # KERNELS_AUTOTUNE=0: each kernel's pruned list, its first config that compiles
-        configs_dkdv = fixed_configs(bwd_configs(kernel="dkdv"), prune_bwd_configs, dkdv_args)
-        configs_dq = fixed_configs(bwd_configs(kernel="dq"), prune_bwd_configs, dq_args)
-
-    for kernel, configs, grid, args in ((_bwd_dkdv, configs_dkdv, dkdv_grid, dkdv_args),
-                                        (_bwd_dq, configs_dq, dq_grid, dq_args)):
-        for cfg in configs:     # the stats' padding covers every tile's rows
-            assert BWD_ROW_PAD % cfg.kwargs["BLOCK_M"] == 0, cfg
-        with tma_scratch(q.device, args["TMA"]):
-            launch_first_compiling(kernel, grid, args, configs)
-    return dq, dk, dv

@@ -37,6 +37,15 @@ from .mods import NO_MODS, CallMods, ModFns
 EDGE_NONE, EDGE_WINDOW, EDGE_CHUNK = 0, 1, 2
 
 
+def seed_tensor(seed, device) -> torch.Tensor:
+    """The Philox seed as the kernels read it: a 0-d int64 tensor on ``device``. A tensor
+    already there is used as is (the default path: no copy, no sync); an int, or a tensor on
+    another device, costs one host-to-device copy (an explicit ``seed=``)."""
+    if isinstance(seed, torch.Tensor):
+        return seed if seed.device == device else seed.to(device)
+    return torch.tensor(int(seed), dtype=torch.int64, device=device)
+
+
 def default_softmax_scale(head_dim: int) -> float:
     """The scale every entry point uses when none is given: 1 / sqrt(head_dim)."""
     return 1.0 / math.sqrt(head_dim)
@@ -55,7 +64,9 @@ class AttentionCall:
     causal: bottom-right causal mask. softmax_scale: > 0. window: None, or the sliding window
     (causal only). chunk_size: None, or chunked attention (causal only, not with a window):
     query position P sees key j iff j <= P and j // chunk_size == P // chunk_size.
-    dropout_p in [0, 1) with its Philox ``seed`` (ignored without dropout).
+    dropout_p in [0, 1) with its Philox ``seed`` (ignored without dropout): an int in
+    [0, 2**63), or a 0-d int64 tensor holding one (the public API draws it on the inputs'
+    device, so that no call copies or syncs it: ``seed_tensor``).
     drop_layout: None, or (q_total, k_total, row_offset, col_offset) when this dense call is a
     block of a longer sequence and its dropout mask is that block of the whole one.
     mods: the call's score/mask modifications and sinks (kernels/core/mods.py).
@@ -63,7 +74,7 @@ class AttentionCall:
     causal: bool
     softmax_scale: float
     dropout_p: float = 0.0
-    seed: int = 0
+    seed: "int | torch.Tensor" = 0
     window: Optional[int] = None
     drop_layout: Optional[tuple] = None
     chunk_size: Optional[int] = None
@@ -74,7 +85,7 @@ class AttentionCall:
                 chunk_size=0, mods=NO_MODS):
         """From the custom ops' flat arguments: ``window`` / ``chunk_size`` 0 mean none,
         ``seed`` an int or a 0-d int64 tensor."""
-        seed = int(seed.item()) if isinstance(seed, torch.Tensor) else int(seed)
+        seed = seed if isinstance(seed, torch.Tensor) else int(seed)
         return cls(bool(causal), float(softmax_scale), float(dropout_p), seed,
                    window if window and window > 0 else None,
                    tuple(drop_layout) if drop_layout is not None else None,
@@ -227,11 +238,15 @@ class Problem(NamedTuple):
                        cu_k=cu_k, k_lens=dummy if k_lens is None else k_lens,
                        block_table=block_table, bt_stride=bt_stride, page_size=page_size)
 
-    def drop_args(self, call: AttentionCall) -> DropArgs:
+    def drop_args(self, call: AttentionCall, dummy: torch.Tensor, seed=None) -> DropArgs:
         """The kernels' ``drop``: the lse layout's row ids by default; with the call's
-        ``drop_layout`` (dense only) those of the longer sequence this call is a block of."""
-        key = dict(seed=call.seed if call.dropout else 0, threshold=call.drop_threshold,
-                   scale=call.drop_scale)
+        ``drop_layout`` (dense only) those of the longer sequence this call is a block of.
+        ``dummy`` (a tensor on the launch's device) stands in for the seed without dropout;
+        ``seed``: the seed pointer to use instead of the call's (a launch plan's template)."""
+        if seed is None:
+            seed = seed_tensor(call.seed, dummy.device) if call.dropout else dummy
+        key = dict(seed=seed,
+                   threshold=call.drop_threshold, scale=call.drop_scale)
         if call.drop_layout is None:
             return DropArgs(**key, groups=self.drop_groups, row_stride_b=self.lse_strides[0],
                             row_stride_h=self.lse_strides[1], row0=0, col0=0)

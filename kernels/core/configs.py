@@ -280,19 +280,6 @@ def fixed_configs(configs, prune, kernel_args):
 _COMPILE_ERRORS = (PTXASError, OutOfResources, CompileTimeAssertionFailure)
 
 
-def launch_first_compiling(kernel, grid, kernel_args, configs):
-    """Launch ``kernel`` with the first of ``configs`` (a pruned list, in order) that compiles
-    and loads, as the autotuner would among them; ``grid(config.kwargs)`` gives each one's grid.
-    Raises the last config's error when none does."""
-    for i, cfg in enumerate(configs):
-        try:
-            return kernel[grid(cfg.kwargs)](**kernel_args, **cfg.kwargs, num_warps=cfg.num_warps,
-                                            num_stages=cfg.num_stages)
-        except _COMPILE_ERRORS:
-            if i == len(configs) - 1:
-                raise
-
-
 def smem_bytes(config, block_d: int, elem_bytes: int) -> int:
     """Shared-memory estimate of a forward config: the query tile plus num_stages buffered K
     and V tiles (the pipelined loads), all of width block_d. Exact for wgmma (sm_90); an upper

@@ -43,6 +43,15 @@ def dropout_threshold(dropout_p: float) -> int:
 
 
 @triton.jit
+def load_seed(drop):
+    """The launch's Philox seed, read once per program from ``drop.seed``: a 0-d int64 tensor
+    on the launch's device, not an int argument, so that a new seed per call never compiles a
+    new kernel variant (Triton specialises int arguments) and a CUDA graph replays the seed
+    that a captured ``torch.randint`` on the device draws anew on each replay."""
+    return tl.load(drop.seed)
+
+
+@triton.jit
 def dropout_keep_tile(seed, row_base, offs_m, start_n, groups, threshold,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, col_offset=0,
                       ALIGNED: tl.constexpr = True):

@@ -166,7 +166,9 @@ class _Dense:
         self.call = call
         self.causal, self.window, self.scale = call.causal, call.window, call.softmax_scale
         self.chunk = call.chunk_size
-        self.dropout_p, self.seed = call.dropout_p, call.seed
+        # An int: the PyTorch Philox works on Python ints (a seed tensor on a GPU syncs here,
+        # the fallback path of GPUs the kernels do not serve).
+        self.dropout_p, self.seed = call.dropout_p, int(call.seed)
         self.drop_scale = call.drop_scale  # 1 / (1 - p), as the kernels scale kept weights
         self.row_base, self.groups, self.col_offset = row_base, groups, col_offset
         self.b0, self.h0 = b0, h0
@@ -676,7 +678,7 @@ def _problems(q, k, v, cu_q, cu_k, call, batch0=0):
     row ids and Philox strides are the kernels' (``Problem.drop_args``, kernels/core/call.py),
     including a context-parallel block's ``call.drop_layout``."""
     packed = cu_q is not None
-    drop = make_problem(q, k, v, cu_q, cu_k, 0, 0).drop_args(call)
+    drop = make_problem(q, k, v, cu_q, cu_k, 0, 0).drop_args(call, q)
     H = q.shape[1]
     head_rows = torch.arange(H, device=q.device) * drop.row_stride_h + drop.row0
     if not packed:

@@ -11,18 +11,21 @@ import torch
 import triton
 import triton.language as tl
 
-from .call import (AttentionCall, SplitArgs, make_problem, packed_view, score_args,
-                   score_spec)
+from .call import (AttentionCall, DropArgs, SplitArgs, make_problem,
+                   packed_view, score_args, score_spec, seed_tensor)
 from .common import (block_d, dot_operand, dot_precision, interpreter_active,
                      round_for_store, widen, widen_bf16)
 from .configs import (FWD_TUNE_KEY, PACK_GQA_MAX_Q_LEN, autotune_enabled, clamp_splits,
-                      fixed_configs, fwd_configs, launch_first_compiling, nominal_tiles,
-                      num_splits_heuristic, prune_configs, tma_capable)
+                      fixed_configs, fwd_configs, nominal_tiles, num_splits_heuristic,
+                      prune_configs, tma_capable)
+from .dropout import load_seed
 from .score import dropout_keep, finish_rows, mask_scores, online_softmax, scaled_scores
 from .tiles import (clamp_ranges, edge_bound, key_range, mask_key_bounds, program_ids,
                     seq_bounds)
+from .paged import page_rows, paged_problem
 from .splitkv import combine_splits
-from .tma import row_tiles, tma_rows_ok, tma_scratch
+from .launch import KernelStep
+from .tma import row_tiles, tma_rows_ok
 
 
 @triton.jit
@@ -53,7 +56,8 @@ def _attn_fwd(Q, K, V, O, LSE,
               SPEC: tl.constexpr, VARLEN: tl.constexpr,
               SEQUSED_K: tl.constexpr, PACK_GQA: tl.constexpr, SPLIT: tl.constexpr,
               DROPOUT: tl.constexpr, WIDEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-              TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+              TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              PAGED: tl.constexpr = False):
     """One program = BLOCK_M query rows of one (batch or packed sequence, query head), against
     the keys they see (or, with SPLIT, one of ``split.num_splits`` even shares of those keys).
     Grid: (cdiv(rows, BLOCK_M) * (num_splits if SPLIT else 1), heads, batch or sequences),
@@ -80,6 +84,10 @@ def _attn_fwd(Q, K, V, O, LSE,
     bulk tensor copy per tile) over this (sequence, kv head)'s k_len rows, so rows past k_len
     -- another packed sequence's, a KV cache's unfilled ones -- and columns past the head dim
     read as zeros exactly as the masked loads do; 2 = Q's tile too (not with PACK_GQA).
+    PAGED (with SEQUSED_K, dense, TMA = 0): K and V are paged caches viewed (num_blocks,
+    heads_kv, page_size, D) (kernels/core/paged.py), ``stride_k[0]`` is the page stride, and key
+    position j of batch entry b is row j % page_size of page seq.block_table[b, j // page_size];
+    masks, mods and dropout see the logical positions j.
     """
     # Causal: the longest rows (the last blocks) of every head first (``program_ids``).
     pid, pid_h, b = program_ids(SPEC.causal, False)
@@ -124,12 +132,20 @@ def _attn_fwd(Q, K, V, O, LSE,
     row_base = b.to(tl.int64) * stride_lse[0] + h.to(tl.int64) * stride_lse[1] + q_start
     drop_rows = b.to(tl.int64) * drop.row_stride_b + h.to(tl.int64) * drop.row_stride_h \
         + q_start + drop.row0
+    if DROPOUT:
+        drop_seed = load_seed(drop)
     q_rows = b.to(tl.int64) * stride_q[0] + h.to(tl.int64) * stride_q[1] \
         + (q_start + offs_m).to(tl.int64) * stride_q[2]
-    k_base = K + b.to(tl.int64) * stride_k[0] + kv_h.to(tl.int64) * stride_k[1] \
-        + tl.cast(k_start, tl.int64) * stride_k[2]
-    v_base = V + b.to(tl.int64) * stride_v[0] + kv_h.to(tl.int64) * stride_v[1] \
-        + tl.cast(k_start, tl.int64) * stride_v[2]
+    if PAGED:
+        # Batch entry b owns no slice of K / V: its rows are found per tile (page_rows).
+        tl.static_assert(not TMA and not VARLEN and SEQUSED_K)
+        k_base = K + kv_h.to(tl.int64) * stride_k[1]
+        v_base = V + kv_h.to(tl.int64) * stride_v[1]
+    else:
+        k_base = K + b.to(tl.int64) * stride_k[0] + kv_h.to(tl.int64) * stride_k[1] \
+            + tl.cast(k_start, tl.int64) * stride_k[2]
+        v_base = V + b.to(tl.int64) * stride_v[0] + kv_h.to(tl.int64) * stride_v[1] \
+            + tl.cast(k_start, tl.int64) * stride_v[2]
     if TMA == 2:
         # Not with PACK_GQA (its rows span several heads: no box of one tensor).
         q = row_tiles(Q + b.to(tl.int64) * stride_q[0] + h.to(tl.int64) * stride_q[1]
@@ -187,7 +203,13 @@ def _attn_fwd(Q, K, V, O, LSE,
                                 num_stages=1 if RANGE == 2 else None):
             start_n = tl.multiple_of(start_n, BLOCK_N)
             offs_n = start_n + offs_n0
-            if TMA:
+            if PAGED:
+                page, page_row = page_rows(seq.block_table, seq.bt_stride, seq.page_size, b,
+                                           offs_n, k_len, MASKED[RANGE])
+                rows_k = page.to(tl.int64) * stride_k[0] + page_row * stride_k[2]
+                k = load_rows(k_base + rows_k[:, None] + offs_d[None, :], offs_n, k_len,
+                              offs_d, HEAD_DIM, MASKED[RANGE], not EVEN_D)
+            elif TMA:
                 k = k_desc.load([start_n, 0])
             else:
                 # 64-bit tile bases so huge (batch·seq·heads·dim > 2**31) tensors never wrap.
@@ -203,9 +225,14 @@ def _attn_fwd(Q, K, V, O, LSE,
             p, alpha, m_i, l_i = online_softmax(x, x_scale, m_i, l_i, SPEC, MASKED[RANGE])
             acc = acc * alpha[:, None]
             if DROPOUT:
-                keep = dropout_keep(drop, drop_rows, offs_m, start_n, BLOCK_M, BLOCK_N, DROPOUT)
+                keep = dropout_keep(drop, drop_seed, drop_rows, offs_m, start_n, BLOCK_M, BLOCK_N,
+                                    DROPOUT)
                 p = tl.where(keep, p, 0.0)
-            if TMA:
+            if PAGED:
+                rows_v = page.to(tl.int64) * stride_v[0] + page_row * stride_v[2]
+                v = load_rows(v_base + rows_v[:, None] + offs_dv[None, :], offs_n, k_len,
+                              offs_dv, HEAD_DIM_V, MASKED[RANGE], not EVEN_DV)
+            elif TMA:
                 v = v_desc.load([start_n, 0])
             else:
                 v = load_rows(v_base + start_n.to(tl.int64) * stride_v[2]
@@ -263,7 +290,8 @@ _attn_fwd_tuned = triton.autotune(configs=fwd_configs(), key=FWD_TUNE_KEY,
 
 def attention_forward(q, k, v, call=None, *, cu_seqlens_q=None, cu_seqlens_k=None,
                       max_seqlen_q=None, max_seqlen_k=None, k_lens=None, num_splits=1,
-                      pack_gqa=None, out=None, config=None, tma=None, **call_fields):
+                      pack_gqa=None, out=None, config=None, tma=None, block_table=None,
+                      **call_fields):
     """Launch the fused forward on validated inputs.
 
     Args:
@@ -291,6 +319,10 @@ def attention_forward(q, k, v, call=None, *, cu_seqlens_q=None, cu_seqlens_k=Non
             interpreter config under TRITON_INTERPRET=1.
         tma: the kernel's TMA mode to force (0 = per-thread loads; tests); default
             ``tma_mode``: tensor-descriptor loads where the GPU and the layout allow them.
+        block_table: optional int32 (B, max_blocks), unit column stride, with k_lens: k, v are
+            paged caches (num_blocks, page_size, heads_kv, D or Dv) viewed by
+            ``paged.paged_view``; key position j of batch entry b is row j % page_size of page
+            block_table[b, j // page_size] (kernels/core/paged.py). Per-thread loads.
     Returns:
         (o, lse): o shaped like q with v's head dim, in q's dtype, with q's memory layout when
         q is dense and Dv == D;
@@ -298,62 +330,126 @@ def attention_forward(q, k, v, call=None, *, cu_seqlens_q=None, cu_seqlens_k=Non
         row log-sum-exp, -inf for rows that see no key.
     """
     call = call or AttentionCall(**call_fields)
-    pb = make_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
-    assert k_lens is None or not pb.varlen
-    D, Dv = q.shape[-1], v.shape[-1]
-    if out is not None:
-        o = out
-    elif Dv == D:
-        o = torch.empty_like(q)
-    else:
-        o = q.new_empty((*q.shape[:-1], Dv))
-    lse = torch.empty(pb.lse_shape, dtype=torch.float32, device=q.device)
-    if o.numel() == 0 or pb.batch == 0:
-        return o, lse
-    o4 = packed_view(o) if pb.varlen else o
-    if pack_gqa is None:
-        pack_gqa = pb.group > 1 and not pb.varlen and pb.q_len <= PACK_GQA_MAX_Q_LEN
-    assert not (pack_gqa and pb.varlen), "packed GQA heads are for dense (decoding) calls"
-    rows, heads = (pb.group * pb.q_len, pb.heads_kv) if pack_gqa else (pb.q_len, pb.heads)
-    if num_splits == 0:
-        m_blocks, n_tiles = nominal_tiles(rows, pb.k_len)
-        num_splits = num_splits_heuristic(q.device, pb.batch * heads * m_blocks, n_tiles)
-    num_splits = clamp_splits(num_splits, pb.k_len)
-    # Without a split the partial outputs are never touched: lse stands in for them.
-    split = SplitArgs(o_part=lse, lse_part=lse, num_splits=num_splits, n_rows=lse.numel())
-    if num_splits > 1:
-        split = split._replace(
-            o_part=torch.empty((num_splits, lse.numel(), Dv), dtype=torch.float32,
-                               device=q.device),
-            lse_part=torch.empty((num_splits, lse.numel()), dtype=torch.float32,
-                                 device=q.device))
-    args = dict(Q=pb.q, K=pb.k, V=pb.v, O=o4, LSE=lse,
-                stride_q=pb.strides(pb.q), stride_k=pb.strides(pb.k), stride_v=pb.strides(pb.v),
-                stride_o=pb.strides(o4), stride_lse=pb.lse_strides,
-                seq=pb.seq_args(lse, k_lens), score=score_args(call, lse),
-                drop=pb.drop_args(call), split=split, BUCKETS=pb.tune_buckets(),
-                HEAD_DIM=D, BLOCK_D=block_d(D), HEAD_DIM_V=Dv, BLOCK_DV=block_d(Dv),
-                SPEC=score_spec(call), VARLEN=pb.varlen, SEQUSED_K=k_lens is not None,
-                PACK_GQA=bool(pack_gqa), SPLIT=num_splits > 1, DROPOUT=call.dropout_mode,
-                WIDEN=widen_bf16(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
-                TMA=tma_mode(pb, pack_gqa=bool(pack_gqa)) if tma is None else tma)
+    plan = ForwardPlan(q, k, v, call, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                       max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, k_lens=k_lens,
+                       num_splits=num_splits, pack_gqa=pack_gqa, config=config, tma=tma,
+                       block_table=block_table, out=out)
+    return plan(q, k, v, call, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                k_lens=k_lens, block_table=block_table, out=out)
 
-    def grid(cfg):
-        return (triton.cdiv(rows, cfg["BLOCK_M"]) * num_splits, heads, pb.batch)
 
-    with tma_scratch(q.device, args["TMA"]):
+class ForwardPlan:
+    """The forward launch of one call signature (``attention_forward``'s arguments less the
+    tensors' contents): grid, constexprs, strides, config and, after the first launch, the
+    compiled kernel (kernels/core/launch.py). Built once and called per call with that
+    signature's tensors: a call then costs two allocations, the per-call argument tuples and a
+    direct launch. The tensors given to ``__init__`` are not kept."""
+
+    def __init__(self, q, k, v, call, *, cu_seqlens_q=None, cu_seqlens_k=None,
+                 max_seqlen_q=None, max_seqlen_k=None, k_lens=None, num_splits=1,
+                 pack_gqa=None, config=None, tma=None, block_table=None, out=None):
+        pb = make_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        if block_table is not None:
+            assert k_lens is not None
+            pb = paged_problem(pb, block_table)
+        assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
+        assert k_lens is None or not pb.varlen
+        D, Dv = q.shape[-1], v.shape[-1]
+        self.varlen, self.Dv, self.device = pb.varlen, Dv, q.device
+        self.lse_shape, self.lse_numel = pb.lse_shape, pb.batch * pb.heads * pb.q.shape[2]
+        self.empty = q.numel() == 0 or pb.batch == 0 or Dv == 0
+        self.dropout, self.sinks = call.dropout, call.mods.sinks is not None
+        if self.empty:
+            return
+        if pack_gqa is None:
+            pack_gqa = pb.group > 1 and not pb.varlen and pb.q_len <= PACK_GQA_MAX_Q_LEN
+        assert not (pack_gqa and pb.varlen), "packed GQA heads are for dense (decoding) calls"
+        rows, heads = (pb.group * pb.q_len, pb.heads_kv) if pack_gqa else (pb.q_len, pb.heads)
+        if num_splits == 0:
+            m_blocks, n_tiles = nominal_tiles(rows, pb.k_len)
+            num_splits = num_splits_heuristic(q.device, pb.batch * heads * m_blocks, n_tiles)
+        self.num_splits = num_splits = clamp_splits(num_splits, pb.k_len)
+        # Pointers a launch never reads (dummies), and the per-call tuples that hold no
+        # per-call tensor, made once. The lse strides are those of a fresh lse.
+        self.dummy = dummy = torch.empty(1, dtype=torch.float32, device=q.device)
+        # The output's strides are part of the compiled kernel's specialisation: every call
+        # allocates it as this one does (``out``, when given, must have the same strides).
+        if out is None:
+            out = torch.empty_like(q) if Dv == D else q.new_empty((*q.shape[:-1], Dv))
+        self.o_stride = out.stride()
+        o_strides = pb.strides(packed_view(out) if pb.varlen else out)
+        self.pb = pb._replace(q=None, k=None, v=None)
+        self.seq = None if pb.varlen or k_lens is not None else pb.seq_args(dummy)
+        # The seed pointer: a dummy here, the call's seed tensor per call with dropout.
+        self.drop = pb.drop_args(call, dummy, seed=dummy)
+        self.score = None if call.mods.has_tensors else score_args(call, dummy)
+        self.split = SplitArgs(o_part=dummy, lse_part=dummy, num_splits=num_splits,
+                               n_rows=self.lse_numel)
+        tma = tma_mode(pb, pack_gqa=bool(pack_gqa)) if tma is None else tma
+        if block_table is not None:
+            tma = 0   # a tile's rows may lie on different pages: no descriptor box
+        fixed = dict(stride_q=pb.strides(pb.q), stride_k=pb.strides(pb.k),
+                     stride_v=pb.strides(pb.v), stride_o=o_strides, stride_lse=pb.lse_strides,
+                     BUCKETS=pb.tune_buckets(),
+                     HEAD_DIM=D, BLOCK_D=block_d(D), HEAD_DIM_V=Dv, BLOCK_DV=block_d(Dv),
+                     SPEC=score_spec(call), VARLEN=pb.varlen, SEQUSED_K=k_lens is not None,
+                     PACK_GQA=bool(pack_gqa), SPLIT=num_splits > 1, DROPOUT=call.dropout_mode,
+                     WIDEN=widen_bf16(q.dtype), DOT_PRECISION=dot_precision(q.dtype), TMA=tma,
+                     PAGED=block_table is not None)
+
+        def grid(cfg):
+            return (triton.cdiv(rows, cfg["BLOCK_M"]) * num_splits, heads, pb.batch)
+
         if config is None and not interpreter_active() and autotune_enabled():
-            _attn_fwd_tuned[grid](**args)
+            configs = None
+        elif config is not None:
+            configs = [config]
+        elif interpreter_active():
+            # Autotuning in the interpreter would time every config in Python: one config.
+            configs = fwd_configs(interpret=True)
+        else:   # KERNELS_AUTOTUNE=0: the pruned list's first config that compiles
+            configs = fixed_configs(fwd_configs(), prune_configs, dict(
+                fixed, Q=pb.q, K=pb.k, V=pb.v, O=q, LSE=dummy, seq=self.seq, score=self.score,
+                drop=self.drop, split=self.split))
+        self.step = KernelStep(_attn_fwd, grid, fixed, configs=configs, tuned=_attn_fwd_tuned,
+                               scratch=bool(tma))
+
+    def __call__(self, q, k, v, call, *, cu_seqlens_q=None, cu_seqlens_k=None, k_lens=None,
+                 block_table=None, out=None, seed=None):
+        """(o, lse) of this signature's tensors (as ``attention_forward`` returns them);
+        ``call`` gives the per-call tensors: the seed (or ``seed``, its tensor on q's device),
+        the mods' aux tensors and sinks."""
+        Dv = self.Dv
+        if out is not None:
+            assert self.empty or out.stride() == self.o_stride, (out.stride(), self.o_stride)
+            o = out
+        elif Dv == q.shape[-1]:
+            o = torch.empty_like(q)
         else:
-            if config is not None:
-                configs = [config]
-            elif interpreter_active():
-                # Autotuning in the interpreter would time every config in Python: one config.
-                configs = fwd_configs(interpret=True)
-            else:   # KERNELS_AUTOTUNE=0: the pruned list's first config that compiles
-                configs = fixed_configs(fwd_configs(), prune_configs, args)
-            launch_first_compiling(_attn_fwd, grid, args, configs)
-    if num_splits > 1:
-        combine_splits(split.o_part, split.lse_part, o4, lse, call.mods.sinks)
-    return o, lse
+            o = q.new_empty((*q.shape[:-1], Dv))
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
+        if self.empty:
+            return o, lse
+        pb = self.pb
+        if self.varlen:
+            q4, k4, v4, o4 = packed_view(q), packed_view(k), packed_view(v), packed_view(o)
+            seq = pb._replace(cu_q=cu_seqlens_q, cu_k=cu_seqlens_k).seq_args(self.dummy)
+        else:
+            q4, k4, v4, o4 = q, k, v, o
+            seq = self.seq if self.seq is not None else pb._replace(k=k).seq_args(
+                self.dummy, k_lens, block_table)
+        split = self.split
+        if self.num_splits > 1:
+            split = split._replace(
+                o_part=torch.empty((self.num_splits, self.lse_numel, Dv), dtype=torch.float32,
+                                   device=q.device),
+                lse_part=torch.empty((self.num_splits, self.lse_numel), dtype=torch.float32,
+                                     device=q.device))
+        self.step(q.device, Q=q4, K=k4, V=v4, O=o4, LSE=lse, seq=seq,
+                  score=self.score if self.score is not None else score_args(call, self.dummy),
+                  drop=self.drop if not self.dropout else DropArgs(
+                      seed_tensor(call.seed, q.device) if seed is None else seed, *self.drop[1:]),
+                  split=split)
+        if self.num_splits > 1:
+            combine_splits(split.o_part, split.lse_part, o4, lse, call.mods.sinks)
+        return o, lse

@@ -229,6 +229,12 @@ class CallMods:
         return any(x is not None for x in (self.softcap, self.alibi_slopes, self.score_mod,
                                            self.mask_mod, self.sinks))
 
+    @property
+    def has_tensors(self) -> bool:
+        """Whether the call carries tensors (ALiBi slopes, sinks, aux) that a launch plan
+        must take per call rather than once."""
+        return self.alibi_slopes is not None or self.sinks is not None or bool(self.aux)
+
     def score_mods(self):
         """[(ScoreMod, its aux)] in the pipeline's order: softcap, ALiBi, the user's."""
         mods = []

@@ -178,11 +178,13 @@ def probs_from_lse(x, x_scale, lse2, b, h, rows, cols, k_len, diag, edge, score,
 
 
 @triton.jit
-def dropout_keep(drop, row_base, offs_m, start_n, BLOCK_M: tl.constexpr,
+def dropout_keep(drop, seed, row_base, offs_m, start_n, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr):
     """Keep mask (BLOCK_M, BLOCK_N) of query rows ``row_base + offs_m`` (row ids,
     kernels/core/dropout.py) and key columns ``start_n + arange(BLOCK_N)`` under the launch's
-    ``drop`` (``DropArgs``). DROPOUT: the launch's mode (``AttentionCall.dropout_mode``: 1 =
-    columns start on a Philox group, 2 = any column offset)."""
-    return dropout_keep_tile(drop.seed, row_base, offs_m, start_n, drop.groups, drop.threshold,
+    ``drop`` (``DropArgs``) and its ``seed``, loaded once per program from ``drop.seed``
+    (kernels/core/dropout.py ``load_seed``). DROPOUT: the launch's mode
+    (``AttentionCall.dropout_mode``: 1 = columns start on a Philox group, 2 = any column
+    offset)."""
+    return dropout_keep_tile(seed, row_base, offs_m, start_n, drop.groups, drop.threshold,
                              BLOCK_M, BLOCK_N, drop.col0, DROPOUT == 1)

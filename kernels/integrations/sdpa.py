@@ -131,22 +131,28 @@ def _causal_window(is_causal, window_size_left, window_size_right):
                            f"windows: window_size_right=0)")
 
 
-def _new_seed(dropout_p):
-    """SDPA's RNG contract: a fresh Philox seed from PyTorch's default generator."""
+def _new_seed(dropout_p, device):
+    """SDPA's RNG contract: a fresh Philox seed from PyTorch's generator of ``device``, drawn
+    there (a 0-d int64 tensor: no copy, no sync; a CUDA graph draws anew on each replay)."""
     if dropout_p == 0.0:
         return 0
-    return int(torch.randint(0, ops.SEED_LIMIT - 1, (), dtype=torch.int64).item())
+    return torch.randint(0, ops.SEED_LIMIT - 1, (), dtype=torch.int64, device=device)
 
 
 def _rng_tensors(seed, device):
-    """(rng_state (2,) uint64 = [seed, offset 0], unused () uint64), as the flash ops return."""
-    return (torch.tensor([seed, 0], dtype=torch.uint64, device=device),
-            torch.zeros((), dtype=torch.uint64, device=device))
+    """(rng_state (2,) uint64 = [seed, offset 0], unused () uint64), as the flash ops return;
+    built on the device from the seed tensor (no host round trip)."""
+    rng_state = torch.zeros(2, dtype=torch.int64, device=device)
+    if isinstance(seed, torch.Tensor):
+        rng_state[0] = seed
+    return rng_state.view(torch.uint64), torch.zeros((), dtype=torch.uint64, device=device)
 
 
 def _seed_of(rng_state):
-    return int(rng_state.reshape(-1)[0].item()) if rng_state is not None and \
-        rng_state.numel() else 0
+    """The seed in an rng_state, as a 0-d int64 tensor on its device (never read here)."""
+    if rng_state is None or not rng_state.numel():
+        return 0
+    return rng_state.reshape(-1)[:1].view(torch.int64).reshape(())
 
 
 def _bshd(*tensors):
@@ -161,7 +167,7 @@ def sdpa_flash_forward(query, key, value, dropout_p=0.0, is_causal=False,
     """``aten::_scaled_dot_product_flash_attention``: q (B, H, L, D), k/v (B, H_kv, S, D).
     Returns (out, logsumexp (B, H, L) fp32, None, None, L, S, rng_state, unused, debug mask)."""
     _check_extras(return_debug_mask=return_debug_mask)
-    seed = _new_seed(dropout_p)
+    seed = _new_seed(dropout_p, query.device)
     out, lse = ops.forward_with_lse(query, key, value, causal=bool(is_causal),
                                     dropout_p=float(dropout_p), softmax_scale=scale, seed=seed)
     rng_state, unused = _rng_tensors(seed, query.device)
@@ -186,7 +192,7 @@ def flash_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout
     debug mask); logsumexp (B, H, L) or (H, total_q)."""
     _check_extras(return_debug_mask=return_debug_mask, **extra)
     causal, window = _causal_window(is_causal, window_size_left, window_size_right)
-    seed = _new_seed(dropout_p)
+    seed = _new_seed(dropout_p, query.device)
     packed = cum_seq_q is not None
     if (cum_seq_k is not None) != packed:
         raise _unsupported_arg("cum_seq_q without cum_seq_k (or the reverse)")

@@ -143,7 +143,7 @@ def test_launch_without_autotuning_skips_configs_that_do_not_compile():
     raises when none does; compile-time errors only."""
     from triton.runtime.errors import PTXASError
 
-    from kernels.core.configs import launch_first_compiling
+    from kernels.core.launch import launch_first_compiling
     configs = bwd_configs(kernel="dq")[:3]
     keys = [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in configs]
     grid = lambda kw: (kw["BLOCK_M"],)     # noqa: E731

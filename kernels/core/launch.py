@@ -1,0 +1,138 @@
+"""Kernel launches that skip Triton's Python after the first: the steps of a launch plan.
+
+A Triton launch from Python (``kernel[grid](**args)``) binds the arguments, computes their
+specialisation key, looks the compiled kernel up, and, through an autotuner, finds the tuned
+config: 20-50 us of host time per launch, more than a short attention's GPU time. A launch plan
+(``ForwardPlan``, ``BackwardPlan``) fixes everything a call's shapes, strides, dtype and options
+decide; its ``KernelStep`` does the first launch through Triton (compiling and autotuning as
+usual), keeps the compiled kernel, its config and grid, and from then on calls the compiled
+kernel's launcher directly with the arguments in the kernel's parameter order, as Triton itself
+would (``JITFunction.run``: ``kernel.run(grid..., stream, function, metadata, ...)``).
+
+This is sound because a plan is only reused for calls whose every specialised property is the
+same: the plan's key holds the shapes, strides, dtypes and devices (hence the ints Triton
+specialises on) and the 16-byte alignment of every data pointer; no per-call int reaches a
+kernel (the dropout seed is a device tensor: kernels/core/dropout.py ``load_seed``).
+
+Direct launches are used on CUDA only, with no Triton launch hooks installed (a profiler's
+hooks see every launch through Triton's own path); the interpreter always goes through Triton.
+"""
+import torch
+import triton
+
+from .common import interpreter_active
+from .configs import _COMPILE_ERRORS
+
+try:  # where Triton keeps launch hooks (3.4+); a profiler installs them
+    from triton import knobs as _knobs
+except ImportError:  # pragma: no cover - older Triton
+    _knobs = None
+
+
+def _hooks_installed() -> bool:
+    if _knobs is None:
+        return True
+    hook = _knobs.runtime.launch_enter_hook
+    return bool(getattr(hook, "calls", hook))
+
+
+def _driver():
+    return triton.runtime.driver.active
+
+
+def _scratch_var():
+    """Triton's ContextVar holding the allocator of in-kernel descriptors' global scratch."""
+    return getattr(getattr(triton.runtime, "_allocation", None), "_allocator", None)
+
+
+class KernelStep:
+    """One kernel of a plan: ``jit_fn`` (the @triton.jit kernel) launched on ``grid(cfg)``
+    with ``configs`` (None: through ``tuned``, its autotuner) and ``fixed`` (the non-tensor
+    arguments and constexprs). ``__call__(**tensors)`` launches with the per-call arguments."""
+
+    def __init__(self, jit_fn, grid, fixed, configs=None, tuned=None, scratch=False):
+        self.jit_fn, self.grid, self.fixed = jit_fn, grid, fixed
+        self.configs, self.tuned, self.scratch = configs, tuned, scratch
+        self.direct = None   # (launcher, grid, function, metadata, names, fixed) once known
+        self.device = None
+
+    def __call__(self, device, **per_call):
+        direct = self.direct
+        if direct is not None and not _hooks_installed():
+            drv = _driver()
+            index = drv.get_current_device()
+            if index == self.device:
+                launcher, (g0, g1, g2), function, metadata, template, slots = direct
+                values = list(template)
+                for pos, name in slots:
+                    values[pos] = per_call[name]
+                stream = drv.get_current_stream(index)
+                if self.scratch:
+                    var = _scratch_var()
+                    token = var.set(self._alloc)
+                    try:
+                        launcher(g0, g1, g2, stream, function, metadata, None, None, None,
+                                 *values)
+                    finally:
+                        var.reset(token)
+                else:
+                    launcher(g0, g1, g2, stream, function, metadata, None, None, None, *values)
+                return
+        self._first(device, per_call)
+
+    def _first(self, device, per_call):
+        """Launch through Triton (compiling / autotuning as needed); on CUDA keep what a
+        direct launch needs."""
+        from .tma import tma_scratch
+        args = {**self.fixed, **per_call}
+        with tma_scratch(device, self.scratch):
+            if self.configs is None:
+                kernel = self.tuned[self.grid](**args)
+                cfg = self.tuned.best_config
+            else:
+                kernel, cfg = launch_first_compiling(self.jit_fn, self.grid, args, self.configs)
+        if interpreter_active():
+            return
+        self._keep(kernel, cfg, args, device)
+
+    def _keep(self, kernel, cfg, args, device):
+        names = getattr(self.jit_fn, "arg_names", None)
+        run = getattr(kernel, "run", None)
+        if names is None or run is None or not hasattr(kernel, "packed_metadata"):
+            return   # a Triton whose compiled kernels look otherwise: keep its own path
+        fixed = {**self.fixed, **cfg.kwargs}
+        if any(n not in fixed and n not in args for n in names):
+            return
+        grid = tuple(self.grid(cfg.kwargs))
+        grid = grid + (1,) * (3 - len(grid))
+        if self.scratch:
+            self._alloc = lambda size, alignment, stream: torch.empty(
+                size, dtype=torch.int8, device=device)
+        # The arguments in the kernel's parameter order: the fixed ones in place, the per-call
+        # ones (tensors and the tuples holding them) filled in by position at each launch.
+        template = [fixed.get(n) for n in names]
+        slots = tuple((i, n) for i, n in enumerate(names) if n not in fixed)
+        if {n for _, n in slots} != set(args) - set(fixed):
+            return   # a per-call argument the kernel does not take: keep Triton's own checks
+        self.device = _driver().get_current_device()
+        self.direct = (run, grid, kernel.function, kernel.packed_metadata, tuple(template),
+                       slots)
+
+
+_NO_CONFIG = triton.Config({})
+
+
+def launch_first_compiling(kernel, grid, kernel_args, configs):
+    """Launch ``kernel`` with the first of ``configs`` (a pruned list, in order) that compiles
+    and loads, as the autotuner would among them; ``grid(config.kwargs)`` gives each one's grid
+    (a config None: the kernel's own launch options, ``grid({})``).
+    Returns (the compiled kernel, its config); raises the last config's error when none does."""
+    for i, cfg in enumerate(configs):
+        try:
+            if cfg is None:   # a kernel without configs: Triton's default launch options
+                return kernel[grid({})](**kernel_args), _NO_CONFIG
+            return kernel[grid(cfg.kwargs)](**kernel_args, **cfg.kwargs, num_warps=cfg.num_warps,
+                                            num_stages=cfg.num_stages), cfg
+        except _COMPILE_ERRORS:
+            if i == len(configs) - 1:
+                raise
