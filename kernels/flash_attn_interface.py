@@ -34,11 +34,14 @@ Every function here has FlashAttention 2's signature and semantics (flash_attn 2
   ``cache_batch_idx`` selects cache rows (natively through the paged path when available, else
   by a gathered copy of the selected rows).
 
-Not supported (``NotImplementedError`` naming the argument): ``cache_leftpad``, and
-FlashAttention 3's arguments (FP8 descales, ``qv``, ``scheduler_metadata``, ...). Errors
-FlashAttention raises (a dtype other than fp16 / bf16 -- fp32 is accepted here --, q, k, v
-dtypes or head dims that differ, heads_q not a multiple of heads_k, wrong ranks) are raised as
-the same type, RuntimeError, with our own message. Where FlashAttention is stricter than our
+``cache_leftpad`` hides each row's keys before it (a mask mod; positions, rotary included,
+stay absolute, as in FlashAttention).
+
+Not supported (``NotImplementedError`` naming the argument): FlashAttention 3's arguments (FP8
+descales, ``qv``, ``scheduler_metadata``, ...). Errors FlashAttention raises (a dtype other
+than fp16 / bf16 -- fp32 is accepted here --, q, k, v dtypes or head dims that differ, heads_q
+not a multiple of heads_k, wrong ranks) are raised as the same type, RuntimeError, with our
+own message. Where FlashAttention is stricter than our
 kernels (head_dim > 256, softcap with dropout, batch 0, any paged block size), we accept.
 """
 import inspect
@@ -66,7 +69,7 @@ _PROBS_KEYS = 512
 _WINDOW_CAP = 1 << 30
 
 
-# ---------------------------------------------------------------------------- window mask mod
+# ---------------------------------------------------------------------------- window mask mods
 @triton.jit
 def _window_fn(b, h, q_idx, kv_idx, aux):
     """FlashAttention's local window: q_idx - left <= kv_idx <= q_idx + right; aux[0] = int32
@@ -95,9 +98,38 @@ WINDOW_MASK = MaskMod("flash_attn.window", _window_fn, _window_torch, kv_range=_
                       q_range=_window_queries)
 
 
-def _window_args(window_size, causal, device):
-    """Our (causal, window, mask_mod, mod_aux) for FlashAttention's ``window_size`` and
-    ``causal``."""
+# A left-padded KV cache (``cache_leftpad``): FlashAttention hides row b's keys before
+# leftpad[b] and keeps every other rule in absolute positions (causal alignment, window,
+# ALiBi distance, rotary positions), so the padding is one more mask: the window's and
+# kv_idx >= aux[1][b].
+@triton.jit
+def _leftpad_fn(b, h, q_idx, kv_idx, aux):
+    return _window_fn(b, h, q_idx, kv_idx, aux) & (kv_idx >= tl.load(aux[1] + b))
+
+
+@triton.jit
+def _leftpad_keys(b, q_lo, q_hi, aux):
+    return tl.maximum(q_lo - tl.load(aux[0]), tl.load(aux[1] + b)), q_hi + tl.load(aux[0] + 1)
+
+
+@triton.jit
+def _leftpad_queries(b, kv_lo, kv_hi, aux):
+    q_lo = kv_lo - tl.load(aux[0] + 1)
+    # Keys entirely inside the padding are seen by no query: an empty range.
+    return q_lo, tl.where(kv_hi <= tl.load(aux[1] + b), q_lo, kv_hi + tl.load(aux[0]))
+
+
+def _leftpad_torch(b, h, q_idx, kv_idx, aux):
+    return _window_torch(b, h, q_idx, kv_idx, aux) & (kv_idx >= aux[1].long()[b])
+
+
+LEFTPAD_MASK = MaskMod("flash_attn.leftpad", _leftpad_fn, _leftpad_torch,
+                       kv_range=_leftpad_keys, q_range=_leftpad_queries)
+
+
+def _window_args(window_size, causal, device, leftpad=None):
+    """Our (causal, window, mask_mod, mod_aux) for FlashAttention's ``window_size``,
+    ``causal`` and (KV cache) ``cache_leftpad``."""
     try:
         left, right = (int(x) for x in window_size)
     except (TypeError, ValueError):
@@ -107,11 +139,17 @@ def _window_args(window_size, causal, device):
     right = _WINDOW_CAP if right < 0 else min(right, _WINDOW_CAP)
     if causal or right == 0:
         # FlashAttention ignores ``right`` when causal; (left, 0) is causal with a window.
-        return True, (None if left >= _WINDOW_CAP else left + 1), None, ()
-    if left >= _WINDOW_CAP and right >= _WINDOW_CAP:
-        return False, None, None, ()
-    aux = torch.tensor([left, right], dtype=torch.int32, device=device)
-    return False, None, WINDOW_MASK, (aux,)
+        causal, window = True, (None if left >= _WINDOW_CAP else left + 1)
+        left = right = _WINDOW_CAP     # the built-in rules do it: the mask mod only pads
+    else:
+        causal, window = False, None
+    bounds = torch.tensor([left, right], dtype=torch.int32, device=device)
+    if leftpad is not None:
+        return causal, window, LEFTPAD_MASK, (bounds, leftpad.to(device=device,
+                                                                  dtype=torch.int32))
+    if causal or (left >= _WINDOW_CAP and right >= _WINDOW_CAP):
+        return causal, window, None, ()
+    return causal, window, WINDOW_MASK, (bounds,)
 
 
 # ---------------------------------------------------------------------------- validation
@@ -401,7 +439,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         cache_seqlens: int or int32 (batch,): filled length of each cache row; None = the
             whole cache (not with k, v).
         cache_batch_idx: optional int32 (batch,): row b uses cache row cache_batch_idx[b].
-        cache_leftpad: NotImplementedError.
+        cache_leftpad: optional int32 (batch,): row b's keys start at cache_leftpad[b] (the
+            positions before it are hidden; every other rule keeps absolute positions).
         block_table: optional int32 (batch, max_blocks_per_seq): page indices of each row
             (needs ``attention_with_kvcache(block_table=...)``; else NotImplementedError).
         rotary_interleaved: True: rotate dims (0, 1), (2, 3), ...; False: GPT-NeoX halves.
@@ -413,10 +452,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         out (batch, seqlen_q, heads, head_dim) [, softmax_lse].
     """
     _reject_fa3(fa3_kwargs)
-    if cache_leftpad is not None:
-        raise NotImplementedError("cache_leftpad is not supported by kernels.flash_attn_interface "
-                                  "(left-padded caches: shift each row's keys to start at 0)")
     paged = block_table is not None
+    if paged and cache_leftpad is not None:
+        raise RuntimeError("cache_leftpad cannot be combined with block_table (paged caches)")
     if paged and not _paged_supported():
         raise NotImplementedError("block_table (paged KV caches) needs kernels."
                                   "attention_with_kvcache(block_table=...), which this version "
@@ -443,12 +481,19 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         lens = torch.full((B,), cache_seqlens, dtype=torch.int32, device=q.device)
     else:
         lens = cache_seqlens.to(device=q.device, dtype=torch.int32)
-    causal, window, mask_mod, mod_aux = _window_args(window_size, causal, q.device)
+    if cache_leftpad is not None:
+        if not isinstance(cache_leftpad, torch.Tensor) or cache_leftpad.shape != (B,):
+            raise RuntimeError(f"cache_leftpad must be an int32 tensor of shape ({B},), got "
+                               f"{getattr(cache_leftpad, 'shape', cache_leftpad)!r}")
+    # FlashAttention rotates each query at its own position when causal or windowed.
+    local = bool(causal) or tuple(window_size) != (-1, -1)
+    causal, window, mask_mod, mod_aux = _window_args(window_size, causal, q.device,
+                                                     cache_leftpad)
 
     if rotary_cos is not None:
         pos_k = lens.long()[:, None] + torch.arange(k.shape[1], device=q.device)
         k = _rotate(k, rotary_cos[pos_k], rotary_sin[pos_k], rotary_interleaved)
-        if causal or window is not None or mask_mod is not None:
+        if local:
             pos_q = lens.long()[:, None] + torch.arange(q.shape[1], device=q.device)
         else:
             pos_q = lens.long()[:, None].expand(B, q.shape[1])

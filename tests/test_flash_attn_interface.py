@@ -27,14 +27,15 @@ PAGED = "block_table" in inspect.signature(kernels.attention_with_kvcache).param
 
 
 # ------------------------------------------------------------------------------ the oracle
-def _fa_mask(causal, window_size):
-    """FlashAttention's visibility as a reference mask_mod (positions on the key axis)."""
+def _fa_mask(causal, window_size, leftpad=0):
+    """FlashAttention's visibility as a reference mask_mod (positions on the key axis); keys
+    before ``leftpad`` hidden (a left-padded KV cache row)."""
     left, right = window_size
     if causal:
         right = 0
 
     def visible(b, h, q_idx, kv_idx, aux):
-        vis = torch.ones_like(q_idx - kv_idx, dtype=torch.bool)
+        vis = kv_idx >= leftpad
         if left >= 0:
             vis = vis & (kv_idx >= q_idx - left)
         if right >= 0:
@@ -52,14 +53,14 @@ def _ours(t):
 
 
 def _oracle(q, k, v, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-            softmax_scale=None, keep=None, dropout_p=0.0):
+            softmax_scale=None, keep=None, dropout_p=0.0, leftpad=0):
     """(ref, lowp) pairs (out in FA layout, lse, grad leaves) of the oracle in float64 and in
     the input dtype."""
     results = []
     for i in range(2):
         leaves = [_ours(t)[i] for t in (q, k, v)]
-        o, lse = reference.attention(*leaves, causal=False, mask_mod=_fa_mask(causal,
-                                                                               window_size),
+        o, lse = reference.attention(*leaves, causal=False,
+                                     mask_mod=_fa_mask(causal, window_size, leftpad),
                                      softcap=softcap or None, alibi_slopes=alibi_slopes,
                                      softmax_scale=softmax_scale, keep_mask=keep,
                                      dropout_p=dropout_p, upcast=i == 0, return_lse=True)
@@ -286,7 +287,7 @@ def _rotary_oracle(x, cos, sin, interleaved):
 
 
 def _kvcache_oracle(q, k_cache, v_cache, lens, k=None, v=None, cache_batch_idx=None,
-                    rotary=None, causal=False, window_size=(-1, -1), **kw):
+                    rotary=None, causal=False, window_size=(-1, -1), cache_leftpad=None, **kw):
     """(ref, lowp) outputs (FA layout) and the expected caches, row by row."""
     kw.pop("num_splits", None)   # the kernel's split-KV: no difference to the oracle
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
@@ -307,7 +308,8 @@ def _kvcache_oracle(q, k_cache, v_cache, lens, k=None, v=None, cache_batch_idx=N
             k_cache[row, n:n + n_new], v_cache[row, n:n + n_new] = k[b], v[b]
         ref, lowp = _oracle(q[b:b + 1], k_cache[row:row + 1, :n + n_new],
                             v_cache[row:row + 1, :n + n_new], causal=causal,
-                            window_size=window_size, **kw)
+                            window_size=window_size,
+                            leftpad=0 if cache_leftpad is None else int(cache_leftpad[b]), **kw)
         outs[0].append(ref[0])
         outs[1].append(lowp[0])
     return torch.cat(outs[0]), torch.cat(outs[1]), k_cache, v_cache
@@ -375,6 +377,27 @@ def test_kvcache_batch_idx_without_paged_kernels(monkeypatch):
     """Before paged caches landed: the gathered-copy path, same results."""
     monkeypatch.setattr(fa, "_paged_supported", lambda: False)
     test_kvcache_batch_idx(2)
+
+
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(window_size=(3, 1)), dict(),
+                                dict(causal=True, alibi_slopes="heads", num_splits=2)],
+                         ids=["causal", "two_sided", "full", "alibi_split"])
+def test_kvcache_leftpad(kw):
+    """cache_leftpad: row b's keys before leftpad[b] are hidden, everything else (causal
+    alignment, window, ALiBi distance, the append position) in absolute positions."""
+    B, sq, hq, hk, cap, d = 3, 2, 2, 1, 20, 16
+    kw = _materialise(kw, B, hq)
+    q = randn(B, sq, hq, d)
+    k_cache, v_cache = randn(B, cap, hk, d), randn(B, cap, hk, d)
+    k, v = randn(B, sq, hk, d), randn(B, sq, hk, d)
+    lens, pad = [9, 14, 3], torch.tensor([4, 0, 3], dtype=torch.int32, device=DEVICE)
+    ro, lo, k_exp, _ = _kvcache_oracle(q, k_cache, v_cache, lens, k, v, cache_leftpad=pad,
+                                       **kw)
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_leftpad=pad,
+                                  cache_seqlens=torch.tensor(lens, dtype=torch.int32,
+                                                             device=DEVICE), **kw)
+    assert_parity(out, ro, lo)
+    assert torch.equal(k_cache, k_exp)
 
 
 @pytest.mark.parametrize("interleaved", [True, False])
@@ -450,8 +473,12 @@ ERRORS = [
     (lambda: flash_attn_func(*_dense_inputs(), qv=torch.ones(1)), NotImplementedError, "qv"),
     (lambda: flash_attn_func(*_dense_inputs(), bogus=1), TypeError, "bogus"),
     (lambda: flash_attn_with_kvcache(*_dense_inputs(), cache_seqlens=2,
-                                     cache_leftpad=torch.zeros(1, dtype=torch.int32)),
-     NotImplementedError, "cache_leftpad"),
+                                     cache_leftpad=torch.zeros(1, dtype=torch.int32),
+                                     block_table=torch.zeros(1, 1, dtype=torch.int32)),
+     (RuntimeError, NotImplementedError), "block_table"),
+    (lambda: flash_attn_with_kvcache(*_dense_inputs(), cache_seqlens=2,
+                                     cache_leftpad=torch.zeros(2, dtype=torch.int32)),
+     RuntimeError, "cache_leftpad"),
     (lambda: flash_attn_with_kvcache(*_dense_inputs(), scheduler_metadata=torch.ones(1)),
      NotImplementedError, "scheduler_metadata"),
     (lambda: flash_attn_with_kvcache(*_dense_inputs(), cache_batch_idx=torch.zeros(
