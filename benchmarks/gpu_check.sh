@@ -51,6 +51,34 @@
 # TEST_ARGS (extra pytest arguments, default none: every failure is reported; e.g. "-x" to stop
 # at the first, "--timeout 300" to cut a hung test; a per-test timeout under ~90 s fails tests
 # that compile many kernels while 8-16 workers compete for the CPU: seen on an H200 host).
+#
+# Stage list "speed" (issue 30; `GPU_CHECK_STAGES=speed`, one 9-minute device call, the command
+# line is in benchmarks/README.md): in this order, each stage saving as it ends,
+#   precompile  benchmarks/precompile.py: every kept config of every launch below compiled on
+#               all cores but two into TRITON_CACHE_DIR (and Flex's graphs into inductor's
+#               cache) before anything is timed; precompile.json
+#   probe       (1) run beside precompile, on the two cores left: hf_grad_probe.py with and
+#               without TMA, KERNELS_AUTOTUNE=0 as in the GPU test suite whose Gemma 2 gradient
+#               test failed; probe_tma1.json / probe_tma0.json
+#   sweep       (2) fwd / bwd / fwd_bwd, seq 128 ... 16384, head_dim 128 and 64, causal bf16,
+#               16k tokens: ours, cuDNN, SDPA flash (FA2), Flex, the Triton tutorial; sweep/
+#   dropout     (3) the same with dropout 0.1: ours and the SDPA backends; dropout/
+#   modules     (4) the module and GPT-124M step rows, dropout 0 and 0.1; modules/
+#   profile     (5) profile_call.py at seq 128 (kernel vs host time; ours, flash, cuDNN) with
+#               and without TMA, then Nsight Compute on ours' kernels; profile_tma*.json,
+#               ncu_seq128.csv
+#   tma_ab      last, when >= 60 s are left: ours and flash at seq 128 / 512 / 1k, d128 and
+#               d64, with (tma1/) and without (tma0/) descriptors
+# Each stage's limit is what is left less a reserve for the stages after it (STAGE_RESERVE).
+# Stage list "suite": versions, then the compiled test suite (TESTS_TIMEOUT default 500 there).
+# GPU_CHECK_WORK=DIR: the stages of these lists write under DIR (default OUTDIR) and, with
+# GPU_CHECK_PACK=1, DIR is packed into OUTDIR/results.tar after every stage (a device call
+# brings back at most 8 files); TRITON_CACHE_DIR defaults to GPU_CHECK_CACHE (/tmp/gpu_check_cache)
+# so that precompile and the timed stages share it.
+# DRY_RUN=1: the whole script on a CPU machine, every python command replaced by
+# `python -m benchmarks.device_plan MODULE ARGS...` (the same arguments through the module's own
+# parser, and what it would run), so that a typo fails there and not on the device
+# (tests/test_device_script.py runs it).
 # Exit status: 0 when every stage passed, else the first failing stage's status.
 set -uo pipefail
 
@@ -71,8 +99,30 @@ BOOK_TIMEOUT=${BOOK_TIMEOUT:-540}
 BOOK_ARGS=${BOOK_ARGS:-}
 TEST_WORKERS=${TEST_WORKERS:-8}
 TEST_ARGS=${TEST_ARGS:-}
+DRY_RUN=${DRY_RUN:-0}
 STAGES=" ${GPU_CHECK_STAGES:-versions ceilings tests bench} "
+STAGES=${STAGES/ speed / versions precompile probe sweep dropout modules profile tma_ab }
+if [[ "$STAGES" == *" suite "* ]]; then
+    STAGES=${STAGES/ suite / versions tests }
+    TESTS_TIMEOUT=${TESTS_TIMEOUT_SUITE:-500}
+fi
 wanted() { [[ "$STAGES" == *" $1 "* ]]; }
+WORK=${GPU_CHECK_WORK:-$OUTDIR}
+mkdir -p "$WORK"
+WORK=$(cd "$WORK" && pwd)
+PACK=${GPU_CHECK_PACK:-0}
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-${GPU_CHECK_CACHE:-/tmp/gpu_check_cache}/triton}
+mkdir -p "$TRITON_CACHE_DIR"
+# The python commands: `$PY -m MODULE ARGS`, or in a dry run their validation.
+if [ "$DRY_RUN" = 1 ]; then
+    PYM=("$PY" -m benchmarks.device_plan)
+else
+    PYM=("$PY" -m)
+fi
+PRECOMPILE_JOBS=${PRECOMPILE_JOBS:-$(( $(nproc) > 3 ? $(nproc) - 2 : 1 ))}
+SEQS=(128 512 1024 2048 4096 8192 16384)
+SPEED_COMMON=(--no-plots --skip-parity --no-features --dtypes bf16 --head-dims 128 64
+              --seq-lens "${SEQS[@]}" --modes fwd bwd fwd_bwd)
 
 main() {
     local start status=0 summary=""
@@ -103,6 +153,20 @@ main() {
         return 0
     }
 
+    # Seconds a stage of the speed list may take: what is left less the reserves of the stages
+    # after it (each reserve: what that stage needs at least to say something), capped at CAP.
+    limit_reserving() {  # CAP RESERVE_S
+        local limit=$(( $(left) - $2 ))
+        [ "$limit" -gt "$1" ] && limit=$1
+        [ "$limit" -lt 20 ] && limit=20
+        echo "$limit"
+    }
+    pack() {  # OUTDIR/results.tar from WORK, replaced whole after every stage
+        [ "$PACK" = 1 ] || return 0
+        tar cf "$OUTDIR/results.tar.tmp" -C "$WORK" . 2>/dev/null \
+            && mv "$OUTDIR/results.tar.tmp" "$OUTDIR/results.tar"
+    }
+
     wanted versions && stage "device and versions" 60 bash -c '
         nvidia-smi || echo "nvidia-smi failed"
         '"$PY"' -c "import sys, torch, triton; print(\"python\", sys.version.split()[0]); \
@@ -110,9 +174,10 @@ print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"cudnn\", \
 torch.backends.cudnn.version()); print(\"triton\", triton.__version__); \
 print(\"device\", torch.cuda.get_device_name() if torch.cuda.is_available() else None)"
         '"$PY"' -m pip list 2>/dev/null | grep -i -E "^(torch|triton|matplotlib|pytest|numpy)" || true
-        git rev-parse --short HEAD 2>/dev/null || echo "(no git checkout)"'
+        git rev-parse --short HEAD 2>/dev/null || echo "(no git checkout)"
+        echo "cores $(nproc); ncu $(command -v ncu || echo missing); TRITON_CACHE_DIR $TRITON_CACHE_DIR"'
 
-    wanted ceilings && stage "ceilings" 90 "$PY" -m benchmarks.ceilings --out "$OUTDIR/ceilings.json"
+    wanted ceilings && stage "ceilings" 90 "${PYM[@]}" benchmarks.ceilings --out "$OUTDIR/ceilings.json"
 
     if wanted tests; then
         local tests_limit
@@ -122,43 +187,138 @@ print(\"device\", torch.cuda.get_device_name() if torch.cuda.is_available() else
             xdist_args="-n $TEST_WORKERS"
         fi
         # shellcheck disable=SC2086
-        TEST_LOG_DIR="$OUTDIR" stage "tests (GPU)" "$tests_limit" "$PY" -m pytest tests -q \
+        TEST_LOG_DIR="$WORK" stage "tests (GPU)" "$tests_limit" "${PYM[@]}" pytest tests -q \
             $TEST_ARGS -p no:cacheprovider -p benchmarks.failure_log -rfE $xdist_args \
-            --durations=15 --junitxml "$OUTDIR/junit.xml"
+            --durations=15 --junitxml "$WORK/junit.xml"
+        pack
     fi
     if wanted book; then
         local book_limit
         book_limit=$(limit_before_bench "$BOOK_TIMEOUT" 60)
         # --book-models last, so that BOOK_ARGS may name families (--book-models qwen3).
         # shellcheck disable=SC2086
-        stage "book models" "$book_limit" "$PY" -m benchmarks --out-dir "$OUTDIR/book" \
+        stage "book models" "$book_limit" "${PYM[@]}" benchmarks --out-dir "$OUTDIR/book" \
             --no-plots --skip-parity --no-modules --no-sweep --no-features \
             --time-budget $(( book_limit - 30 )) --book-models $BOOK_ARGS
     fi
-    if wanted tma_ab; then
+    if wanted precompile; then
+        # (1) The probe runs beside the compiles, on the cores they leave: it is correctness
+        # only, and the first result of the list (a wrong gradient outranks any speed).
+        local probe_pids=() tma
+        if wanted probe; then
+            for tma in 1 0; do
+                KERNELS_TMA=$tma KERNELS_AUTOTUNE=0 timeout -k 10 "${PROBE_TIMEOUT:-170}" \
+                    "${PYM[@]}" benchmarks.hf_grad_probe --json "$WORK/probe_tma$tma.json" \
+                    > "$WORK/probe_tma$tma.log" 2>&1 &
+                probe_pids+=($!)
+            done
+        fi
+        # shellcheck disable=SC2086
+        stage "precompile (${PRECOMPILE_JOBS} processes)" "$(limit_reserving 150 300)" \
+            "${PYM[@]}" benchmarks.precompile --jobs "$PRECOMPILE_JOBS" \
+            --json "$WORK/precompile.json" ${PRECOMPILE_ARGS:-}
+        pack
+        if wanted probe; then
+            local i=0 rc
+            for tma in 1 0; do
+                wait "${probe_pids[$i]}"; rc=$?
+                i=$(( i + 1 ))
+                echo; echo "=== probe KERNELS_TMA=$tma (beside precompile): exit $rc ==="
+                cat "$WORK/probe_tma$tma.log"
+                summary="${summary}probe KERNELS_TMA=$tma: exit $rc"$'\n'
+                [ $status -eq 0 ] && [ $rc -ne 0 ] && status=$rc
+            done
+            pack
+        fi
+    elif wanted probe; then
         local tma
         for tma in 1 0; do
-            KERNELS_TMA=$tma stage "tma_ab KERNELS_TMA=$tma" 180 "$PY" -m benchmarks \
-                --out-dir "$OUTDIR/tma$tma" --no-plots --skip-parity --no-modules --no-features \
-                --providers kernels sdpa_flash sdpa_cudnn --dtypes bfloat16 --head-dims 128 \
-                --dropout 0.0 --seq-lens 128 1024 4096 16384 --time-budget 140
+            KERNELS_TMA=$tma KERNELS_AUTOTUNE=0 stage "probe KERNELS_TMA=$tma" 120 \
+                "${PYM[@]}" benchmarks.hf_grad_probe --json "$WORK/probe_tma$tma.json"
         done
+        pack
     fi
-    if wanted probe; then
-        local tma
-        for tma in 1 0; do
-            KERNELS_TMA=$tma stage "probe KERNELS_TMA=$tma" 120 "$PY" -m benchmarks.hf_grad_probe
-        done
+    if wanted sweep; then
+        # (2) Reserve: dropout 60 s, modules 45 s, profile 60 s.
+        local sweep_limit
+        sweep_limit=$(limit_reserving 270 165)
+        stage "sweep (bf16, d128 + d64, dropout 0)" "$sweep_limit" "${PYM[@]}" benchmarks \
+            --out-dir "$WORK/sweep" "${SPEED_COMMON[@]}" --no-modules --dropout 0.0 \
+            --providers kernels sdpa_cudnn sdpa_flash flex triton_tutorial \
+            --time-budget $(( sweep_limit - 30 ))
+        pack
+    fi
+    if wanted dropout; then
+        # (3) The backends that take dropout (Flex and the tutorial do not); sdpa_math stores
+        # seq^2 scores: up to 4k here.
+        local dropout_limit
+        dropout_limit=$(limit_reserving 150 105)
+        stage "sweep with dropout 0.1" "$dropout_limit" "${PYM[@]}" benchmarks \
+            --out-dir "$WORK/dropout" "${SPEED_COMMON[@]}" --no-modules --dropout 0.1 \
+            --providers kernels sdpa_cudnn sdpa_flash sdpa_efficient sdpa_math \
+            --quadratic-max-seq 4096 --time-budget $(( dropout_limit - 25 ))
+        pack
+    fi
+    if wanted modules; then
+        # (4) FusedMultiHeadAttention vs the book's module (8 x 1024, 12 x 64) and the
+        # GPT-124M training step; their attention launches are the sweep's d64 seq-1024 ones.
+        local modules_limit
+        modules_limit=$(limit_reserving 90 60)
+        stage "module and GPT-124M rows" "$modules_limit" "${PYM[@]}" benchmarks \
+            --out-dir "$WORK/modules" --no-plots --skip-parity --no-sweep --no-features \
+            --dtypes bf16 --dropout 0.0 0.1 --time-budget $(( modules_limit - 20 ))
+        pack
     fi
     if wanted profile; then
+        # (5) torch.profiler: GPU kernel time vs host time per mode at seq 128 (128 x 16 x 128,
+        # d128), with and without TMA; then Nsight Compute on ours' kernels there.
         local tma
         for tma in 1 0; do
-            KERNELS_TMA=$tma stage "profile KERNELS_TMA=$tma" 120 "$PY" -m \
-                benchmarks.profile_call --json "$OUTDIR/profile_tma$tma.json"
+            KERNELS_TMA=$tma stage "profile KERNELS_TMA=$tma" "$(limit_reserving 60 30)" \
+                "${PYM[@]}" benchmarks.profile_call --json "$WORK/profile_tma$tma.json"
         done
+        pack
+        local ncu_args=(--clock-control none --profile-from-start off
+                        --kernel-name "regex:_attn_fwd|_bwd_" --section SpeedOfLight
+                        --section LaunchStats --section Occupancy --csv --page details)
+        local prof_args=(benchmarks.profile_call --ncu --providers ours --reps 1)
+        if [ "$DRY_RUN" = 1 ]; then
+            stage "ncu (dry run: its python command)" 60 "${PYM[@]}" "${prof_args[@]}"
+            echo "would run: ncu ${ncu_args[*]} $PY -m ${prof_args[*]} > $WORK/ncu_seq128.csv"
+        elif command -v ncu >/dev/null 2>&1; then
+            stage "ncu, ours at seq 128" "$(limit_reserving 120 0)" bash -c \
+                'ncu "$@" > "'"$WORK"'/ncu_seq128.csv" 2> "'"$WORK"'/ncu_seq128.log"; rc=$?;
+                 tail -5 "'"$WORK"'/ncu_seq128.log"; exit $rc' _ \
+                "${ncu_args[@]}" "$PY" -m "${prof_args[@]}"
+        else
+            echo "ncu not found: no Nsight Compute profile"
+        fi
+        pack
+    fi
+    if wanted tma_ab; then
+        # Ours with and without tensor descriptors at the short lengths where the per-program
+        # fixed cost weighs most (benchmarks/NOTES.md, issue 30), SDPA flash as the drift check.
+        # In the speed list only when a minute is left (the suite call can take it instead).
+        local tma tma_limit
+        for tma in 1 0; do
+            tma_limit=$(( $(left) - 5 ))
+            [ $tma_limit -gt 120 ] && tma_limit=120
+            if [ $tma_limit -lt 30 ]; then
+                echo "=== tma_ab KERNELS_TMA=$tma: skipped, ${tma_limit}s left"
+                continue
+            fi
+            KERNELS_TMA=$tma stage "tma_ab KERNELS_TMA=$tma" "$tma_limit" "${PYM[@]}" \
+                benchmarks --out-dir "$WORK/tma$tma" --no-plots --skip-parity --no-modules \
+                --no-features --providers kernels sdpa_flash --dtypes bf16 --head-dims 128 64 \
+                --dropout 0.0 --seq-lens 128 512 1024 --modes fwd bwd fwd_bwd \
+                --time-budget $(( tma_limit - 15 ))
+        done
+        pack
     fi
     if ! wanted bench; then
+        pack
         echo; echo "=== summary ($(( $(date +%s) - start ))s in all) ==="; printf "%s" "$summary"
+        [ "$PACK" = 1 ] && tar tvf "$OUTDIR/results.tar" 2>/dev/null | awk '{print $3, $6}'
         return $status
     fi
 
@@ -170,7 +330,7 @@ print(\"device\", torch.cuda.get_device_name() if torch.cuda.is_available() else
         bench_budget=$(( bench_limit * 2 / 3 ))
     fi
     # shellcheck disable=SC2086
-    stage "benchmark" "$bench_limit" "$PY" -m benchmarks --out-dir "$OUTDIR" \
+    stage "benchmark" "$bench_limit" "${PYM[@]}" benchmarks --out-dir "$OUTDIR" \
         --time-budget "$bench_budget" $BENCH_ARGS
 
     if ls "$OUTDIR"/*.png >/dev/null 2>&1; then

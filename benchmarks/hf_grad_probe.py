@@ -10,13 +10,14 @@ was 0.109 off the float64 oracle against a budget of 0.033 (3x eager's error), w
 (Triton's interpreter) ours is ~1e-7 off. Run on the GPU with and without TMA
 (benchmarks/gpu_check.sh, stage "probe")::
 
-    python -m benchmarks.hf_grad_probe          # KERNELS_TMA=0 for per-thread loads
+    python -m benchmarks.hf_grad_probe [--json OUT.json]   # KERNELS_TMA=0: per-thread loads
 
 Prints one line per (variant, attention parameter): max |ours - fp64|, max |eager - fp64|,
 max |fp64 gradient|. Needs transformers. On a CPU the kernels' PyTorch path runs (set
 TRITON_INTERPRET=1 before the start for the Triton kernels in the interpreter).
 """
 import copy
+import json
 import os
 
 import torch
@@ -37,7 +38,7 @@ def _batch(device):
     return ids.masked_fill(mask == 0, 0), mask
 
 
-def probe(label, window, softcap, device):
+def probe(label, window, softcap, device, rows=None):
     import transformers
 
     from kernels.integrations import hf
@@ -66,15 +67,50 @@ def probe(label, window, softcap, device):
         r = ref[name].grad
         err = (p.grad.double() - r).abs().max().item()
         err_eager = (theirs[name].grad.double() - r).abs().max().item()
+        ref_max = r.abs().max().item()
         print(f"{label:22s} {name:40s} ours {err:.3e}  eager {err_eager:.3e}  "
-              f"max|g| {r.abs().max().item():.3e}", flush=True)
+              f"max|g| {ref_max:.3e}", flush=True)
+        if rows is not None:
+            rows.append(dict(variant=label, param=name, ours_err=err, eager_err=err_eager,
+                             ref_max=ref_max, ours_over_eager=err / err_eager
+                             if err_eager else None))
 
 
-def main():
+def build_parser():
+    """The command line (also used by benchmarks.device_plan to validate a device script)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.hf_grad_probe", allow_abbrev=False,
+                                 description=__doc__.splitlines()[0])
+    ap.add_argument("--json", help="also write every line's numbers here (after each variant)")
+    ap.add_argument("--variants", nargs="+", choices=[v[0] for v in VARIANTS],
+                    default=[v[0] for v in VARIANTS], metavar="LABEL",
+                    help="which variants (labels as printed; default all)")
+    return ap
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    print(f"device {device}, KERNELS_TMA={os.environ.get('KERNELS_TMA', '1')}")
+    meta = dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                torch=torch.__version__, kernels_tma=os.environ.get("KERNELS_TMA", "1"),
+                kernels_autotune=os.environ.get("KERNELS_AUTOTUNE", "1"))
+    try:
+        import transformers
+        import triton
+        meta.update(transformers=transformers.__version__, triton=triton.__version__)
+    except ImportError as exc:
+        meta["import_error"] = str(exc)
+    print(f"device {device}, KERNELS_TMA={meta['kernels_tma']}, "
+          f"KERNELS_AUTOTUNE={meta['kernels_autotune']}")
+    rows = []
     for label, window, softcap in VARIANTS:
-        probe(label, window, softcap, device)
+        if label not in args.variants:
+            continue
+        probe(label, window, softcap, device, rows)
+        if args.json:   # after each variant: a cut run keeps what it measured
+            with open(args.json, "w") as f:
+                json.dump(dict(meta=meta, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

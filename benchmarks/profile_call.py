@@ -17,6 +17,7 @@ kernels): a smoke test of this script, not a measurement.
 """
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -86,8 +87,10 @@ def profile(name, call, reps, top, cuda=True):
                           for e in cpu])
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser():
+    """The command line (also used by benchmarks.device_plan to validate a device script)."""
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.profile_call", allow_abbrev=False,
+                                 description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--seq", type=int, default=128)
@@ -95,34 +98,79 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--top", type=int, default=8)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--providers", nargs="+", choices=list(PROVIDERS), default=list(PROVIDERS))
+    ap.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     ap.add_argument("--json")
-    a = ap.parse_args(argv)
+    ap.add_argument("--ncu", action="store_true",
+                    help="for Nsight Compute: no torch.profiler; per (provider, mode) 3 warm-up "
+                         "calls, then --reps calls between cudaProfilerStart / Stop (run under "
+                         "`ncu --profile-from-start off`)")
+    return ap
+
+
+def _cudnn(q, k, v):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+PROVIDERS = {
+    "ours": lambda q, k, v: kernels.attention(q, k, v, causal=True),
+    "sdpa_flash": lambda q, k, v: _flash(q, k, v),
+    "sdpa_cudnn": lambda q, k, v: _cudnn(q, k, v),
+}
+
+
+def main(argv=None):
+    a = build_parser().parse_args(argv)
     cuda = a.device == "cuda"
     if cuda and not torch.cuda.is_available():
         raise SystemExit("profile_call: no CUDA device here (--device cpu for a smoke run)")
+    if not cuda and "sdpa_cudnn" in a.providers:
+        a.providers = [p for p in a.providers if p != "sdpa_cudnn"]   # CUDA-only backend
     shape = (a.batch, a.heads, a.seq, a.head_dim)
     dtype = torch.bfloat16 if cuda else torch.float32
     q, k, v = (torch.randn(shape, device=a.device, dtype=dtype, requires_grad=True)
                for _ in range(3))
     do = torch.randn(shape, device=a.device, dtype=dtype)
-    providers = {
-        "ours": lambda q, k, v: kernels.attention(q, k, v, causal=True),
-        "sdpa_flash": lambda q, k, v: _flash(q, k, v),
-    }
     device_name = torch.cuda.get_device_name() if cuda else "cpu"
-    print(f"shape {shape} {dtype} causal; {device_name}")
+    print(f"shape {shape} {dtype} causal; {device_name}; KERNELS_TMA="
+          f"{os.environ.get('KERNELS_TMA', '1')}")
     records = []
-    for pname, fn in providers.items():
-        for mode in MODES:
+    for pname in a.providers:
+        fn = PROVIDERS[pname]
+        for mode in a.modes:
             # The benchmark's own timed functions (benchmarks/measure.py).
             call = mode_maker(lambda fn=fn: fn(q, k, v), mode, do, (q, k, v))()
-            records.append(profile(f"{pname} {mode}", call, a.reps, a.top, cuda))
+            if a.ncu:
+                for _ in range(3):          # compile, autotune, warm the allocator
+                    call()
+                _sync(cuda)
+                if cuda:
+                    torch.cuda.cudart().cudaProfilerStart()
+                for _ in range(a.reps):
+                    call()
+                _sync(cuda)
+                if cuda:
+                    torch.cuda.cudart().cudaProfilerStop()
+                print(f"ncu window: {pname} {mode}, {a.reps} calls", flush=True)
+            else:
+                records.append(profile(f"{pname} {mode}", call, a.reps, a.top, cuda))
             for t in (q, k, v):
                 t.grad = None
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(dict(shape=shape, device=device_name,
+            json.dump(dict(shape=shape, device=device_name, torch=torch.__version__,
+                           triton=_triton_version(), kernels_tma=os.environ.get("KERNELS_TMA", "1"),
                            records=records), f, indent=1)
+
+
+def _triton_version():
+    try:
+        import triton
+        return triton.__version__
+    except ImportError:
+        return None
 
 
 def _flash(q, k, v):

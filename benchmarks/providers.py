@@ -15,6 +15,10 @@ sdpa_efficient         ... EFFICIENT_ATTENTION (memory-efficient / xFormers kern
 sdpa_flash             ... FLASH_ATTENTION (FlashAttention-2 on CUDA)
 sdpa_cudnn             ... CUDNN_ATTENTION
 flex                   FlexAttention with a causal BlockMask, compiled (no dropout)
+triton_tutorial        the Triton 3.6 tutorial's fused attention (benchmarks/anchors/), CUDA only:
+                       its kernel is fp16-only, so it runs on fp16 copies of the inputs (made
+                       outside the timed call; the row's ``run_dtype`` says so), causal, host
+                       descriptors (warp specialisation off, as its own causal benchmark)
 kernels_interpreter    CPU only, opt-in (``--interpreter``, benchmarks/interpreter.py): our
                        Triton kernel in Triton's interpreter, "kernels (Triton interpreter)",
                        1,000-4,000x slower than PyTorch: a correctness row, not a speed one
@@ -37,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 PROVIDERS = ("kernels", "reference", "reference_compiled", "sdpa_math", "sdpa_efficient",
-             "sdpa_flash", "sdpa_cudnn", "flex")
+             "sdpa_flash", "sdpa_cudnn", "flex", "triton_tutorial")
 # The CPU run's default: what a CPU user can choose between (ours = the PyTorch fallback; SDPA
 # on CPU has a flash backend without dropout and the math one; CUDA-only and compiled providers
 # left out, any of them can still be named in --providers).
@@ -333,6 +337,73 @@ class FlexProvider(Provider):
         return lambda q, k, v: fn(q, k, v, block_mask=mask)
 
 
+TUTORIAL_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "anchors",
+                             "tutorial_fused_attention_triton36.py")
+
+
+def load_tutorial():
+    """The Triton tutorial's module (benchmarks/anchors/), imported once per process. It imports
+    pytest for its test decorators (a stand-in is used where pytest is missing) and asks the
+    active Triton driver for its device at import."""
+    import importlib.util
+    import sys
+
+    mod = sys.modules.get("tutorial_fused_attention")
+    if mod is None:
+        try:
+            import pytest  # noqa: F401  (the tutorial imports it for its test decorators)
+        except ImportError:
+            import types
+
+            class _Mark:
+                def __getattr__(self, name):
+                    return lambda *a, **k: (lambda f: f)
+            sys.modules["pytest"] = types.SimpleNamespace(mark=_Mark())
+        spec = importlib.util.spec_from_file_location("tutorial_fused_attention", TUTORIAL_PATH)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        sys.modules["tutorial_fused_attention"] = mod
+    return mod
+
+
+class TutorialProvider(Provider):
+    """The Triton 3.6 tutorial 06 (``attention(q, k, v, causal, sm_scale, warp_specialize)``),
+    fp16 only; inputs are converted by :meth:`prepare_inputs`, outside the timing."""
+
+    name = "triton_tutorial"
+    run_dtype = torch.float16
+
+    def static_reason(self, case):
+        if torch.device(case.device).type != "cuda":
+            return "CUDA only (a compiled Triton kernel)"
+        if case.dropout_p > 0:
+            return "the Triton tutorial has no dropout"
+        if case.head_dim not in (16, 32, 64, 128, 256):
+            return "the Triton tutorial takes head_dim 16, 32, 64, 128 or 256"
+        if case.seq_len % 128:
+            return "the Triton tutorial's backward needs seq_len % 128 == 0"
+        if not os.path.exists(TUTORIAL_PATH):
+            return f"{TUTORIAL_PATH} missing"
+        return None
+
+    def prepare_inputs(self, q, k, v, do):
+        """fp16 leaf copies of the case's inputs (same values, rounded to fp16)."""
+        def leaf(t):
+            return t.detach().to(self.run_dtype).requires_grad_(t.requires_grad)
+        return leaf(q), leaf(k), leaf(v), do.to(self.run_dtype).contiguous()
+
+    def forward(self, case):
+        mod = load_tutorial()
+        scale = case.head_dim ** -0.5
+        # warp_specialize=False: on Hopper the tutorial then passes host-side descriptors, the
+        # setting of its own causal benchmark (bench_flash_attention: ws only for non-causal).
+        def f(q, k, v):
+            if q.dtype != self.run_dtype:   # a caller that skipped prepare_inputs: convert
+                q, k, v = (t.to(self.run_dtype) for t in (q, k, v))     # (timed with it)
+            return mod.attention(q, k, v, case.causal, scale, False)
+        return f
+
+
 def get_provider(name: str) -> Provider:
     """The provider called ``name`` (one of PROVIDERS)."""
     if name == "kernels":
@@ -347,4 +418,6 @@ def get_provider(name: str) -> Provider:
         return SdpaProvider(name)
     if name == "flex":
         return FlexProvider()
+    if name == "triton_tutorial":
+        return TutorialProvider()
     raise ValueError(f"unknown provider {name!r}; choose from {', '.join(ALL_PROVIDERS)}")

@@ -209,13 +209,22 @@ def _measure_provider(cfg, provider, case, mode, q, k, v, do):
     except Exception as exc:
         return dict(dict.fromkeys(MEASURE_KEYS),
                     status=classify_failure(exc, (), provider.unsupported_reason))
+    extra = {}
+    prepare = getattr(provider, "prepare_inputs", None)
+    if prepare is not None:  # e.g. fp16 copies for an fp16-only kernel, made outside timing
+        try:
+            q, k, v, do = prepare(q, k, v, do)
+        except Exception as exc:
+            return dict(dict.fromkeys(MEASURE_KEYS), status=classify_failure(exc))
+        extra["run_dtype"] = str(q.dtype).replace("torch.", "")
     if mode == "fwd":  # inference: no autograd graph, so also no "backward unsupported" errors
         q, k, v = q.detach(), k.detach(), v.detach()
     make = mode_maker(lambda: forward(q, k, v), mode, do, (q, k, v))
     with provider.context(case):  # forward and backward (on CPU: which `kernels` runs)
-        return measure(make, cfg.device, grads=(q, k, v) if mode != "fwd" else (),
-                       warmup_ms=cfg.warmup_ms, rep_ms=cfg.rep_ms, cpu_reps=cfg.cpu_reps,
-                       cpu_max_s=cfg.cpu_max_s, unsupported_reason=provider.unsupported_reason)
+        return extra | measure(make, cfg.device, grads=(q, k, v) if mode != "fwd" else (),
+                               warmup_ms=cfg.warmup_ms, rep_ms=cfg.rep_ms,
+                               cpu_reps=cfg.cpu_reps, cpu_max_s=cfg.cpu_max_s,
+                               unsupported_reason=provider.unsupported_reason)
 
 
 def point_key(row):

@@ -1,0 +1,66 @@
+"""The device script's dry run (benchmarks/gpu_check.sh with DRY_RUN=1): the commands of the
+prepared device call go through their modules' own parsers on the CPU, so that a typo fails
+here and not in a lent GPU call. Subprocesses only (the script sets up its own environment);
+about 15-25 s on a busy 2-core machine."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO, "benchmarks", "gpu_check.sh")
+
+
+def _run_script(tmp_path, stages, **env):
+    full = dict(os.environ, DRY_RUN="1", GPU_CHECK_STAGES=stages, PYTHON=sys.executable,
+                GPU_CHECK_WORK=str(tmp_path / "work"), GPU_CHECK_PACK="1",
+                GPU_CHECK_CACHE=str(tmp_path / "cache"), **env)
+    full.pop("TRITON_CACHE_DIR", None)
+    return subprocess.run(["bash", SCRIPT, str(tmp_path / "out")], env=full, cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.skipif(not os.path.exists("/bin/bash") and not os.path.exists("/usr/bin/bash"),
+                    reason="needs bash")
+def test_speed_stages_dry_run_validate_and_pack(tmp_path):
+    r = _run_script(tmp_path, "sweep dropout")
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    # The sweep's plan as the GPU would run it: 7 lengths x 2 head dims x 3 modes x 5 providers.
+    assert "providers ['kernels', 'sdpa_cudnn', 'sdpa_flash', 'flex', 'triton_tutorial']" in out
+    assert "sweep 210 rows" in out
+    assert "dropout [0.1]" in out
+    for name in ("sweep (bf16, d128 + d64, dropout 0): exit 0",
+                 "sweep with dropout 0.1: exit 0"):
+        assert name in out
+    # Each stage packed the work folder into the one file a device call brings back.
+    assert (tmp_path / "out" / "results.tar").exists()
+    assert (tmp_path / "out" / "check.log").exists()
+
+
+def test_a_bad_argument_fails_the_dry_run(tmp_path):
+    r = _run_script(tmp_path, "precompile", PRECOMPILE_ARGS="--seq-len 128")
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out[-2000:]
+    assert "unrecognized arguments: --seq-len 128" in out
+
+
+def test_device_plan_rejects_unknown_provider_and_module():
+    bad = subprocess.run([sys.executable, "-m", "benchmarks.device_plan", "benchmarks",
+                          "--providers", "kernels", "sdpa_flashh"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "invalid choice: 'sdpa_flashh'" in bad.stderr
+    missing = subprocess.run([sys.executable, "-m", "benchmarks.device_plan",
+                              "benchmarks.profile_cal"], cwd=REPO, capture_output=True,
+                             text=True, timeout=60)
+    assert missing.returncode == 1 and "no module named" in missing.stderr
+
+
+def test_precompile_plan_lists_the_run():
+    r = subprocess.run([sys.executable, "-m", "benchmarks.precompile", "--dry-run",
+                        "--kinds", "tutorial", "flex"], cwd=REPO, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    # 7 lengths x 2 head dims: one tutorial workload each, Flex's two graphs each.
+    assert "42 workloads ({'ours': 0, 'tutorial': 14, 'flex': 28})" in r.stdout
