@@ -336,14 +336,16 @@ def _flex_unit(w):
     configure_dynamo()
     reset_compiled()
     case = Case(batch=w["batch"], heads=w["heads"], seq_len=w["seq"], head_dim=w["head_dim"],
-                dtype=torch.bfloat16, dropout_p=0.0, device="cuda")
+                dtype=torch.bfloat16, dropout_p=0.0,
+                device="cuda" if torch.cuda.is_available() else "cpu")   # cpu: rehearsals
     q, k, v, do = case.make_inputs(generator_seed=w["seq"])
     forward = get_provider("flex").forward(case)
     if w["graph"] == "inference":
         q, k, v = q.detach(), k.detach(), v.detach()
     mode = "fwd" if w["graph"] == "inference" else "fwd_bwd"
     mode_maker(lambda: forward(q, k, v), mode, do, (q, k, v))()()
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def compile_unit(w, unit):
