@@ -264,13 +264,25 @@ def _seed_tensor(dropout_p, seed, device):
         return _NO_SEED
     if seed is None:
         return torch.randint(0, SEED_LIMIT - 1, (), dtype=torch.int64, device=device)
-    return torch.tensor(int(seed), dtype=torch.int64, device=device)
+    key = (int(seed), device)
+    t = _SEEDS.get(key)
+    if t is None:   # a given seed is copied to the device once (the kernels never write it)
+        if len(_SEEDS) >= _MAX_SEEDS:
+            _SEEDS.clear()
+        with torch.inference_mode(False):   # usable later outside inference mode too
+            t = _SEEDS[key] = torch.tensor(key[0], dtype=torch.int64, device=device)
+    return t
+
+
+_SEEDS = {}       # (seed, device) -> its tensor there: a fixed seed costs no copy per call
+_MAX_SEEDS = 64
 
 
 # --------------------------------------------------------------------------------------------
 # The eager fast path of ``attention``: one launch plan per call signature
 # --------------------------------------------------------------------------------------------
-# Launch plans of ``attention`` calls without mods, by signature (``_signature``): the first
+_PACKED_LAYOUT = "(total_rows, heads, head_dim) (packed sequences)"
+# Launch plans of ``attention`` calls, by signature (``_signature``): the first
 # call of a signature validates and builds its plan; later ones skip the validation (every
 # checked property is in the key), the custom-op dispatch and the launchers' Python.
 _PLANS = {}
@@ -283,101 +295,143 @@ def _signature(t):
     return (t.__class__, t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
 
 
-class _DensePlan:
-    """How ``attention(q, k, v, ...)`` runs for one validated signature (no mods): its
-    ``AttentionCall`` and, once launched, its forward plan and a backward plan per gradient
-    layout (kernels/core/forward.py ``ForwardPlan``, backward.py ``BackwardPlan``). On every
-    call the route is decided anew (``_use_fallback``: CPU tensors run the interpreter or the
-    PyTorch fallback as TRITON_INTERPRET says at that moment)."""
+class _Plan:
+    """How ``attention(q, k, v, ...)`` (or, with ``packed`` = (cu_seqlens_q, cu_seqlens_k,
+    max_seqlen_q, max_seqlen_k) checked by ``check_cu_seqlens``, ``attention_varlen``) runs
+    for one validated signature: its ``AttentionCall`` (the mods' tensors come per call) and,
+    once launched, its forward plan and a backward plan per gradient layout
+    (kernels/core/forward.py ``ForwardPlan``, backward.py ``BackwardPlan``). On every call the
+    route is decided anew (``_use_fallback``: CPU tensors run the interpreter or the PyTorch
+    fallback as TRITON_INTERPRET says at that moment)."""
 
-    def __init__(self, q, k, v, causal, dropout_p, softmax_scale, window, num_splits):
-        causal = validate_attention(q, k, v, causal, dropout_p, softmax_scale, None, window)
+    def __init__(self, q, k, v, options, sinks, alibi_slopes, mod_aux, packed=None):
+        (causal, dropout_p, softmax_scale, window, num_splits, softcap, chunk_size, score_mod,
+         mask_mod, drop_layout) = options
+        if packed is None:
+            causal = validate_attention(q, k, v, causal, dropout_p, softmax_scale, None, window)
+            batch = q.shape[0]
+        else:
+            causal = validate_attention(q, k, v, causal, dropout_p, softmax_scale, None, window,
+                                        dims=3, layout=_PACKED_LAYOUT)
+            batch = packed[0].numel() - 1
+        mods, chunk_size = check_mods(q, causal, window, softcap, sinks, chunk_size,
+                                      alibi_slopes, score_mod, mask_mod, mod_aux, batch=batch)
         check_num_splits(num_splits)
+        drop_layout = check_drop_layout(drop_layout, q, k, packed is not None)
+        self.max_seqlens = (None, None) if packed is None else packed[2:]
         if softmax_scale is None:
             softmax_scale = default_softmax_scale(q.shape[-1])
+        # What stays: the mods without their tensors (a call's own are put in per call).
+        self.mod_tensors = mods.has_tensors
+        self.mods = dataclasses.replace(mods, alibi_slopes=None, sinks=None, aux=())
         self.call = AttentionCall(causal, float(softmax_scale), float(dropout_p), 0,
-                                  int(window) if window is not None else None)
+                                  int(window) if window is not None else None, drop_layout,
+                                  chunk_size, self.mods)
         self.dropout_p, self.num_splits = float(dropout_p), int(num_splits)
         self.fwd = None
         self.bwd = {}
 
-    def __call__(self, q, k, v, seed, return_lse):
+    def __call__(self, q, k, v, seed, return_lse, sinks, alibi_slopes, mod_aux, cu=(None, None)):
         if seed is not None:
             check_seed(seed)
         seed_t = _seed_tensor(self.dropout_p, seed, q.device)
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            out, lse = _PlannedAttention.apply(q, k, v, seed_t, self)
+        call = self.call
+        if self.mod_tensors:   # the conversions check_mods makes (no-ops on fp32 inputs)
+            sinks = None if sinks is None else sinks.float()
+            call = dataclasses.replace(call, mods=dataclasses.replace(
+                self.mods, sinks=sinks, aux=tuple(mod_aux),
+                alibi_slopes=None if alibi_slopes is None else alibi_slopes.float().contiguous()))
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                        or sinks is not None and sinks.requires_grad):
+            out, lse = _PlannedAttention.apply(q, k, v, sinks, seed_t, self, call, *cu)
         else:
-            out, lse = self.forward(q, k, v, seed_t)
+            out, lse = self.forward(q, k, v, seed_t, call, *cu)
         return (out, lse) if return_lse else out
 
-    def forward(self, q, k, v, seed_t):
+    def forward(self, q, k, v, seed_t, call, cu_q=None, cu_k=None):
         if _use_fallback(q):
-            return fallback.forward(q, k, v, None, None,
-                                    dataclasses.replace(self.call, seed=seed_t), _out_like(q, v))
+            return fallback.forward(q, k, v, cu_q, cu_k, dataclasses.replace(call, seed=seed_t),
+                                    _out_like(q, v))
         plan = self.fwd
         if plan is None:
-            plan = self.fwd = ForwardPlan(q, k, v, self.call, num_splits=self.num_splits)
-        return plan(q, k, v, self.call, seed=seed_t)
+            max_q, max_k = self.max_seqlens
+            plan = self.fwd = ForwardPlan(q, k, v, call, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                          max_seqlen_q=max_q, max_seqlen_k=max_k,
+                                          num_splits=self.num_splits)
+        return plan(q, k, v, call, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seed=seed_t)
 
-    def backward(self, do, q, k, v, o, lse, seed_t):
+    def backward(self, do, q, k, v, o, lse, seed_t, call, cu_q=None, cu_k=None):
         do = _unit_last(do)
         if _use_fallback(q):
-            return fallback.backward(do, q, k, v, o, lse, None, None,
-                                     dataclasses.replace(self.call, seed=seed_t), _like(q),
+            return fallback.backward(do, q, k, v, o, lse, cu_q, cu_k,
+                                     dataclasses.replace(call, seed=seed_t), _like(q),
                                      _like(k), _like(v))
-        key = (do.stride(), do.data_ptr() % 16 == 0)
+        o = _unit_last(o)
+        # The forward's own output always has one layout; an integration's may not.
+        key = (do.stride(), do.data_ptr() % 16 == 0, o.stride(), o.data_ptr() % 16 == 0)
         plan = self.bwd.get(key)
         if plan is None:
-            plan = self.bwd[key] = BackwardPlan(do, q, k, v, o, lse, self.call)
-        return plan(do, q, k, v, o, lse, self.call, seed=seed_t)
+            max_q, max_k = self.max_seqlens
+            plan = self.bwd[key] = BackwardPlan(do, q, k, v, o, lse, call, cu_seqlens_q=cu_q,
+                                                cu_seqlens_k=cu_k, max_seqlen_q=max_q,
+                                                max_seqlen_k=max_k)
+        return plan(do, q, k, v, o, lse, call, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                    seed=seed_t)
 
 
 class _PlannedAttention(torch.autograd.Function):
-    """Autograd of the eager fast path: ``_DensePlan.forward`` / ``backward`` with no
+    """Autograd of the eager fast path: ``_Plan.forward`` / ``backward`` with no
     custom-op dispatch in between (the compiled path keeps the custom ops)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, seed_t, plan):
-        out, lse = plan.forward(q, k, v, seed_t)
-        ctx.save_for_backward(q, k, v, out, lse, seed_t)
-        ctx.plan = plan
+    def forward(ctx, q, k, v, sinks, seed_t, plan, call, cu_q=None, cu_k=None):
+        out, lse = plan.forward(q, k, v, seed_t, call, cu_q, cu_k)
+        ctx.save_for_backward(q, k, v, out, lse, seed_t, sinks, cu_q, cu_k)
+        ctx.plan, ctx.call = plan, call
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, do, _dlse):
-        q, k, v, out, lse, seed_t = ctx.saved_tensors
+        q, k, v, out, lse, seed_t, sinks, cu_q, cu_k = ctx.saved_tensors
         create_graph = torch.is_grad_enabled()
         with torch.no_grad():
-            grads = ctx.plan.backward(do, q, k, v, out, lse, seed_t)
+            grads = ctx.plan.backward(do, q, k, v, out, lse, seed_t, ctx.call, cu_q, cu_k)
+            dsinks = None
+            if sinks is not None and ctx.needs_input_grad[3]:
+                dsinks = sinks_grad(sinks, lse, do, out, packed=cu_q is not None)
         if create_graph:  # a later grad of these gradients must fail with a clear message
             grads = _NoDoubleBackward.apply(grads, q, k, v, do)
-        return (*grads, None, None)
+        return (*grads, dsinks, None, None, None, None, None)
 
 
-def _fast_plan(q, k, v, causal, dropout_p, softmax_scale, window, num_splits):
-    """The ``_DensePlan`` of this call, or None when the call takes the general path: inside
-    torch.compile (the custom ops), tensor subclasses, devices other than CPU and CUDA,
-    empty problems, a last dim that is not unit-stride (copied by the general path)."""
+def _fast_plan(q, k, v, options, sinks, alibi_slopes, mod_aux, packed=None):
+    """The ``_Plan`` of this ``attention`` call, or None when the call takes the general
+    path: inside torch.compile (the custom ops), tensor subclasses, devices other than CPU and
+    CUDA, empty problems, a last dim that is not unit-stride (copied by the general path).
+    ``options``: the call's non-tensor arguments, in ``_Plan``'s order (drop_layout last)."""
     if (q.__class__ is not torch.Tensor or k.__class__ is not torch.Tensor
             or v.__class__ is not torch.Tensor or torch.compiler.is_compiling()):
         return None
     # The options with their types: 1 == True, but causal=1 is an error, causal=True is not.
-    key = (_signature(q), _signature(k), _signature(v), causal, dropout_p, softmax_scale,
-           window, num_splits, causal.__class__, dropout_p.__class__, softmax_scale.__class__,
-           window.__class__, num_splits.__class__)
     try:
+        key = (_signature(q), _signature(k), _signature(v), options,
+               tuple(x.__class__ for x in options),
+               None if sinks is None else _signature(sinks),
+               None if alibi_slopes is None else _signature(alibi_slopes),
+               tuple(_signature(t) for t in mod_aux),
+               None if packed is None else (_signature(packed[0]), _signature(packed[1]),
+                                            *packed[2:]))
         plan = _PLANS.get(key)
-    except TypeError:   # an unhashable argument: the general path says what is wrong with it
-        return None
+    except (TypeError, AttributeError):   # not hashable, not tensors: the general path
+        return None                       # says what is wrong with them
     if plan is not None:
         return plan
     if (q.device.type not in ("cpu", "cuda") or q.numel() == 0 or k.numel() == 0
-            or v.numel() == 0 or q.dim() != 4 or q.stride(-1) != 1 or k.stride(-1) != 1
-            or v.stride(-1) != 1):
+            or v.numel() == 0 or q.dim() != (4 if packed is None else 3) or q.stride(-1) != 1
+            or k.stride(-1) != 1 or v.stride(-1) != 1):
         return None
-    plan = _DensePlan(q, k, v, causal, dropout_p, softmax_scale, window, num_splits)
+    plan = _Plan(q, k, v, options, sinks, alibi_slopes, mod_aux, packed)
     if len(_PLANS) >= _MAX_PLANS:
         _PLANS.clear()
     _PLANS[key] = plan
@@ -493,11 +547,11 @@ def attention(q, k, v, *, causal=True, dropout_p=0.0, softmax_scale=None, seed=N
         A NaN in a query row that sees a key gives NaN in that row of out and lse on every
         path, as in ``reference.attention`` (tests/core/test_layouts_property.py).
     """
-    if (softcap is None and sinks is None and chunk_size is None and alibi_slopes is None
-            and score_mod is None and mask_mod is None and not mod_aux):
-        plan = _fast_plan(q, k, v, causal, dropout_p, softmax_scale, window, num_splits)
-        if plan is not None:
-            return plan(q, k, v, seed, return_lse)
+    plan = _fast_plan(q, k, v, (causal, dropout_p, softmax_scale, window, num_splits, softcap,
+                                chunk_size, score_mod, mask_mod, None), sinks, alibi_slopes,
+                      mod_aux)
+    if plan is not None:
+        return plan(q, k, v, seed, return_lse, sinks, alibi_slopes, mod_aux)
     causal = validate_attention(q, k, v, causal, dropout_p, softmax_scale, seed, window)
     mods, chunk_size = check_mods(q, causal, window, softcap, sinks, chunk_size, alibi_slopes,
                                   score_mod, mask_mod, mod_aux, batch=q.shape[0])
@@ -557,11 +611,18 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
         lse (only with ``return_lse``): float32 (heads_q, total_q), natural log, -inf for rows
             that see no key. Not differentiable.
     """
-    layout = "(total_rows, heads, head_dim) (packed sequences)"
+    causal_arg = causal
     causal = validate_attention(q, k, v, causal, dropout_p, softmax_scale, seed, window, dims=3,
-                                layout=layout, head_axis=1)
+                                layout=_PACKED_LAYOUT, head_axis=1)
     max_seqlen_q, max_seqlen_k = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k,
                                                   max_seqlen_q, max_seqlen_k)
+    if max_seqlen_q >= 0:   # known here (not while tracing): the launch plan's grid
+        plan = _fast_plan(q, k, v, (causal_arg, dropout_p, softmax_scale, window, 0, softcap,
+                                    chunk_size, score_mod, mask_mod, None), sinks, alibi_slopes,
+                          mod_aux, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+        if plan is not None:
+            return plan(q, k, v, seed, return_lse, sinks, alibi_slopes, mod_aux,
+                        (cu_seqlens_q, cu_seqlens_k))
     mods, chunk_size = check_mods(q, causal, window, softcap, sinks, chunk_size, alibi_slopes,
                                   score_mod, mask_mod, mod_aux,
                                   batch=cu_seqlens_q.numel() - 1)
@@ -721,29 +782,52 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, *
 # --------------------------------------------------------------------------------------------
 def _integration_args(q, k, v, causal, dropout_p, softmax_scale, seed, window, cu_seqlens_q,
                       cu_seqlens_k, max_seqlen_q, max_seqlen_k):
-    seed_t = seed if isinstance(seed, torch.Tensor) else None
-    if seed_t is not None:
-        if seed_t.dtype != torch.int64 or seed_t.numel() != 1:
-            raise TypeError(f"seed as a tensor must be one int64 element, got "
-                            f"{seed_t.dtype} {tuple(seed_t.shape)}")
-        seed = None   # its value stays on the device: not read here
+    seed_arg, seed = seed, None if isinstance(seed, torch.Tensor) else seed
     if cu_seqlens_q is None:
         causal = validate_attention(q, k, v, causal, dropout_p, softmax_scale, seed, window)
         max_seqlen_q = max_seqlen_k = -1
     else:
         causal = validate_attention(q, k, v, causal, dropout_p, softmax_scale, seed, window,
                                     dims=3,
-                                    layout="(total_rows, heads, head_dim) (packed sequences)")
+                                    layout=_PACKED_LAYOUT)
         max_seqlen_q, max_seqlen_k = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k,
                                                       max_seqlen_q, max_seqlen_k)
     if softmax_scale is None:
         softmax_scale = default_softmax_scale(q.shape[-1])
-    if seed_t is None or float(dropout_p) == 0.0:
-        seed_t = _seed_tensor(float(dropout_p), seed, q.device)
-    else:
-        seed_t = seed_t.reshape(()).to(q.device)
+    seed_t = _integration_seed(float(dropout_p), seed_arg, q.device)
     return (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, float(dropout_p),
             float(softmax_scale), seed_t, int(window or 0))
+
+
+def _check_grad_shapes(do, q, out, lse, packed):
+    if do.shape != q.shape or out.shape != q.shape or lse.shape != lse_shape(q, packed):
+        raise ValueError(f"do and out must have q's shape {tuple(q.shape)} and lse "
+                         f"{lse_shape(q, packed)}, got do {tuple(do.shape)}, out "
+                         f"{tuple(out.shape)}, lse {tuple(lse.shape)}")
+
+
+def _integration_plan(q, k, v, causal, dropout_p, softmax_scale, window, cu_seqlens_q,
+                      drop_layout):
+    """The launch plan of a dense ``forward_with_lse`` / ``backward`` call (packed ones take
+    the general path), or None."""
+    if cu_seqlens_q is not None or not isinstance(q, torch.Tensor):
+        return None
+    return _fast_plan(q, k, v, (causal, dropout_p, softmax_scale, window, 0, None, None, None,
+                                None, drop_layout), None, None, ())
+
+
+def _integration_seed(dropout_p, seed, device):
+    """An integration's seed (an int, or a one-element int64 tensor kept on the device) as
+    the kernels' 0-d int64 tensor on ``device``."""
+    if dropout_p == 0.0:
+        return _NO_SEED
+    if isinstance(seed, torch.Tensor):
+        if seed.dtype != torch.int64 or seed.numel() != 1:
+            raise TypeError(f"seed as a tensor must be one int64 element, got "
+                            f"{seed.dtype} {tuple(seed.shape)}")
+        return seed.reshape(()).to(device)
+    check_seed(seed)
+    return _seed_tensor(dropout_p, seed, device)
 
 
 def forward_with_lse(q, k, v, *, causal=True, dropout_p=0.0, softmax_scale=None, seed=0,
@@ -756,6 +840,12 @@ def forward_with_lse(q, k, v, *, causal=True, dropout_p=0.0, softmax_scale=None,
     kernels, never by the host: no sync), the dropout mask's Philox key; ignored without
     dropout.
     ``drop_layout``: see ``check_drop_layout`` (context parallelism's blocks)."""
+    plan = _integration_plan(q, k, v, causal, dropout_p, softmax_scale, window, cu_seqlens_q,
+                             drop_layout)
+    if plan is not None:
+        seed_t = _integration_seed(plan.dropout_p, seed, q.device)
+        with torch.no_grad():
+            return plan.forward(q, k, v, seed_t, plan.call)
     args = _integration_args(q, k, v, causal, dropout_p, softmax_scale, seed, window,
                              cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     layout = check_drop_layout(drop_layout, q, k, cu_seqlens_q is not None)
@@ -770,13 +860,17 @@ def backward(do, q, k, v, out, lse, *, causal=True, dropout_p=0.0, softmax_scale
     the same arguments; shapes and layouts of q, k, v. Deterministic. With another call's
     (out, lse) -- the merged result of several key blocks -- it gives this block's share of the
     gradients (FlashAttention-2's backward only needs the final out and lse)."""
+    plan = _integration_plan(q, k, v, causal, dropout_p, softmax_scale, window, cu_seqlens_q,
+                             drop_layout)
+    if plan is not None:
+        _check_grad_shapes(do, q, out, lse, False)
+        seed_t = _integration_seed(plan.dropout_p, seed, q.device)
+        with torch.no_grad():
+            return plan.backward(do, q, k, v, out, lse.float().contiguous(), seed_t, plan.call)
     (cu_q, cu_k, max_q, max_k, causal, dropout_p, scale, seed_t,
      window) = _integration_args(q, k, v, causal, dropout_p, softmax_scale, seed, window,
                                  cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    if do.shape != q.shape or out.shape != q.shape or lse.shape != lse_shape(q, cu_q is not None):
-        raise ValueError(f"do and out must have q's shape {tuple(q.shape)} and lse "
-                         f"{lse_shape(q, cu_q is not None)}, got do {tuple(do.shape)}, out "
-                         f"{tuple(out.shape)}, lse {tuple(lse.shape)}")
+    _check_grad_shapes(do, q, out, lse, cu_q is not None)
     layout = check_drop_layout(drop_layout, q, k, cu_q is not None)
     with torch.no_grad():
         return _bwd_op(do, q, k, v, out, lse.float().contiguous(), cu_q, cu_k, max_q, max_k,
