@@ -44,6 +44,7 @@ not a multiple of heads_k, wrong ranks) are raised as the same type, RuntimeErro
 own message. Where FlashAttention is stricter than our
 kernels (head_dim > 256, softcap with dropout, batch 0, any paged block size), we accept.
 """
+import functools
 import inspect
 
 import torch
@@ -127,6 +128,13 @@ LEFTPAD_MASK = MaskMod("flash_attn.leftpad", _leftpad_fn, _leftpad_torch,
                        kv_range=_leftpad_keys, q_range=_leftpad_queries)
 
 
+@functools.lru_cache(maxsize=64)
+def _bounds_tensor(left, right, device):
+    """int32 (left, right) on ``device``, made once per window (no host-to-device copy per
+    call); the kernels only read it."""
+    return torch.tensor([left, right], dtype=torch.int32, device=device)
+
+
 def _window_args(window_size, causal, device, leftpad=None):
     """Our (causal, window, mask_mod, mod_aux) for FlashAttention's ``window_size``,
     ``causal`` and (KV cache) ``cache_leftpad``."""
@@ -143,7 +151,7 @@ def _window_args(window_size, causal, device, leftpad=None):
         left = right = _WINDOW_CAP     # the built-in rules do it: the mask mod only pads
     else:
         causal, window = False, None
-    bounds = torch.tensor([left, right], dtype=torch.int32, device=device)
+    bounds = _bounds_tensor(left, right, device)
     if leftpad is not None:
         return causal, window, LEFTPAD_MASK, (bounds, leftpad.to(device=device,
                                                                   dtype=torch.int32))
@@ -504,6 +512,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         # cache_batch_idx[b] -- read and written in place, no gathered copy.
         block_table = cache_batch_idx.to(device=q.device, dtype=torch.int32).view(B, 1)
         paged, cache_batch_idx = True, None
+    if not paged and cache_batch_idx is None and k_cache.shape[0] > B:
+        # FlashAttention takes a cache with more rows than the batch: rows 0 .. batch - 1.
+        k_cache, v_cache = k_cache[:B], v_cache[:B]
     kc, vc = (k_cache, v_cache) if paged else (k_cache.transpose(1, 2), v_cache.transpose(1, 2))
     extra = dict(block_table=block_table) if paged else {}
     new_k = new_v = None

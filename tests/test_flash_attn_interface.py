@@ -355,6 +355,20 @@ def test_kvcache_whole_cache_without_seqlens():
     assert_parity(out, ref[0], lowp[0])
 
 
+def test_kvcache_more_cache_rows_than_batch():
+    """Without cache_batch_idx, a cache with more rows than the batch: rows 0 .. batch - 1
+    are read and appended to, the others untouched."""
+    q, k, v = randn(2, 2, 2, 16), randn(2, 2, 1, 16), randn(2, 2, 1, 16)
+    k_cache, v_cache = randn(4, 12, 1, 16), randn(4, 12, 1, 16)
+    lens = [3, 8]
+    ro, lo, k_exp, v_exp = _kvcache_oracle(q, k_cache, v_cache, lens, k, v, causal=True)
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, causal=True,
+                                  cache_seqlens=torch.tensor(lens, dtype=torch.int32,
+                                                             device=DEVICE))
+    assert_parity(out, ro, lo)
+    assert torch.equal(k_cache, k_exp) and torch.equal(v_cache, v_exp)
+
+
 @pytest.mark.parametrize("n_new", [0, 2, 3])
 def test_kvcache_batch_idx(n_new):
     """cache_batch_idx: row b reads (and appends into) cache row idx[b]; other rows untouched."""
