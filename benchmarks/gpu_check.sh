@@ -29,18 +29,20 @@
 # GPT-2 and Llama, ~4-5 s for the 28-layer Qwen 3, 3 calls per row) = ~5-7 min, inside one
 # 10-minute call (BOOK_TIMEOUT, default 540 s). BOOK_ARGS="--book-layers 8" roughly halves the
 # generation part (recorded on the rows); a run cut by the timeout keeps the families saved.
-# Stage "tma_ab" (`GPU_CHECK_STAGES="versions tma_ab"`, ~5-6 min): the sweep's ours, SDPA flash
-# and cuDNN rows (bf16, head_dim 128, causal, seq 128 / 1024 / 4096 / 16384, fwd / bwd /
-# fwd_bwd) twice, with tensor-descriptor loads (KERNELS_TMA=1) into OUTDIR/tma1/ and without
-# (KERNELS_TMA=0) into OUTDIR/tma0/. Why: the first H200 run (2026-11-26) timed ours at seq 128
-# (batch 128 x 16 heads, d128) at 30 TFLOP/s forward vs cuDNN's 116, and fwd_bwd at 2.44 ms vs
-# fwd 0.28 + bwd 0.76; descriptors made in the kernel (one per program and tensor) are the
-# suspect for short sequences. Stage "probe" (~1 min): benchmarks/hf_grad_probe.py, the
-# per-parameter gradient errors of a tiny transformers Gemma 2 (soft-cap 1, window 4) against
-# the float64 oracle, with and without TMA (its training-gradient test failed on the H200).
-# Stage "profile" (~1 min): benchmarks/profile_call.py, torch.profiler's GPU kernel and host
-# times of ours and SDPA flash in fwd / bwd / fwd_bwd at that seq-128 shape, with and without
-# TMA (OUTDIR/profile_tma1.json, profile_tma0.json).
+# Stage "tma_ab" (`GPU_CHECK_STAGES="versions precompile tma_ab"` alone, ~2-3 min; last in the
+# "speed" list): ours and SDPA flash (the drift check), bf16, head_dim 128 and 64, causal, seq
+# 128 / 512 / 1024, fwd / bwd / fwd_bwd, with tensor-descriptor loads (KERNELS_TMA=1) into
+# WORK/tma1/ and without (KERNELS_TMA=0) into WORK/tma0/. Why: the first H200 run (2026-11-26)
+# timed ours at seq 128 (batch 128 x 16 heads, d128) at 30 TFLOP/s forward vs cuDNN's 116, and
+# the static count gives ours' forward program 1.3-1.9x the tutorial's fixed instructions with
+# in-kernel descriptors, 1.07-1.31x without (benchmarks/NOTES.md, issue 30). Stage "probe":
+# benchmarks/hf_grad_probe.py, the per-parameter gradient errors of a tiny transformers Gemma 2
+# (soft-cap 1, window 4) against the float64 oracle, with and without TMA, KERNELS_AUTOTUNE=0
+# (as the GPU test suite whose training-gradient test failed on the H200); WORK/probe_tma*.json.
+# Stage "profile": benchmarks/profile_call.py, torch.profiler's GPU kernel and host times of
+# ours, SDPA flash and cuDNN in fwd / bwd / fwd_bwd at that seq-128 shape, with and without TMA
+# (WORK/profile_tma1.json, profile_tma0.json), then Nsight Compute (--clock-control none) on
+# ours' kernels there (WORK/ncu_seq128.csv) when ncu is on the PATH.
 # Environment knobs: PYTHON (default python3), GPU_CHECK_BUDGET, TESTS_TIMEOUT (default 240),
 # BENCH_ARGS (extra arguments for `python -m benchmarks`, e.g. "--quick"), BOOK_TIMEOUT and
 # BOOK_ARGS (the same for stage "book", e.g. "--book-models qwen3"), GPU_CHECK_STAGES
@@ -70,7 +72,8 @@
 #   tma_ab      last, when >= 60 s are left: ours and flash at seq 128 / 512 / 1k, d128 and
 #               d64, with (tma1/) and without (tma0/) descriptors
 # Each stage's limit is what is left less a reserve for the stages after it (STAGE_RESERVE).
-# Stage list "suite": versions, then the compiled test suite (TESTS_TIMEOUT default 500 there).
+# Stage list "suite": versions, then the compiled test suite (its limit: GPU_CHECK_BUDGET - 15 s,
+# or TESTS_TIMEOUT_SUITE).
 # GPU_CHECK_WORK=DIR: the stages of these lists write under DIR (default OUTDIR) and, with
 # GPU_CHECK_PACK=1, DIR is packed into OUTDIR/results.tar after every stage (a device call
 # brings back at most 8 files); TRITON_CACHE_DIR defaults to GPU_CHECK_CACHE (/tmp/gpu_check_cache)
@@ -104,7 +107,7 @@ STAGES=" ${GPU_CHECK_STAGES:-versions ceilings tests bench} "
 STAGES=${STAGES/ speed / versions precompile probe sweep dropout modules profile tma_ab }
 if [[ "$STAGES" == *" suite "* ]]; then
     STAGES=${STAGES/ suite / versions tests }
-    TESTS_TIMEOUT=${TESTS_TIMEOUT_SUITE:-500}
+    TESTS_TIMEOUT=${TESTS_TIMEOUT_SUITE:-$(( BUDGET - 15 ))}
 fi
 wanted() { [[ "$STAGES" == *" $1 "* ]]; }
 WORK=${GPU_CHECK_WORK:-$OUTDIR}

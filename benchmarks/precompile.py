@@ -381,8 +381,10 @@ def fingerprint():
         info["target"] = str(target)
         from triton.backends.nvidia.compiler import get_ptxas_version
 
-        info["ptxas"] = get_ptxas_version(target.arch).decode(errors="replace").strip() \
-            .splitlines()[-1]
+        version = get_ptxas_version(target.arch)
+        if isinstance(version, bytes):
+            version = version.decode(errors="replace")
+        info["ptxas"] = str(version).strip().splitlines()[-1]
     except Exception as exc:
         info["fingerprint_error"] = f"{type(exc).__name__}: {exc}"[:200]
     info["TRITON_CACHE_DIR"] = os.environ.get("TRITON_CACHE_DIR")
