@@ -137,8 +137,9 @@ class SeqArgs(NamedTuple):
     """Lengths of a launch (the kernels' ``seq``): dense lengths, or with packed sequences the
     longest ones (grid extents) and the cu_seqlens pointers; ``k_lens``: per-row key counts
     (a KV cache's filled length). Pointers a variant does not read are any valid tensor.
-    A paged KV cache (the forward's PAGED; kernels/core/paged.py): logical key position j of
-    batch entry b is row j % page_size of page block_table[b, j // page_size]."""
+    A paged KV cache (kernels/core/paged.py): logical key position j of batch entry b is row
+    j % page_size of page block_table[b, j // page_size], page_size being the forward's PAGED
+    constexpr."""
     group: int        # query heads per kv head
     q_len: int
     k_len: int
@@ -147,7 +148,6 @@ class SeqArgs(NamedTuple):
     k_lens: torch.Tensor
     block_table: torch.Tensor   # int32 (B, max_blocks) page indices (read only when PAGED)
     bt_stride: int              # block_table's row stride (its column stride is 1)
-    page_size: int              # key rows per page (1 when not paged)
 
 
 class ScoreArgs(NamedTuple):
@@ -230,13 +230,13 @@ class Problem(NamedTuple):
         # Constant stand-ins when not paged: no new specialization of the unpaged kernels.
         bt_stride = 0
         if block_table is None:
-            block_table, page_size = dummy, 1
+            block_table = dummy
         else:
             assert block_table.dtype == torch.int32 and block_table.stride(-1) == 1
-            bt_stride, page_size = block_table.stride(0), self.k.shape[2]
+            bt_stride = block_table.stride(0)
         return SeqArgs(group=self.group, q_len=self.q_len, k_len=self.k_len, cu_q=cu_q,
                        cu_k=cu_k, k_lens=dummy if k_lens is None else k_lens,
-                       block_table=block_table, bt_stride=bt_stride, page_size=page_size)
+                       block_table=block_table, bt_stride=bt_stride)
 
     def drop_args(self, call: AttentionCall, dummy: torch.Tensor, seed=None) -> DropArgs:
         """The kernels' ``drop``: the lse layout's row ids by default; with the call's

@@ -57,7 +57,7 @@ def _attn_fwd(Q, K, V, O, LSE,
               SEQUSED_K: tl.constexpr, PACK_GQA: tl.constexpr, SPLIT: tl.constexpr,
               DROPOUT: tl.constexpr, WIDEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
               TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              PAGED: tl.constexpr = False):
+              PAGED: tl.constexpr = 0):
     """One program = BLOCK_M query rows of one (batch or packed sequence, query head), against
     the keys they see (or, with SPLIT, one of ``split.num_splits`` even shares of those keys).
     Grid: (cdiv(rows, BLOCK_M) * (num_splits if SPLIT else 1), heads, batch or sequences),
@@ -84,10 +84,12 @@ def _attn_fwd(Q, K, V, O, LSE,
     bulk tensor copy per tile) over this (sequence, kv head)'s k_len rows, so rows past k_len
     -- another packed sequence's, a KV cache's unfilled ones -- and columns past the head dim
     read as zeros exactly as the masked loads do; 2 = Q's tile too (not with PACK_GQA).
-    PAGED (with SEQUSED_K, dense, TMA = 0): K and V are paged caches viewed (num_blocks,
-    heads_kv, page_size, D) (kernels/core/paged.py), ``stride_k[0]`` is the page stride, and key
-    position j of batch entry b is row j % page_size of page seq.block_table[b, j // page_size];
-    masks, mods and dropout see the logical positions j.
+    PAGED: 0, or the page size of a paged cache (with SEQUSED_K, dense, TMA = 0): K and V are
+    paged caches viewed (num_blocks, heads_kv, PAGED, D) (kernels/core/paged.py),
+    ``stride_k[0]`` is the page stride, and key position j of batch entry b is row j % PAGED of
+    page seq.block_table[b, j // PAGED]; masks, mods and dropout see the logical positions j.
+    A constexpr (one compile per page size), so that the per-key division is a shift for
+    powers of two: with a runtime page size, 128 x 128 tiles spilled on sm_90 (q_len 4, GQA).
     """
     # Causal: the longest rows (the last blocks) of every head first (``program_ids``).
     pid, pid_h, b = program_ids(SPEC.causal, False)
@@ -204,7 +206,7 @@ def _attn_fwd(Q, K, V, O, LSE,
             start_n = tl.multiple_of(start_n, BLOCK_N)
             offs_n = start_n + offs_n0
             if PAGED:
-                page, page_row = page_rows(seq.block_table, seq.bt_stride, seq.page_size, b,
+                page, page_row = page_rows(seq.block_table, seq.bt_stride, PAGED, b,
                                            offs_n, k_len, MASKED[RANGE])
                 rows_k = page.to(tl.int64) * stride_k[0] + page_row * stride_k[2]
                 k = load_rows(k_base + rows_k[:, None] + offs_d[None, :], offs_n, k_len,
@@ -395,7 +397,7 @@ class ForwardPlan:
                      SPEC=score_spec(call), VARLEN=pb.varlen, SEQUSED_K=k_lens is not None,
                      PACK_GQA=bool(pack_gqa), SPLIT=num_splits > 1, DROPOUT=call.dropout_mode,
                      WIDEN=widen_bf16(q.dtype), DOT_PRECISION=dot_precision(q.dtype), TMA=tma,
-                     PAGED=block_table is not None)
+                     PAGED=k.shape[2] if block_table is not None else 0)
 
         def grid(cfg):
             return (triton.cdiv(rows, cfg["BLOCK_M"]) * num_splits, heads, pb.batch)

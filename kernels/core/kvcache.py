@@ -3,6 +3,8 @@
 The attention itself is the forward kernel (kernels/core/forward.py) with per-row key lengths
 (SEQUSED_K), split-KV for long caches (kernels/core/splitkv.py) and packed GQA heads; only the
 append is new work: new keys/values are written into each row's cache at its own offset.
+Paged caches (kernels/core/paged.py) go through the same two kernels with PAGED: the append
+writes each new row into its page, the forward reads K/V tiles page by page.
 """
 import torch
 import triton
@@ -10,15 +12,16 @@ import triton.language as tl
 
 from .common import block_d
 from .forward import attention_forward
+from .paged import page_rows, paged_view
 
 _APPEND_BLOCK_M = 16
 
 
 @triton.jit
 def _append_kv(K_CACHE, V_CACHE, K, V, SEQLENS, stride_kc, stride_vc, stride_k, stride_v,
-               n_new, max_len,
+               n_new, max_len, BLOCK_TABLE, bt_stride, page_size,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-               BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr):
+               BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, PAGED: tl.constexpr):
     """K_CACHE[b, h, SEQLENS[b] + i] = K[b, h, i] (and V) for i < n_new.
 
     K_CACHE (B, H_kv, max_len, HEAD_DIM), K (B, H_kv, n_new, HEAD_DIM); V_CACHE, V the same
@@ -26,6 +29,11 @@ def _append_kv(K_CACHE, V_CACHE, K, V, SEQLENS, stride_kc, stride_vc, stride_k, 
     ``stride_x``: x's (batch, head, row) strides. Positions >= max_len are never written (the
     caller's contract says they do not occur; the guard keeps a broken contract from writing
     out of bounds). Grid: (cdiv(n_new, BLOCK_M), H_kv, B).
+    PAGED: the caches are paged (num_blocks, H_kv, page_size, D) views, ``stride_kc[0]`` the
+    page stride, BLOCK_TABLE int32 (B, max_blocks) with row stride ``bt_stride`` and unit
+    column stride (kernels/core/paged.py), ``max_len`` the logical capacity max_blocks *
+    page_size; position pos of row b is row pos % page_size of page
+    block_table[b, pos // page_size].
     """
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
@@ -33,7 +41,8 @@ def _append_kv(K_CACHE, V_CACHE, K, V, SEQLENS, stride_kc, stride_vc, stride_k, 
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     pos = tl.load(SEQLENS + b) + offs_i
-    row_ok = ((offs_i < n_new) & (pos >= 0) & (pos < max_len))[:, None]
+    in_range = (offs_i < n_new) & (pos >= 0) & (pos < max_len)
+    row_ok = in_range[:, None]
     mask = row_ok & (offs_d < HEAD_DIM)[None, :]
     mask_v = row_ok & (offs_dv < HEAD_DIM_V)[None, :]
     src = offs_i.to(tl.int64)[:, None]
@@ -42,38 +51,64 @@ def _append_kv(K_CACHE, V_CACHE, K, V, SEQLENS, stride_kc, stride_vc, stride_k, 
                 mask=mask)
     v = tl.load(V + b * stride_v[0] + h * stride_v[1] + src * stride_v[2] + offs_dv[None, :],
                 mask=mask_v)
-    tl.store(K_CACHE + b * stride_kc[0] + h * stride_kc[1] + dst * stride_kc[2]
-             + offs_d[None, :], k, mask=mask)
-    tl.store(V_CACHE + b * stride_vc[0] + h * stride_vc[1] + dst * stride_vc[2]
-             + offs_dv[None, :], v, mask=mask_v)
+    if PAGED:
+        # Rows outside [0, max_len) read no page and are never stored (row_ok).
+        page, page_row = page_rows(BLOCK_TABLE, bt_stride, page_size, b,
+                                   tl.where(in_range, pos, max_len), max_len, True)
+        page, page_row = page.to(tl.int64)[:, None], page_row.to(tl.int64)[:, None]
+        dst_k = page * stride_kc[0] + page_row * stride_kc[2]
+        dst_v = page * stride_vc[0] + page_row * stride_vc[2]
+    else:
+        dst_k = b * stride_kc[0] + dst * stride_kc[2]
+        dst_v = b * stride_vc[0] + dst * stride_vc[2]
+    tl.store(K_CACHE + dst_k + h * stride_kc[1] + offs_d[None, :], k, mask=mask)
+    tl.store(V_CACHE + dst_v + h * stride_vc[1] + offs_dv[None, :], v, mask=mask_v)
 
 
-def append_kv(k_cache, v_cache, cache_seqlens, k, v):
+def append_kv(k_cache, v_cache, cache_seqlens, k, v, block_table=None):
     """Write k (B, H_kv, n_new, D), v (B, H_kv, n_new, Dv) into the caches (B, H_kv,
     max_len, D or Dv) at positions
-    cache_seqlens[b] ... cache_seqlens[b] + n_new - 1 of each row b, in place."""
+    cache_seqlens[b] ... cache_seqlens[b] + n_new - 1 of each row b, in place. With
+    ``block_table`` (int32 (B, max_blocks), unit column stride) the caches are the paged ones
+    (num_blocks, page_size, H_kv, D or Dv) and max_len = max_blocks * page_size."""
     B, H, n_new, D = k.shape
     Dv = v.shape[-1]
     if k.numel() == 0:
         return
+    if block_table is None:
+        max_len, table, bt_stride, page_size = k_cache.shape[2], cache_seqlens, 0, 1
+    else:
+        k_cache, v_cache = paged_view(k_cache), paged_view(v_cache)
+        page_size = k_cache.shape[2]
+        max_len, table, bt_stride = block_table.shape[1] * page_size, block_table, \
+            block_table.stride(0)
     _append_kv[(triton.cdiv(n_new, _APPEND_BLOCK_M), H, B)](
         K_CACHE=k_cache, V_CACHE=v_cache, K=k, V=v, SEQLENS=cache_seqlens,
         stride_kc=k_cache.stride()[:3], stride_vc=v_cache.stride()[:3], stride_k=k.stride()[:3],
-        stride_v=v.stride()[:3], n_new=n_new, max_len=k_cache.shape[2],
+        stride_v=v.stride()[:3], n_new=n_new, max_len=max_len, BLOCK_TABLE=table,
+        bt_stride=bt_stride, page_size=page_size,
         HEAD_DIM=D, BLOCK_D=block_d(D), HEAD_DIM_V=Dv, BLOCK_DV=block_d(Dv),
-        BLOCK_M=_APPEND_BLOCK_M)
+        BLOCK_M=_APPEND_BLOCK_M, PAGED=block_table is not None)
 
 
-def kvcache_forward(q, k_cache, v_cache, cache_seqlens, k, v, call, *, num_splits):
+def kvcache_forward(q, k_cache, v_cache, cache_seqlens, k, v, call, *, num_splits,
+                    block_table=None):
     """Append (k, v) if given, then attend: (out (B, H_q, q_len, Dv), lse (B, H_q, q_len)).
 
     Row b sees its first n_b = cache_seqlens[b] (+ q_len with k, v) cache positions, bottom-right
     causal over them, as ``call`` (an ``AttentionCall`` without dropout) says. Inputs validated
-    by the caller; unit last strides.
+    by the caller; unit last strides. With ``block_table`` (int32 (B, max_blocks)) the caches
+    are paged, (num_blocks, page_size, H_kv, D or Dv) (kernels/core/paged.py): read and
+    written in place, page by page, never gathered.
     """
+    if block_table is not None:
+        block_table = block_table.contiguous()  # (B, max_blocks) ints: a copy only if strided
     if k is not None:
-        append_kv(k_cache, v_cache, cache_seqlens, k, v)
+        append_kv(k_cache, v_cache, cache_seqlens, k, v, block_table)
         k_lens = (cache_seqlens + q.shape[2]).to(torch.int32)
     else:
         k_lens = cache_seqlens
-    return attention_forward(q, k_cache, v_cache, call, k_lens=k_lens, num_splits=num_splits)
+    if block_table is not None:
+        k_cache, v_cache = paged_view(k_cache), paged_view(v_cache)
+    return attention_forward(q, k_cache, v_cache, call, k_lens=k_lens, num_splits=num_splits,
+                             block_table=block_table)

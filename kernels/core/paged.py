@@ -21,16 +21,16 @@ import triton.language as tl
 def page_rows(block_table, bt_stride, page_size, b, offs_n, k_len, CHECK: tl.constexpr):
     """(page, row) of logical key positions ``offs_n`` of batch row ``b`` (block_table int32
     with row stride ``bt_stride`` and unit column stride): page = block_table[b, offs_n //
-    page_size] as
-    int64 (a page offset can pass 2**31 elements), row = offs_n % page_size. CHECK: positions
-    >= k_len may lie past the table's row; they read page 0, whose rows the caller's masked
-    loads never dereference."""
+    page_size], row = offs_n % page_size, both int32 (fewer registers live between a K tile's
+    load and its V tile's; the caller widens them to 64 bits at each use, as a page offset can
+    pass 2**31 elements). CHECK: positions >= k_len may lie past the table's row; they read
+    page 0, whose rows the caller's masked loads never dereference."""
     slot = b.to(tl.int64) * bt_stride + offs_n // page_size
     if CHECK:
         page = tl.load(block_table + slot, mask=offs_n < k_len, other=0)
     else:
         page = tl.load(block_table + slot)
-    return page.to(tl.int64), offs_n % page_size
+    return page, offs_n % page_size
 
 
 def paged_view(cache: torch.Tensor) -> torch.Tensor:
