@@ -128,10 +128,16 @@ LEFTPAD_MASK = MaskMod("flash_attn.leftpad", _leftpad_fn, _leftpad_torch,
                        kv_range=_leftpad_keys, q_range=_leftpad_queries)
 
 
-@functools.lru_cache(maxsize=64)
 def _bounds_tensor(left, right, device):
-    """int32 (left, right) on ``device``, made once per window (no host-to-device copy per
-    call); the kernels only read it."""
+    """int32 (left, right) on ``device``: made once per window in eager mode (no host-to-device
+    copy per call; the kernels only read it), a constant of the graph under torch.compile."""
+    if torch.compiler.is_compiling():
+        return torch.tensor([left, right], dtype=torch.int32, device=device)
+    return _cached_bounds(left, right, device)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_bounds(left, right, device):
     return torch.tensor([left, right], dtype=torch.int32, device=device)
 
 
