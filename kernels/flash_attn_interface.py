@@ -489,6 +489,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         raise RuntimeError("rotary_cos / rotary_sin rotate the new keys: pass k and v too")
     B = q.shape[0]
     capacity = (block_table.shape[1] * k_cache.shape[1]) if paged else k_cache.shape[1]
+    if rotary_cos is not None:
+        if rotary_cos.shape != rotary_sin.shape or rotary_cos.dim() != 2:
+            raise RuntimeError(f"rotary_cos and rotary_sin must both be (seqlen_ro, "
+                               f"rotary_dim / 2), got {tuple(rotary_cos.shape)} and "
+                               f"{tuple(rotary_sin.shape)}")
+        if 2 * rotary_cos.shape[1] > q.shape[-1]:
+            raise RuntimeError(f"rotary_dim (2 * rotary_cos.shape[1] = "
+                               f"{2 * rotary_cos.shape[1]}) must be <= head_dim {q.shape[-1]}")
+        if rotary_cos.shape[0] < capacity:
+            raise RuntimeError(f"rotary_cos / rotary_sin must cover every cache position: "
+                               f"{rotary_cos.shape[0]} rows for a cache of {capacity}")
     if cache_seqlens is None:
         lens = torch.full((B,), capacity, dtype=torch.int32, device=q.device)
     elif isinstance(cache_seqlens, int):
