@@ -216,10 +216,12 @@ print(\"device\", torch.cuda.get_device_name() if torch.cuda.is_available() else
                 probe_pids+=($!)
             done
         fi
+        local pc_limit
+        pc_limit=$(limit_reserving 150 300)
         # shellcheck disable=SC2086
-        stage "precompile (${PRECOMPILE_JOBS} processes)" "$(limit_reserving 150 300)" \
+        stage "precompile (${PRECOMPILE_JOBS} processes)" "$pc_limit" \
             "${PYM[@]}" benchmarks.precompile --jobs "$PRECOMPILE_JOBS" \
-            --json "$WORK/precompile.json" ${PRECOMPILE_ARGS:-}
+            --time-limit $(( pc_limit - 10 )) --json "$WORK/precompile.json" ${PRECOMPILE_ARGS:-}
         pack
         if wanted probe; then
             local i=0 rc

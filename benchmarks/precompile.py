@@ -92,6 +92,8 @@ def build_parser():
     ap.add_argument("--stub-target", type=int, metavar="CC",
                     help="no GPU: compile for compute capability CC with a stand-in driver "
                          "(triton 3.6; the static tools' method), Flex skipped")
+    ap.add_argument("--time-limit", type=float, default=0,
+                    help="stop after this many seconds (0: none), keeping what is compiled")
     ap.add_argument("--limit", type=int, default=0,
                     help="compile at most this many units (0: all; rehearsals)")
     return ap
@@ -317,7 +319,20 @@ def install_stub_driver(cc):
     _STUB["cc"] = cc
 
 
+def _die_with_parent():
+    """Linux: the kernel kills this worker when the precompile process ends (a stage timeout
+    kills only the parent; orphans would compile on through the timed stages)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
 def _worker_init(stub_cc):
+    _die_with_parent()
     os.environ.pop("TRITON_INTERPRET", None)
     # One inductor compile thread per worker: the pool already uses every core.
     os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
@@ -402,7 +417,7 @@ def main(argv=None):
     elif not args.dry_run and not torch.cuda.is_available():
         raise SystemExit("precompile: no CUDA device (use --dry-run, or --stub-target 90 to "
                          "compile for sm_90 with a stand-in driver)")
-    if args.dry_run and not args.stub_target:
+    if args.dry_run:
         return dry_run(args)
     start = time.perf_counter()
     work, units = plan(args)
@@ -424,11 +439,14 @@ def main(argv=None):
     # Flex first: its graphs take longest; the kernels fill the pool around them.
     order = sorted(units, key=lambda u: u["kernel"] != "flex")
     ctx = multiprocessing.get_context("spawn")   # fresh CUDA / Triton state per worker
-    with cf.ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx,
-                                initializer=_worker_init,
-                                initargs=(args.stub_target,)) as pool:
-        futures = {pool.submit(compile_unit, work[u["workload"]], u): u for u in order}
-        for n, fut in enumerate(cf.as_completed(futures), 1):
+    deadline = start + args.time_limit if args.time_limit else None
+    pool = cf.ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx,
+                                  initializer=_worker_init, initargs=(args.stub_target,))
+    futures = {pool.submit(compile_unit, work[u["workload"]], u): u for u in order}
+    try:
+        done_iter = cf.as_completed(futures, timeout=None if deadline is None
+                                    else max(1.0, deadline - time.perf_counter()))
+        for n, fut in enumerate(done_iter, 1):
             u = futures[fut]
             try:
                 status, secs, note = fut.result()
@@ -441,11 +459,22 @@ def main(argv=None):
                   f"{u['kernel']} {u['config_text']}: {status} {secs}s {note}", flush=True)
             if n % 8 == 0:
                 save()
+    except cf.TimeoutError:
+        # --time-limit: the timed stages come next; what is compiled stays in the cache.
+        report["cut_at_time_limit"] = True
+        print(f"precompile: --time-limit {args.time_limit} s reached, "
+              f"{len(futures) - len(report['results'])} units left to the timed stages",
+              flush=True)
+    finally:
+        for proc in list(getattr(pool, "_processes", {}).values()):
+            proc.kill()     # no worker may outlive this stage (cf. _die_with_parent)
+        pool.shutdown(wait=False, cancel_futures=True)
     report["elapsed_s"] = round(time.perf_counter() - start, 1)
     report["compile_s_sum"] = round(sum(r["seconds"] or 0 for r in report["results"]), 1)
     report["errors"] = sum(r["status"].startswith("error") for r in report["results"])
     save()
-    print(f"precompile: {len(units)} units in {report['elapsed_s']} s on {args.jobs} processes "
+    print(f"precompile: {len(report['results'])} of {len(units)} units in {report['elapsed_s']} s "
+          f"on {args.jobs} processes "
           f"({report['compile_s_sum']} s of compiling; {report['errors']} did not compile: "
           f"the autotuner skips those configs too)")
     return 0
