@@ -65,9 +65,10 @@ QUICK = {
         "tests/core/test_gqa_window_varlen.py::test_varlen_parity[other-causal-gqa]",
         "tests/core/test_gqa_window_varlen.py::test_varlen_dropout",
     ],
-    "KV cache and split-KV": [
+    "KV cache, paged KV cache and split-KV": [
         "tests/core/test_kvcache.py::test_kvcache_parity_and_append[4-4-2-7-True-True-2-float32]",
         "tests/core/test_kvcache.py::test_split_kv_parity[1-17-2-2-float32]",
+        "tests/core/test_paged_kvcache.py::test_paged_value_head_dim_and_strided_table",
     ],
     "mods (softcap, ALiBi, score/mask mods, sinks, chunks)": [
         "tests/core/test_mods.py::test_feature_parity[everything]",
@@ -101,6 +102,9 @@ QUICK = {
     "transformers": [
         "tests/integrations/test_hf.py::test_logits_match_eager[llama]",
         "tests/integrations/test_hf.py::test_training_step_gradients_match_eager[gpt2]",
+    ],
+    "FlashAttention 2's API (kernels.flash_attn_interface)": [
+        "tests/test_flash_attn_interface.py::test_one_line_switch",
     ],
     "SDPA registration and context parallelism": [
         "tests/integrations/test_sdpa.py::test_sdpa_op_forward_backward[causal]",
