@@ -155,6 +155,9 @@ def build_parser():
     run = p.add_argument_group("what to run")
     run.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                      help="auto: cuda if available")
+    run.add_argument("--host", action="store_true",
+                     help="only the host cost per call, ours vs PyTorch's (benchmarks/host.py; "
+                          "its flags: python -m benchmarks.host --help)")
     run.add_argument("--quick", action="store_true", help="a small sweep (a quick look)")
     run.add_argument("--skip-parity", action="store_true", help="do not run the parity check")
     run.add_argument("--no-modules", action="store_true",
@@ -304,6 +307,11 @@ class Progress:
 
 def main(argv=None):
     """Entry point; returns the process exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--host" in argv:   # its own benchmark with its own flags (python -m benchmarks.host)
+        from .host import main as host_main
+        argv.remove("--host")
+        return host_main(argv)
     args = build_parser().parse_args(argv)
     start = time.monotonic()
     import torch

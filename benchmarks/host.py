@@ -1,0 +1,190 @@
+"""Host cost of one call: the public API's Python per call, ours vs PyTorch's, on a real device.
+
+    python -m benchmarks.host [--device cuda] [--shape 1x1x16x16] [--budget 20]
+    python -m benchmarks --host            (the same, through the benchmark CLI)
+
+At tiny shapes a GPU finishes each kernel long before the host has issued the next call, so the
+wall time of back-to-back calls, divided by their number, is the host's cost per call -- what a
+training step loses per attention call when it is host-bound. Each case runs batches of
+``--inner`` calls (one device synchronisation at the end of each batch); batches of all cases
+alternate until ``--budget`` seconds, so load from other processes spreads over every case. Per
+case: min, p20 and median of the batches' per-call times, in microseconds.
+
+Cases (bf16 on CUDA, fp32 on CPU; causal): ``kernels.attention`` forward under no_grad, forward
++ backward (``torch.autograd.grad``), the same with dropout 0.1; SDPA's same calls (the
+baseline); ``kernels.FusedMultiHeadAttention`` vs ``reference.MultiHeadAttention`` forward +
+backward (same constructor arguments); ``kernels.attention_with_kvcache`` one-token decode
+(cache 4x the sequence, one new key appended) and ``kernels.attention_varlen`` forward (two
+packed sequences).
+
+On a machine without CUDA the CPU tensors take the PyTorch fallback (or Triton's interpreter
+with TRITON_INTERPRET=1), not the GPU path: the rows then say what a CPU user's call costs.
+For the GPU path's Python measured without a GPU (a stub driver), use the project's
+``host_overhead.py`` tool (not shipped; benchmarks/NOTES.md quotes its summary lines).
+
+Rows go to ``<out-dir>/<date>-<device>-host.json`` and ``.csv`` with the device and versions.
+"""
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import kernels
+import reference
+
+from .report import collect_meta, results_stem, write_csv, write_json
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cases(device, shape, dtype):
+    """{name: (function of no arguments, baseline name or None)}."""
+    b, h, n, d = shape
+    q, k, v = (torch.randn(b, h, n, d, device=device, dtype=dtype, requires_grad=True)
+               for _ in range(3))
+    do = torch.randn_like(q)
+
+    def fwd(fn, **kw):
+        def run():
+            with torch.no_grad():
+                fn(q, k, v, **kw)
+        return run
+
+    def fwd_bwd(fn, **kw):
+        return lambda: torch.autograd.grad(fn(q, k, v, **kw), (q, k, v), do)
+
+    ours = kernels.attention
+    sdpa = F.scaled_dot_product_attention
+    cases = {
+        "attention fwd": (fwd(ours, causal=True), "sdpa fwd"),
+        "sdpa fwd": (fwd(sdpa, is_causal=True), None),
+        "attention fwd+bwd": (fwd_bwd(ours, causal=True), "sdpa fwd+bwd"),
+        "sdpa fwd+bwd": (fwd_bwd(sdpa, is_causal=True), None),
+        "attention p=0.1 fwd+bwd": (fwd_bwd(ours, causal=True, dropout_p=0.1),
+                                    "sdpa p=0.1 fwd+bwd"),
+        "sdpa p=0.1 fwd+bwd": (fwd_bwd(sdpa, is_causal=True, dropout_p=0.1), None),
+    }
+    emb = h * d
+    x = torch.randn(b, n, emb, device=device, dtype=dtype, requires_grad=True)
+    for name, cls in (("FusedMultiHeadAttention", kernels.FusedMultiHeadAttention),
+                      ("reference.MultiHeadAttention", reference.MultiHeadAttention)):
+        module = cls(emb, emb, n, 0.0, num_heads=h).to(device=device, dtype=dtype)
+        cases[f"{name} fwd+bwd"] = (
+            (lambda m: lambda: m(x).sum().backward())(module),
+            "reference.MultiHeadAttention fwd+bwd" if cls is kernels.FusedMultiHeadAttention
+            else None)
+    k_cache, v_cache = (torch.randn(b, h, 4 * n, d, device=device, dtype=dtype)
+                        for _ in range(2))
+    lens = torch.full((b,), n, dtype=torch.int32, device=device)
+    q1, k1, v1 = (torch.randn(b, h, 1, d, device=device, dtype=dtype) for _ in range(3))
+    cases["attention_with_kvcache decode"] = (
+        lambda: kernels.attention_with_kvcache(q1, k_cache, v_cache, lens, k1, v1), None)
+    packed = [torch.randn(2 * n, h, d, device=device, dtype=dtype) for _ in range(3)]
+    cu = torch.tensor([0, n // 2, 2 * n], dtype=torch.int32, device=device)
+
+    def varlen():
+        with torch.no_grad():
+            kernels.attention_varlen(*packed, cu, cu, n + n // 2, n + n // 2)
+    cases["attention_varlen fwd"] = (varlen, None)
+    return cases
+
+
+def measure(device, shape, dtype, budget_s, inner):
+    """Rows of per-call host time (us) per case; see the module docstring."""
+    cases = _cases(device, shape, dtype)
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    for fn, _ in cases.values():   # compile, autotune, build launch plans
+        for _ in range(3):
+            fn()
+    sync()
+    samples = {name: [] for name in cases}
+    names = list(cases)
+    start, rnd = time.perf_counter(), 0
+    while rnd < 5 or time.perf_counter() - start < budget_s:
+        for name in names[rnd % len(names):] + names[:rnd % len(names)]:
+            fn = cases[name][0]
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            sync()
+            samples[name].append((time.perf_counter() - t0) / inner * 1e6)
+        rnd += 1
+    rows = []
+    for name, (_, base) in cases.items():
+        s = sorted(samples[name])
+        rows.append(dict(bench="host", case=name, shape="x".join(map(str, shape)),
+                         dtype=str(dtype).replace("torch.", ""), min_us=s[0],
+                         p20_us=s[len(s) // 5], median_us=s[len(s) // 2], batches=len(s),
+                         inner=inner, baseline=base))
+    by_name = {r["case"]: r for r in rows}
+    for r in rows:
+        if r["baseline"]:
+            r["x_baseline_p20"] = r["p20_us"] / by_name[r["baseline"]]["p20_us"]
+    return rows
+
+
+def _shape(text):
+    try:
+        shape = tuple(int(x) for x in text.lower().split("x"))
+    except ValueError:
+        shape = ()
+    if len(shape) != 4 or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"expected BxHxNxD with positive ints, got {text!r}")
+    return shape
+
+
+def _positive(kind):
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = 0
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+        return value
+    return parse
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.host", description=__doc__.split(
+        "\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    p.add_argument("--shape", type=_shape, default=(1, 1, 16, 16), help="BxHxNxD")
+    p.add_argument("--budget", type=_positive(float), default=20.0, help="seconds of timing")
+    p.add_argument("--inner", type=_positive(int), default=20, help="calls per timed batch")
+    p.add_argument("--out-dir", default=os.path.join(REPO, "benchmarks", "results"))
+    args = p.parse_args(argv)
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: this machine has no CUDA device")
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    if device == "cpu":
+        # What a CPU user's call runs: the PyTorch fallback (importing benchmarks set
+        # TRITON_INTERPRET=1 for the interpreter rows of the other benchmarks).
+        os.environ["TRITON_INTERPRET"] = "0"
+    torch.set_num_threads(1)
+    rows = measure(device, args.shape, dtype, args.budget, args.inner)
+    meta = collect_meta(device, vars(args), REPO)
+    meta["what"] = ("host time per call (us): back-to-back calls at a tiny shape, one sync per "
+                    "batch" + ("" if device == "cuda" else "; CPU tensors: the PyTorch fallback "
+                               "or the interpreter, not the GPU path"))
+    os.makedirs(args.out_dir, exist_ok=True)
+    stem = os.path.join(args.out_dir, results_stem(device) + "-host")
+    write_json(stem + ".json", meta, rows)
+    write_csv(stem + ".csv", rows)
+    print(f"{'case':40} {'min':>8} {'p20':>8} {'median':>8}  x baseline (p20)")
+    for r in rows:
+        ratio = f"{r['x_baseline_p20']:.2f}x {r['baseline']}" if r.get("baseline") else ""
+        print(f"{r['case']:40} {r['min_us']:8.1f} {r['p20_us']:8.1f} {r['median_us']:8.1f}  "
+              f"{ratio}")
+    print(f"wrote {stem}.json, .csv", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
