@@ -289,6 +289,17 @@ def cpu_ratio_rows(sizes=CPU_RATIO_SIZES, dropouts=CPU_RATIO_DROPOUTS, reps=15, 
     return rows
 
 
+def _size(text):
+    """``BxTxD`` -> (batch, tokens, d_model), each >= 1 (argparse ``type=``)."""
+    import argparse
+
+    parts = text.lower().split("x")
+    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"expected BxTxD with positive integers, e.g. 8x64x128; "
+                                         f"got {text!r}")
+    return tuple(int(p) for p in parts)
+
+
 def main(argv=None):
     """``python -m benchmarks.modules``: the CPU rows above, written to
     ``benchmarks/results/<date>-modules-cpu.json`` and ``.csv`` (git-ignored: CPU results),
@@ -302,6 +313,8 @@ def main(argv=None):
 
     ap = argparse.ArgumentParser(prog="python -m benchmarks.modules", description=main.__doc__,
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--sizes", type=_size, nargs="+", default=list(CPU_RATIO_SIZES),
+                    metavar="BxTxD", help="batch x tokens x d_model, e.g. 8x64x128")
     ap.add_argument("--reps", type=int, default=15, help="most timed rounds per row")
     ap.add_argument("--max-s", type=float, default=20.0, help="seconds per row, at most")
     ap.add_argument("--threads", type=int, default=1, help="PyTorch intra-op threads")
@@ -312,7 +325,8 @@ def main(argv=None):
                  f"{args.threads}, {args.max_s}")
     os.environ.pop("TRITON_INTERPRET", None)
     load_before = os.getloadavg()
-    rows = cpu_ratio_rows(reps=args.reps, max_s=args.max_s, threads=args.threads)
+    rows = cpu_ratio_rows(sizes=args.sizes, reps=args.reps, max_s=args.max_s,
+                          threads=args.threads)
     meta = collect_meta("cpu", vars(args), REPO_DIR, interpreter=False)
     meta.update(loadavg_before=load_before, loadavg_after=os.getloadavg(),
                 cpu_count=os.cpu_count(),

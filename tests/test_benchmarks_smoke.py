@@ -1021,3 +1021,31 @@ def test_cli_help_shows_defaults_and_no_issue_numbers():
     args = build_parser().parse_args(["--seq-lens", "64", "--dropout", "0", "0.5",
                                       "--time-budget", "0", "--cpu-threads", "0"])
     assert args.seq_lens == [64] and args.dropout == [0.0, 0.5] and args.time_budget == 0.0
+
+
+def test_cpu_module_ratio_rows(tmp_path):
+    """`python -m benchmarks.modules` (the README's CPU table): one row per (size, dropout,
+    mode) with both medians, the ratio computed from them, versions and commit in the JSON and
+    CSV (no assertion on speed)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               CUDA_VISIBLE_DEVICES="")
+    env.pop("TRITON_INTERPRET", None)
+    cmd = [sys.executable, "-m", "benchmarks.modules", "--sizes", "2x16x64", "1x8x128",
+           "--reps", "2", "--max-s", "5", "--out-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=HANG_GUARD_S)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    [json_path] = list(tmp_path.glob("*-modules-cpu.json"))
+    data = json.loads(json_path.read_text())
+    assert {"torch", "triton", "commit", "loadavg_before"} <= set(data["meta"])
+    rows = data["rows"]
+    assert len(rows) == 2 * 2 * 2
+    assert {(r["batch"], r["seq_len"], r["emb_dim"]) for r in rows} == {(2, 16, 64), (1, 8, 128)}
+    for r in rows:
+        assert r["heads"] == r["emb_dim"] // 64 and r["reps"] >= 1
+        assert math.isclose(r["speedup"], r["book_ms"] / r["fused_ms"], rel_tol=1e-2)
+    with open(json_path.with_suffix(".csv")) as f:
+        assert len(list(csv.DictReader(f))) == len(rows)
+    bad = subprocess.run([sys.executable, "-m", "benchmarks.modules", "--sizes", "8x0x128"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--sizes" in bad.stderr
