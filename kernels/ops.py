@@ -27,10 +27,11 @@ from .core.common import check_interpreter_setting, interpreter_active
 from .core.configs import unsupported_gpu_reason
 from .core.backward import BackwardPlan, attention_backward
 from .core.forward import ForwardPlan, attention_forward
-from .core.kvcache import kvcache_forward
+from .core.kvcache import KVCachePlan, kvcache_forward
 from .core.mods import NO_MODS, CallMods, MaskMod, ScoreMod, lookup, sinks_grad
 from .validation import (SEED_LIMIT, check_cu_seqlens, check_drop_layout, check_kvcache,
-                         check_mods, check_num_splits, check_seed, validate_attention)
+                         check_cache_lengths, check_mods, check_num_splits, check_seed,
+                         validate_attention)
 
 # The seed of every call without dropout: one shared CPU tensor (the ops never write it). Under
 # torch.compile it enters the graph as an input, so Inductor emits no CPU C++ kernel to build it.
@@ -754,6 +755,13 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, *
         ``attention`` or ``attention_varlen``); works under ``torch.inference_mode()`` and
         ``torch.compile(fullgraph=True)`` (a custom op that declares it mutates the caches).
     """
+    plan = _kvcache_plan(q, k_cache, v_cache, cache_seqlens, k, v, block_table, (
+        causal, softmax_scale, window, num_splits, softcap, chunk_size, score_mod, mask_mod),
+        sinks, alibi_slopes, mod_aux)
+    if plan is not None:
+        out, lse = plan(q, k_cache, v_cache, cache_seqlens, k, v, block_table, sinks,
+                        alibi_slopes, mod_aux)
+        return (out, lse) if return_lse else out
     causal = check_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale,
                            window, num_splits, block_table)
     mods, chunk_size = check_mods(q, causal, window, softcap, sinks, chunk_size, alibi_slopes,
@@ -775,6 +783,90 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, *
     else:
         out, lse = _kvcache_op(*args, **mod_args)
     return (out, lse) if return_lse else out
+
+
+class _KVCachePlan:
+    """How ``attention_with_kvcache`` runs for one validated signature (forward only, no
+    tensor requiring grad): its ``AttentionCall`` (mods' tensors per call) and, once launched,
+    its ``KVCachePlan`` (kernels/core/kvcache.py). Per call: the cache lengths' host checks
+    (when on the CPU) and the route (``_use_fallback``)."""
+
+    def __init__(self, q, k_cache, v_cache, cache_seqlens, k, v, block_table, options, sinks,
+                 alibi_slopes, mod_aux):
+        (causal, softmax_scale, window, num_splits, softcap, chunk_size, score_mod,
+         mask_mod) = options
+        causal = check_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale,
+                               window, num_splits, block_table)
+        mods, chunk_size = check_mods(q, causal, window, softcap, sinks, chunk_size,
+                                      alibi_slopes, score_mod, mask_mod, mod_aux,
+                                      batch=q.shape[0])
+        if softmax_scale is None:
+            softmax_scale = default_softmax_scale(q.shape[-1])
+        self.mod_tensors = mods.has_tensors
+        self.mods = dataclasses.replace(mods, alibi_slopes=None, sinks=None, aux=())
+        self.call = AttentionCall(causal, float(softmax_scale), 0.0, 0,
+                                  int(window) if window is not None else None, None,
+                                  chunk_size, self.mods)
+        self.num_splits = int(num_splits)
+        self.new = 0 if k is None else q.shape[2]
+        if block_table is None:
+            self.lengths = (k_cache.shape[2], None, 0, 1)
+        else:
+            num_blocks, page_size = k_cache.shape[:2]
+            self.lengths = (block_table.shape[1] * page_size, block_table, num_blocks,
+                            page_size)
+        self.plan = None
+
+    def __call__(self, q, k_cache, v_cache, cache_seqlens, k, v, block_table, sinks,
+                 alibi_slopes, mod_aux):
+        max_len, _, num_blocks, page_size = self.lengths
+        check_cache_lengths(cache_seqlens, self.new, max_len, block_table, num_blocks,
+                            page_size)
+        call = self.call
+        if self.mod_tensors:
+            call = dataclasses.replace(call, mods=dataclasses.replace(
+                self.mods, sinks=None if sinks is None else sinks.float(), aux=tuple(mod_aux),
+                alibi_slopes=None if alibi_slopes is None else alibi_slopes.float().contiguous()))
+        if _use_fallback(q):
+            return fallback.kvcache_forward(q, k_cache, v_cache, cache_seqlens, k, v, call,
+                                            _out_like(q, v_cache), block_table=block_table)
+        if self.plan is None:
+            self.plan = KVCachePlan(q, k_cache, v_cache, cache_seqlens, k, v, call,
+                                    num_splits=self.num_splits, block_table=block_table)
+        return self.plan(q, k_cache, v_cache, cache_seqlens, k, v, call, block_table=block_table)
+
+
+def _kvcache_plan(q, k_cache, v_cache, cache_seqlens, k, v, block_table, options, sinks,
+                  alibi_slopes, mod_aux):
+    """The ``_KVCachePlan`` of this ``attention_with_kvcache`` call, or None for the general
+    path (as ``_fast_plan``; also when a tensor requires grad, or a layout needs a copy)."""
+    tensors = (q, k_cache, v_cache, cache_seqlens, k, v, block_table)
+    if (any(t is not None and t.__class__ is not torch.Tensor for t in tensors)
+            or torch.compiler.is_compiling()):
+        return None
+    try:
+        key = ("kvcache", *(None if t is None else _signature(t) for t in tensors), options,
+               tuple(x.__class__ for x in options),
+               None if sinks is None else _signature(sinks),
+               None if alibi_slopes is None else _signature(alibi_slopes),
+               tuple(_signature(t) for t in mod_aux))
+        plan = _PLANS.get(key)
+    except (TypeError, AttributeError):
+        return None
+    if plan is None:
+        if (q.device.type not in ("cpu", "cuda") or q.dim() != 4 or q.numel() == 0
+                or any(t is not None and (t.dim() < 2 or t.stride(-1) != 1)
+                       for t in tensors[:3] + tensors[4:])):
+            return None
+        plan = _KVCachePlan(q, k_cache, v_cache, cache_seqlens, k, v, block_table, options,
+                            sinks, alibi_slopes, mod_aux)
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                       for t in (q, k_cache, v_cache, k, v)):
+        return None   # the general path attaches the forward-only error to them
+    return plan
 
 
 # --------------------------------------------------------------------------------------------

@@ -338,7 +338,7 @@ def check_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scal
                          f"{k_cache.dtype}")
     if paged:
         # The shared checks on (batch, heads_kv, page_size, D) views of the pages.
-        num_blocks, page_size = k_cache.shape[:2]
+        k_cache_pages = num_blocks, page_size = k_cache.shape[:2]
         k_cache, v_cache = (t.transpose(1, 2)[:1].expand(B, -1, -1, -1)
                             for t in (k_cache, v_cache))
     causal = validate_attention(q, k_cache, v_cache, causal, 0.0, softmax_scale, None, window)
@@ -352,10 +352,20 @@ def check_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scal
     if cache_seqlens.device != q.device:
         raise ValueError(f"cache_seqlens must be on q's device {q.device}, got "
                          f"{cache_seqlens.device}")
+    check_cache_lengths(cache_seqlens, q_len if k is not None else 0, max_len, block_table,
+                        *(k_cache_pages if paged else (0, 1)))
+    return causal
+
+
+def check_cache_lengths(cache_seqlens, new, max_len, block_table=None, num_blocks=0,
+                        page_size=1):
+    """The values of a KV cache's lengths (and of the pages they use) where reading them costs
+    no device sync: lengths on the host; on a GPU they are the caller's contract. ``new``: the
+    positions the call appends."""
+    paged = block_table is not None
     if cache_seqlens.device.type == "cpu" and not torch.compiler.is_compiling():
         # Lengths on the host: check them (no device sync needed).
         lens = cache_seqlens.tolist()
-        new = q_len if k is not None else 0
         if any(n < 0 for n in lens):
             raise ValueError(f"cache_seqlens must be >= 0, got {lens}")
         if any(n + new > max_len for n in lens):
@@ -370,7 +380,6 @@ def check_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scal
                     raise ValueError(f"block_table[{b}] must hold page indices in [0, "
                                      f"{num_blocks}) for its {n + new} positions, got "
                                      f"{used.tolist()}")
-    return causal
 
 
 def check_drop_layout(drop_layout, q, k, packed):

@@ -7,6 +7,8 @@ matrix never leaves registers. Causal tiles entirely above the diagonal are neve
 entirely below it run without any masking; only the diagonal band (and the ragged last key tile)
 pays for masks.
 """
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -358,7 +360,7 @@ class ForwardPlan:
         assert k_lens is None or not pb.varlen
         D, Dv = q.shape[-1], v.shape[-1]
         self.varlen, self.Dv, self.device = pb.varlen, Dv, q.device
-        self.lse_shape, self.lse_numel = pb.lse_shape, pb.batch * pb.heads * pb.q.shape[2]
+        self.lse_shape, self.lse_numel = pb.lse_shape, math.prod(pb.lse_shape)
         self.empty = q.numel() == 0 or pb.batch == 0 or Dv == 0
         self.dropout, self.sinks = call.dropout, call.mods.sinks is not None
         if self.empty:

@@ -6,12 +6,12 @@ append is new work: new keys/values are written into each row's cache at its own
 Paged caches (kernels/core/paged.py) go through the same two kernels with PAGED: the append
 writes each new row into its page, the forward reads K/V tiles page by page.
 """
-import torch
 import triton
 import triton.language as tl
 
 from .common import block_d
-from .forward import attention_forward
+from .forward import ForwardPlan
+from .launch import KernelStep
 from .paged import page_rows, paged_view
 
 _APPEND_BLOCK_M = 16
@@ -71,24 +71,37 @@ def append_kv(k_cache, v_cache, cache_seqlens, k, v, block_table=None):
     cache_seqlens[b] ... cache_seqlens[b] + n_new - 1 of each row b, in place. With
     ``block_table`` (int32 (B, max_blocks), unit column stride) the caches are the paged ones
     (num_blocks, page_size, H_kv, D or Dv) and max_len = max_blocks * page_size."""
+    step = _append_step(k_cache, v_cache, k, v, block_table)
+    if step is not None:
+        _run_append(step, k_cache, v_cache, cache_seqlens, k, v, block_table)
+
+
+def _append_step(k_cache, v_cache, k, v, block_table):
+    """The append's ``KernelStep`` for these layouts (None when there is nothing to append)."""
     B, H, n_new, D = k.shape
     Dv = v.shape[-1]
     if k.numel() == 0:
-        return
+        return None
     if block_table is None:
-        max_len, table, bt_stride, page_size = k_cache.shape[2], cache_seqlens, 0, 1
+        max_len, bt_stride, page_size = k_cache.shape[2], 0, 1
     else:
         k_cache, v_cache = paged_view(k_cache), paged_view(v_cache)
         page_size = k_cache.shape[2]
-        max_len, table, bt_stride = block_table.shape[1] * page_size, block_table, \
-            block_table.stride(0)
-    _append_kv[(triton.cdiv(n_new, _APPEND_BLOCK_M), H, B)](
-        K_CACHE=k_cache, V_CACHE=v_cache, K=k, V=v, SEQLENS=cache_seqlens,
+        max_len, bt_stride = block_table.shape[1] * page_size, block_table.stride(0)
+    grid = (triton.cdiv(n_new, _APPEND_BLOCK_M), H, B)
+    return KernelStep(_append_kv, lambda cfg: grid, dict(
         stride_kc=k_cache.stride()[:3], stride_vc=v_cache.stride()[:3], stride_k=k.stride()[:3],
-        stride_v=v.stride()[:3], n_new=n_new, max_len=max_len, BLOCK_TABLE=table,
-        bt_stride=bt_stride, page_size=page_size,
-        HEAD_DIM=D, BLOCK_D=block_d(D), HEAD_DIM_V=Dv, BLOCK_DV=block_d(Dv),
-        BLOCK_M=_APPEND_BLOCK_M, PAGED=block_table is not None)
+        stride_v=v.stride()[:3], n_new=n_new, max_len=max_len, bt_stride=bt_stride,
+        page_size=page_size, HEAD_DIM=D, BLOCK_D=block_d(D), HEAD_DIM_V=Dv,
+        BLOCK_DV=block_d(Dv), BLOCK_M=_APPEND_BLOCK_M, PAGED=block_table is not None),
+        configs=[None])
+
+
+def _run_append(step, k_cache, v_cache, cache_seqlens, k, v, block_table):
+    if block_table is not None:
+        k_cache, v_cache = paged_view(k_cache), paged_view(v_cache)
+    step(k.device, K_CACHE=k_cache, V_CACHE=v_cache, K=k, V=v, SEQLENS=cache_seqlens,
+         BLOCK_TABLE=cache_seqlens if block_table is None else block_table)
 
 
 def kvcache_forward(q, k_cache, v_cache, cache_seqlens, k, v, call, *, num_splits,
@@ -103,12 +116,30 @@ def kvcache_forward(q, k_cache, v_cache, cache_seqlens, k, v, call, *, num_split
     """
     if block_table is not None:
         block_table = block_table.contiguous()  # (B, max_blocks) ints: a copy only if strided
-    if k is not None:
-        append_kv(k_cache, v_cache, cache_seqlens, k, v, block_table)
-        k_lens = (cache_seqlens + q.shape[2]).to(torch.int32)
-    else:
-        k_lens = cache_seqlens
-    if block_table is not None:
-        k_cache, v_cache = paged_view(k_cache), paged_view(v_cache)
-    return attention_forward(q, k_cache, v_cache, call, k_lens=k_lens, num_splits=num_splits,
-                             block_table=block_table)
+    plan = KVCachePlan(q, k_cache, v_cache, cache_seqlens, k, v, call, num_splits=num_splits,
+                       block_table=block_table)
+    return plan(q, k_cache, v_cache, cache_seqlens, k, v, call, block_table=block_table)
+
+
+class KVCachePlan:
+    """The launches of one ``kvcache_forward`` signature (append, then the forward's plan),
+    built once and called per call with that signature's tensors (``block_table``, if any,
+    with a unit column stride), as ``ForwardPlan`` is for the forward."""
+
+    def __init__(self, q, k_cache, v_cache, cache_seqlens, k, v, call, *, num_splits,
+                 block_table=None):
+        self.append = None if k is None else _append_step(k_cache, v_cache, k, v, block_table)
+        self.new = 0 if k is None else q.shape[2]
+        k_lens = cache_seqlens if k is None else cache_seqlens + self.new
+        if block_table is not None:
+            k_cache, v_cache = paged_view(k_cache), paged_view(v_cache)
+        self.fwd = ForwardPlan(q, k_cache, v_cache, call, k_lens=k_lens, num_splits=num_splits,
+                               block_table=block_table)
+
+    def __call__(self, q, k_cache, v_cache, cache_seqlens, k, v, call, *, block_table=None):
+        if self.append is not None:
+            _run_append(self.append, k_cache, v_cache, cache_seqlens, k, v, block_table)
+        k_lens = cache_seqlens if not self.new else (cache_seqlens + self.new)
+        if block_table is not None:
+            k_cache, v_cache = paged_view(k_cache), paged_view(v_cache)
+        return self.fwd(q, k_cache, v_cache, call, k_lens=k_lens, block_table=block_table)
