@@ -744,9 +744,11 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, *
             pages shared by the batch; cache position j of row b is row j % page_size of page
             block_table[b, j // page_size], so max_len = max_blocks * page_size (any
             page_size >= 1). Only the entries covering a row's filled (and appended)
-            positions are read; k, v keep the (batch, heads_kv, q_len, .) layout and are
-            written into their pages. The kernels read and write the pages in place (no
-            gathered copy), with split-KV, grouped-query heads and every option above.
+            positions are read (page indices in [0, num_blocks): checked when the table is
+            on the CPU, the caller's contract on the GPU, like the lengths); k, v keep the
+            (batch, heads_kv, q_len, .) layout and are written into their pages. The kernels
+            read and write the pages in place (no gathered copy), with split-KV,
+            grouped-query heads and every option above; one compile per page size.
 
     Returns:
         out (batch, heads_q, q_len, head_dim_v) in q's dtype [, lse]. heads = 0 (q of shape
