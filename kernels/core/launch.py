@@ -88,10 +88,11 @@ class KernelStep:
         with tma_scratch(device, self.scratch):
             if self.configs is None:
                 kernel = self.tuned[self.grid](**args)
-                cfg = self.tuned.best_config
+                # The config the autotuner launched (None where a tool replaced its run).
+                cfg = getattr(self.tuned, "best_config", None)
             else:
                 kernel, cfg = launch_first_compiling(self.jit_fn, self.grid, args, self.configs)
-        if interpreter_active():
+        if interpreter_active() or cfg is None:
             return
         self._keep(kernel, cfg, args, device)
 
