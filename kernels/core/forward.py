@@ -449,11 +449,11 @@ class ForwardPlan:
                                    device=q.device),
                 lse_part=torch.empty((self.num_splits, self.lse_numel), dtype=torch.float32,
                                      device=q.device))
-        self.step(q.device, Q=q4, K=k4, V=v4, O=o4, LSE=lse, seq=seq,
+        self.step(q.device, dict(Q=q4, K=k4, V=v4, O=o4, LSE=lse, seq=seq,
                   score=self.score if self.score is not None else score_args(call, self.dummy),
                   drop=self.drop if not self.dropout else DropArgs(
                       seed_tensor(call.seed, q.device) if seed is None else seed, *self.drop[1:]),
-                  split=split)
+                  split=split))
         if self.num_splits > 1:
             combine_splits(split.o_part, split.lse_part, o4, lse, call.mods.sinks)
         return o, lse

@@ -100,8 +100,8 @@ def _append_step(k_cache, v_cache, k, v, block_table):
 def _run_append(step, k_cache, v_cache, cache_seqlens, k, v, block_table):
     if block_table is not None:
         k_cache, v_cache = paged_view(k_cache), paged_view(v_cache)
-    step(k.device, K_CACHE=k_cache, V_CACHE=v_cache, K=k, V=v, SEQLENS=cache_seqlens,
-         BLOCK_TABLE=cache_seqlens if block_table is None else block_table)
+    step(k.device, dict(K_CACHE=k_cache, V_CACHE=v_cache, K=k, V=v, SEQLENS=cache_seqlens,
+                        BLOCK_TABLE=cache_seqlens if block_table is None else block_table))
 
 
 def kvcache_forward(q, k_cache, v_cache, cache_seqlens, k, v, call, *, num_splits,

@@ -40,6 +40,16 @@ def _driver():
     return triton.runtime.driver.active
 
 
+def launch_context():
+    """(current device index, its current stream) for direct launches made now, or None when
+    they must go through Triton (launch hooks installed, e.g. a profiler's)."""
+    if _hooks_installed():
+        return None
+    drv = _driver()
+    index = drv.get_current_device()
+    return index, drv.get_current_stream(index)
+
+
 def _scratch_var():
     """Triton's ContextVar holding the allocator of in-kernel descriptors' global scratch."""
     return getattr(getattr(triton.runtime, "_allocation", None), "_allocator", None)
@@ -48,7 +58,8 @@ def _scratch_var():
 class KernelStep:
     """One kernel of a plan: ``jit_fn`` (the @triton.jit kernel) launched on ``grid(cfg)``
     with ``configs`` (None: through ``tuned``, its autotuner) and ``fixed`` (the non-tensor
-    arguments and constexprs). ``__call__(**tensors)`` launches with the per-call arguments."""
+    arguments and constexprs). ``__call__(device, per_call)`` launches with the per-call
+    arguments."""
 
     def __init__(self, jit_fn, grid, fixed, configs=None, tuned=None, scratch=False):
         self.jit_fn, self.grid, self.fixed = jit_fn, grid, fixed
@@ -56,27 +67,29 @@ class KernelStep:
         self.direct = None   # (launcher, grid, function, metadata, names, fixed) once known
         self.device = None
 
-    def __call__(self, device, **per_call):
+    def __call__(self, device, per_call, ctx=None):
+        """Launch with ``per_call`` ({parameter name: value}: the tensors and the tuples that
+        hold them). ``ctx``: ``launch_context()`` when the caller makes several launches in a
+        row (read once for all of them), else read here."""
         direct = self.direct
-        if direct is not None and not _hooks_installed():
-            drv = _driver()
-            index = drv.get_current_device()
-            if index == self.device:
+        if direct is not None:
+            if ctx is None:
+                ctx = launch_context()
+            if ctx is not None and ctx[0] == self.device:
                 launcher, (g0, g1, g2), function, metadata, template, slots = direct
                 values = list(template)
                 for pos, name in slots:
                     values[pos] = per_call[name]
-                stream = drv.get_current_stream(index)
                 if self.scratch:
                     var = _scratch_var()
                     token = var.set(self._alloc)
                     try:
-                        launcher(g0, g1, g2, stream, function, metadata, None, None, None,
+                        launcher(g0, g1, g2, ctx[1], function, metadata, None, None, None,
                                  *values)
                     finally:
                         var.reset(token)
                 else:
-                    launcher(g0, g1, g2, stream, function, metadata, None, None, None, *values)
+                    launcher(g0, g1, g2, ctx[1], function, metadata, None, None, None, *values)
                 return
         self._first(device, per_call)
 
