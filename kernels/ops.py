@@ -28,7 +28,8 @@ from .core.configs import unsupported_gpu_reason
 from .core.backward import BackwardPlan, attention_backward
 from .core.forward import ForwardPlan, attention_forward
 from .core.kvcache import KVCachePlan, kvcache_forward
-from .core.mods import NO_MODS, CallMods, MaskMod, ScoreMod, lookup, sinks_grad
+from .core.mods import (NO_MODS, CallMods, MaskMod, ScoreMod, aux_grad_buffers, aux_grad_mask,
+                        lookup, sinks_grad)
 from .validation import (SEED_LIMIT, check_cu_seqlens, check_drop_layout, check_kvcache,
                          check_cache_lengths, check_mods, check_num_splits, check_seed,
                          validate_attention)
@@ -59,14 +60,21 @@ def _caller_stacklevel():
     return level
 
 
+_GPU_REASON = {}      # CUDA device -> unsupported_gpu_reason(device)
+_UNKNOWN = object()
+
+
 def _use_fallback(t):
     """CPU tensors without Triton's interpreter, and CUDA tensors on GPUs the Triton kernels do
     not serve (before sm_80: ``configs.unsupported_gpu_reason``), take the PyTorch fallback
     (warned once, at the caller's line: this runs inside the custom op, a dozen frames below
     it)."""
     global _warned_fallback, _warned_gpu
-    if t.device.type == "cuda":
-        reason = unsupported_gpu_reason(t.device)
+    device = t.device
+    if device.type == "cuda":
+        reason = _GPU_REASON.get(device, _UNKNOWN)
+        if reason is _UNKNOWN:   # a GPU's generation does not change: asked once per device
+            reason = _GPU_REASON[device] = unsupported_gpu_reason(device)
         if reason is not None and not _warned_gpu:
             warnings.warn(f"kernels.attention: {reason}; CUDA tensors on this GPU run a PyTorch "
                           f"path with the same semantics (dropout mask included) in O(seq) "
@@ -74,9 +82,9 @@ def _use_fallback(t):
                           stacklevel=_caller_stacklevel())
             _warned_gpu = True
         return reason is not None
-    if t.device.type == "cpu":
+    if device.type == "cpu":
         check_interpreter_setting()
-    if t.device.type == "cpu" and not interpreter_active():
+    if device.type == "cpu" and not interpreter_active():
         if not _warned_fallback:
             warnings.warn("kernels.attention: CPU tensors run a PyTorch fallback with the same "
                           "semantics; the fused Triton kernel needs CUDA (or TRITON_INTERPRET=1 "
@@ -173,16 +181,24 @@ def _bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     call = AttentionCall.from_op(causal, softmax_scale, dropout_p, seed, window, drop_layout,
                                  chunk_size, _op_mods(softcap, alibi_slopes, sinks, score_mod,
                                                       mask_mod, mod_aux))
+    return _bwd_run(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                    max_seqlen_k, call)
+
+
+def _bwd_run(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, call,
+             daux=None):
+    """The body of the backward ops: (dq, dk, dv), and with ``daux`` (``attention_backward``'s)
+    the score mod's aux gradients added into it."""
     if q.shape[1] == 0:  # no query heads: nothing reads k or v, whose gradients are 0
         return _like(q), _like(k).zero_(), _like(v).zero_()
     if _use_fallback(q):
         return fallback.backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, call,
-                                 _like(q), _like(k), _like(v))
+                                 _like(q), _like(k), _like(v), daux=daux)
     return attention_backward(_unit_last(do), _unit_last(q), _unit_last(k), _unit_last(v),
                               _unit_last(o), lse, call, cu_seqlens_q=cu_seqlens_q,
                               cu_seqlens_k=cu_seqlens_k,
                               max_seqlen_q=_longest(cu_seqlens_q, max_seqlen_q),
-                              max_seqlen_k=_longest(cu_seqlens_k, max_seqlen_k))
+                              max_seqlen_k=_longest(cu_seqlens_k, max_seqlen_k), daux=daux)
 
 
 @_bwd_op.register_fake
@@ -190,6 +206,37 @@ def _(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
       dropout_p, softmax_scale, seed, window, drop_layout, chunk_size, softcap, alibi_slopes,
       sinks, score_mod, mask_mod, mod_aux):
     return _like(q), _like(k), _like(v)
+
+
+@torch.library.custom_op("fused_attention::bwd_aux", mutates_args=())
+def _bwd_aux_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                o: torch.Tensor, lse: torch.Tensor,
+                cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
+                max_seqlen_q: int, max_seqlen_k: int, causal: bool, dropout_p: float,
+                softmax_scale: float, seed: torch.Tensor, window: int,
+                drop_layout: Optional[list[int]], chunk_size: int, softcap: float,
+                alibi_slopes: Optional[torch.Tensor], sinks: Optional[torch.Tensor],
+                score_mod: str, mask_mod: str, mod_aux: list[torch.Tensor],
+                aux_grad: list[bool]) -> list[torch.Tensor]:
+    """``fused_attention::bwd`` that also returns the score mod's aux gradients:
+    [dq, dk, dv, d(mod_aux[0]), ...], fp32 where ``aux_grad`` is set, empty elsewhere."""
+    call = AttentionCall.from_op(causal, softmax_scale, dropout_p, seed, window, drop_layout,
+                                 chunk_size, _op_mods(softcap, alibi_slopes, sinks, score_mod,
+                                                      mask_mod, mod_aux))
+    daux = aux_grad_buffers(call.mods.score_mod, mod_aux)
+    grads = _bwd_run(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                     max_seqlen_k, call, daux)
+    return [*grads, *(d if g else q.new_empty(0, dtype=torch.float32)
+                      for d, g in zip(daux, aux_grad))]
+
+
+@_bwd_aux_op.register_fake
+def _(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+      dropout_p, softmax_scale, seed, window, drop_layout, chunk_size, softcap, alibi_slopes,
+      sinks, score_mod, mask_mod, mod_aux, aux_grad):
+    return [_like(q), _like(k), _like(v),
+            *(torch.empty_like(t, dtype=torch.float32) if g
+              else q.new_empty(0, dtype=torch.float32) for t, g in zip(mod_aux, aux_grad))]
 
 
 # The forward op's inputs after ``num_splits``, passed on to the backward op by name.
@@ -212,6 +259,8 @@ def _setup_context(ctx, inputs, output):
     ctx.tail = {name: tail.get(name) for name in ("drop_layout", "chunk_size", "softcap",
                                                   "score_mod", "mask_mod")}
     ctx.n_inputs = len(inputs)
+    # Which mod_aux entries get a gradient (checked: declared by the score mod, fp32).
+    ctx.aux_grad = aux_grad_mask(lookup(tail.get("score_mod"), ScoreMod), aux)
 
 
 class _NoDoubleBackward(torch.autograd.Function):
@@ -236,17 +285,25 @@ def _backward(ctx, do, dlse):
     (q, k, v, o, lse, seed, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks,
      *aux) = ctx.saved_tensors
     create_graph = torch.is_grad_enabled()
+    daux = [None] * len(aux)
     with torch.no_grad():
-        grads = _bwd_op(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *ctx.args, seed,
-                        ctx.window, alibi_slopes=alibi_slopes, sinks=sinks, mod_aux=aux,
-                        **ctx.tail)
+        if any(ctx.aux_grad):
+            res = _bwd_aux_op(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *ctx.args, seed,
+                              ctx.window, alibi_slopes=alibi_slopes, sinks=sinks, mod_aux=aux,
+                              aux_grad=list(ctx.aux_grad), **ctx.tail)
+            grads = tuple(res[:3])
+            daux = [d if g else None for d, g in zip(res[3:], ctx.aux_grad)]
+        else:
+            grads = _bwd_op(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, *ctx.args, seed,
+                            ctx.window, alibi_slopes=alibi_slopes, sinks=sinks, mod_aux=aux,
+                            **ctx.tail)
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[_SINKS_INPUT]:
             dsinks = sinks_grad(sinks, lse, do, o, packed=cu_seqlens_q is not None)
     if create_graph:  # a later grad of these gradients must fail with a clear message
         grads = _NoDoubleBackward.apply(grads, q, k, v, do)
-    # One entry per input of the forward op, a list for mod_aux (its last: no gradient).
-    out = [*grads] + [None] * (ctx.n_inputs - 4) + [[None] * len(aux)]
+    # One entry per input of the forward op, a list for mod_aux (its last).
+    out = [*grads] + [None] * (ctx.n_inputs - 4) + [daux]
     out[_SINKS_INPUT] = dsinks
     return tuple(out)
 
@@ -342,9 +399,13 @@ class _Plan:
             call = dataclasses.replace(call, mods=dataclasses.replace(
                 self.mods, sinks=sinks, aux=tuple(mod_aux),
                 alibi_slopes=None if alibi_slopes is None else alibi_slopes.float().contiguous()))
+        aux_grad = (torch.is_grad_enabled() and any(t.requires_grad for t in mod_aux)
+                    and any(aux_grad_mask(self.mods.score_mod, mod_aux)))
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                        or sinks is not None and sinks.requires_grad):
-            out, lse = _PlannedAttention.apply(q, k, v, sinks, seed_t, self, call, *cu)
+                                        or sinks is not None and sinks.requires_grad
+                                        or aux_grad):
+            out, lse = _PlannedAttention.apply(q, k, v, sinks, seed_t, self, call, *cu,
+                                               *mod_aux)
         else:
             out, lse = self.forward(q, k, v, seed_t, call, *cu)
         return (out, lse) if return_lse else out
@@ -361,23 +422,25 @@ class _Plan:
                                           num_splits=self.num_splits)
         return plan(q, k, v, call, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seed=seed_t)
 
-    def backward(self, do, q, k, v, o, lse, seed_t, call, cu_q=None, cu_k=None):
+    def backward(self, do, q, k, v, o, lse, seed_t, call, cu_q=None, cu_k=None, daux=None):
+        """(dq, dk, dv); ``daux``: d(mod_aux) buffers added into (``attention_backward``)."""
         do = _unit_last(do)
         if _use_fallback(q):
             return fallback.backward(do, q, k, v, o, lse, cu_q, cu_k,
                                      dataclasses.replace(call, seed=seed_t), _like(q),
-                                     _like(k), _like(v))
+                                     _like(k), _like(v), daux=daux)
         o = _unit_last(o)
         # The forward's own output always has one layout; an integration's may not.
-        key = (do.stride(), do.data_ptr() % 16 == 0, o.stride(), o.data_ptr() % 16 == 0)
+        key = (do.stride(), do.data_ptr() % 16 == 0, o.stride(), o.data_ptr() % 16 == 0,
+               daux is not None)
         plan = self.bwd.get(key)
         if plan is None:
             max_q, max_k = self.max_seqlens
             plan = self.bwd[key] = BackwardPlan(do, q, k, v, o, lse, call, cu_seqlens_q=cu_q,
                                                 cu_seqlens_k=cu_k, max_seqlen_q=max_q,
-                                                max_seqlen_k=max_k)
+                                                max_seqlen_k=max_k, aux_grad=daux is not None)
         return plan(do, q, k, v, o, lse, call, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                    seed=seed_t)
+                    seed=seed_t, daux=daux)
 
 
 class _PlannedAttention(torch.autograd.Function):
@@ -385,25 +448,30 @@ class _PlannedAttention(torch.autograd.Function):
     custom-op dispatch in between (the compiled path keeps the custom ops)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, seed_t, plan, call, cu_q=None, cu_k=None):
+    def forward(ctx, q, k, v, sinks, seed_t, plan, call, cu_q=None, cu_k=None, *aux):
+        # aux: the call's mod_aux (inputs here so that their gradients have a place).
         out, lse = plan.forward(q, k, v, seed_t, call, cu_q, cu_k)
-        ctx.save_for_backward(q, k, v, out, lse, seed_t, sinks, cu_q, cu_k)
+        ctx.save_for_backward(q, k, v, out, lse, seed_t, sinks, cu_q, cu_k, *aux)
         ctx.plan, ctx.call = plan, call
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, do, _dlse):
-        q, k, v, out, lse, seed_t, sinks, cu_q, cu_k = ctx.saved_tensors
+        q, k, v, out, lse, seed_t, sinks, cu_q, cu_k, *aux = ctx.saved_tensors
         create_graph = torch.is_grad_enabled()
+        wanted = ctx.needs_input_grad[9:]   # aux_grad_mask checked them in _Plan.__call__
+        daux = aux_grad_buffers(ctx.call.mods.score_mod, aux) if any(wanted) else None
         with torch.no_grad():
-            grads = ctx.plan.backward(do, q, k, v, out, lse, seed_t, ctx.call, cu_q, cu_k)
+            grads = ctx.plan.backward(do, q, k, v, out, lse, seed_t, ctx.call, cu_q, cu_k,
+                                      daux=daux)
             dsinks = None
             if sinks is not None and ctx.needs_input_grad[3]:
                 dsinks = sinks_grad(sinks, lse, do, out, packed=cu_q is not None)
         if create_graph:  # a later grad of these gradients must fail with a clear message
             grads = _NoDoubleBackward.apply(grads, q, k, v, do)
-        return (*grads, dsinks, None, None, None, None, None)
+        return (*grads, dsinks, None, None, None, None, None,
+                *(d if w else None for d, w in zip(daux or [None] * len(aux), wanted)))
 
 
 def _fast_plan(q, k, v, options, sinks, alibi_slopes, mod_aux, packed=None):

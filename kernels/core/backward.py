@@ -51,8 +51,8 @@ from .configs import (BWD_ROW_PAD, BWD_TUNE_KEY, TMA_DKDV_DROPOUT_MAX_WIDTH, aut
                       bwd_configs, fixed_configs,
                       prune_bwd_configs)
 from .dropout import load_seed
-from .score import dropout_keep, probs_from_lse, scaled_scores, score_grad
-from .launch import KernelStep
+from .score import dropout_keep, mods_aux_grad, probs_from_lse, scaled_scores, score_grad
+from .launch import KernelStep, launch_context
 from .tma import row_tiles, tma_capable, tma_rows_ok
 from .tiles import (clamp_ranges, edge_bound, key_range, mask_key_bounds, mask_query_bounds,
                     program_ids, query_range, seq_bounds)
@@ -447,8 +447,11 @@ def _bwd_dq(Q, K, V, DO, STATS, DQ,
                 keep = dropout_keep(drop, drop_seed, drop_rows, offs_m, start_n, BLOCK_M, BLOCK_N,
                                     DROPOUT)
                 dp = tl.where(keep, dp * drop.scale, 0.0)
-            ds = score_grad(p * (dp - delta[:, None]), qk, b, h, offs_m[:, None],
-                            offs_n[None, :], diag, score, SPEC)
+            ds = p * (dp - delta[:, None])          # dL/d(the final scores)
+            # d(mod_aux) here only: dQ visits each (query block, key tile) pair once. Nothing
+            # unless the launch's SPEC carries an aux_grad (kernels/core/mods.py).
+            mods_aux_grad(ds, qk, b, h, offs_m[:, None], offs_n[None, :], diag, score, SPEC)
+            ds = score_grad(ds, qk, b, h, offs_m[:, None], offs_n[None, :], diag, score, SPEC)
             dq = tl.dot(dot_operand(ds, kT, WIDEN), tl.trans(kT), dq,
                         input_precision=DOT_PRECISION)
 
@@ -491,7 +494,7 @@ def bwd_tma_modes(pb, do, dropout=False) -> tuple:
 
 def attention_backward(do, q, k, v, o, lse, call=None, *, cu_seqlens_q=None, cu_seqlens_k=None,
                        max_seqlen_q=None, max_seqlen_k=None, config=None, tma=None,
-                       **call_fields):
+                       daux=None, **call_fields):
     """Gradients of ``o = attention(q, k, v)`` given ``do = dL/do``.
 
     Args:
@@ -512,6 +515,9 @@ def attention_backward(do, q, k, v, o, lse, call=None, *, cu_seqlens_q=None, cu_
             on a GPU, ``bwd_configs(interpret=True)[0]`` under the interpreter.
         tma: both kernels' TMA mode to force (0 = per-thread loads; tests); default
             ``bwd_tma_modes``.
+        daux: None, or a list parallel to ``call.mods.aux``: fp32 zeroed gradient buffers
+            (``mods.aux_grad_buffers``) where d(aux) is wanted, None elsewhere; the dQ kernel
+            adds the score mod's aux gradients into them (atomics: kernels/core/mods.py).
 
     Returns:
         (dq, dk, dv), each with the shape, dtype and memory layout of q, k, v
@@ -523,18 +529,21 @@ def attention_backward(do, q, k, v, o, lse, call=None, *, cu_seqlens_q=None, cu_
         do = do.contiguous()
     plan = BackwardPlan(do, q, k, v, o, lse, call, cu_seqlens_q=cu_seqlens_q,
                         cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                        max_seqlen_k=max_seqlen_k, config=config, tma=tma)
+                        max_seqlen_k=max_seqlen_k, config=config, tma=tma,
+                        aux_grad=daux is not None)
     return plan(do, q, k, v, o, lse, call, cu_seqlens_q=cu_seqlens_q,
-                cu_seqlens_k=cu_seqlens_k)
+                cu_seqlens_k=cu_seqlens_k, daux=daux)
 
 
 class BackwardPlan:
     """The three launches of the backward (preprocess, dK/dV, dQ) for one call signature,
     as ``ForwardPlan`` is the forward's: built once, called per call with that signature's
-    tensors (``do`` with a unit last stride). The tensors given to ``__init__`` are not kept."""
+    tensors (``do`` with a unit last stride). The tensors given to ``__init__`` are not kept.
+    ``aux_grad``: the dQ launch also accumulates the score mod's d(aux) (``__call__``'s
+    ``daux``, required then); the plan of a call without it compiles as before."""
 
     def __init__(self, do, q, k, v, o, lse, call, *, cu_seqlens_q=None, cu_seqlens_k=None,
-                 max_seqlen_q=None, max_seqlen_k=None, config=None, tma=None):
+                 max_seqlen_q=None, max_seqlen_k=None, config=None, tma=None, aux_grad=False):
         pb = make_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         head_dim, head_dim_v = q.shape[-1], v.shape[-1]
         assert v.shape[:-1] == k.shape[:-1] and k.shape[-1] == head_dim
@@ -546,6 +555,8 @@ class BackwardPlan:
         if self.empty:
             return
         self.varlen, self.dropout = pb.varlen, call.dropout
+        self.aux_grad = aux_grad = bool(aux_grad) and call.mods.score_mod is not None \
+            and call.mods.score_mod.aux_grad is not None
         self.pb = pb._replace(q=None, k=None, v=None)
         if pb.varlen:
             do, o = packed_view(do), packed_view(o)
@@ -582,6 +593,12 @@ class BackwardPlan:
         dkdv_fixed = dict(common, stride_dk=pb.strides(dk4), stride_dv=pb.strides(dv4),
                           TMA=tma_dkdv)
         dq_fixed = dict(common, stride_dq=pb.strides(dq4), TMA=tma_dq)
+        if aux_grad:
+            # The user's mod is the pipeline's last (CallMods.score_mods); only dQ's SPEC
+            # carries its aux_grad, so dK/dV compiles as without it.
+            mods = common["SPEC"].mods
+            dq_fixed["SPEC"] = common["SPEC"]._replace(mods=mods[:-1] + (mods[-1]._replace(
+                aux_grad=call.mods.score_mod.aux_grad),))
 
         def dkdv_grid(cfg):
             return (triton.cdiv(pb.k_len, cfg["BLOCK_N"]), pb.heads_kv, pb.batch)
@@ -603,6 +620,12 @@ class BackwardPlan:
                                          dict(dkdv_fixed, **tensors, DK=dk4, DV=dv4))
             configs_dq = fixed_configs(bwd_configs(kernel="dq"), prune_bwd_configs,
                                        dict(dq_fixed, **tensors, DQ=dq4))
+        if aux_grad and configs_dq is None:
+            # dQ then adds into d(aux): autotuning reruns would add several times. The first
+            # pruned config that compiles, as with KERNELS_AUTOTUNE=0.
+            configs_dq = fixed_configs(bwd_configs(kernel="dq"), prune_bwd_configs, dict(
+                dq_fixed, Q=pb.q, K=pb.k, V=pb.v, DO=do, STATS=dummy, seq=self.seq,
+                score=self.score, drop=self.drop, DQ=dq4))
         for configs in (configs_dkdv, configs_dq):
             for cfg in configs or ():     # the stats' padding covers every tile's rows
                 assert BWD_ROW_PAD % cfg.kwargs["BLOCK_M"] == 0, cfg
@@ -612,10 +635,13 @@ class BackwardPlan:
                              tuned=_bwd_dq_tuned, scratch=bool(tma_dq))
 
     def __call__(self, do, q, k, v, o, lse, call, *, cu_seqlens_q=None, cu_seqlens_k=None,
-                 seed=None):
+                 seed=None, daux=None):
         """(dq, dk, dv) of this signature's tensors, as ``attention_backward`` returns them;
         ``call`` gives the per-call tensors (the seed, or ``seed``: its tensor on q's device;
-        the mods' aux tensors)."""
+        the mods' aux tensors). ``daux``: with ``aux_grad``, the gradient buffers
+        (``attention_backward``), added into."""
+        assert (daux is not None) == getattr(self, "aux_grad", daux is not None), \
+            "daux is given exactly when the plan was built with aux_grad"
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         if self.empty:
             return dq.zero_(), dk.zero_(), dv.zero_()
@@ -627,12 +653,17 @@ class BackwardPlan:
         else:
             dq4, dk4, dv4, seq = dq, dk, dv, self.seq
         stats = torch.empty(self.stats_shape, device=device, dtype=torch.float32)
-        self.pre(device, O=o, DO=do, LSE=lse, STATS=stats, seq=seq)
-        tensors = dict(Q=q, K=k, V=v, DO=do, STATS=stats, seq=seq,
-                       score=self.score if self.score is not None else score_args(call, dummy),
+        # The device and stream of all three launches, once they launch directly.
+        ctx = launch_context() if self.dq.direct is not None else None
+        self.pre(device, dict(O=o, DO=do, LSE=lse, STATS=stats, seq=seq), ctx)
+        score = self.score if self.score is not None else score_args(call, dummy)
+        if daux is not None:
+            score = score._replace(daux=tuple(dummy if d is None else d for d in daux))
+        tensors = dict(Q=q, K=k, V=v, DO=do, STATS=stats, seq=seq, score=score,
                        drop=self.drop if not self.dropout else DropArgs(
                            seed_tensor(call.seed, device) if seed is None else seed,
                            *self.drop[1:]))
-        self.dkdv(device, DK=dk4, DV=dv4, **tensors)
-        self.dq(device, DQ=dq4, **tensors)
+        self.dkdv(device, dict(tensors, DK=dk4, DV=dv4), ctx)
+        tensors["DQ"] = dq4
+        self.dq(device, tensors, ctx)
         return dq, dk, dv

@@ -158,6 +158,9 @@ class ScoreArgs(NamedTuple):
     aux: tuple            # per score mod (ScoreSpec.mods), its aux tuple
     mask_aux: tuple       # the mask mod's aux tuple
     sinks: torch.Tensor   # fp32 (heads_q,) sink logits (read only when ScoreSpec.sinks)
+    # fp32 gradient buffers parallel to the call's mod_aux (a dummy where none is wanted),
+    # written only by the dQ launch of a backward that computes d(aux) (kernels/core/mods.py)
+    daux: tuple = ()
 
 
 class ScoreSpec(NamedTuple):

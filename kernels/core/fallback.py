@@ -30,6 +30,7 @@ The visibility rule and the dropout row ids mirror kernels/core/tiles.py and
 kernels/core/dropout.py; the dropout bits come from ``dropout_mask_block`` there (the kernels'
 Philox counter in PyTorch; ``reference.dropout`` is the tests' independent oracle of it).
 """
+import contextlib
 import functools
 import math
 import threading
@@ -177,6 +178,9 @@ class _Dense:
                                                          tuple(mods.aux))
         self.sinks = None if mods.sinks is None else mods.sinks.detach()
         self.elems = _BLOCK_ELEMS
+        # The backward's d(mod_aux) accumulators of this task (``_backward_dense``): a list
+        # parallel to mods.aux, fp32 where wanted, else None; None without any.
+        self.daux = None
 
     def sub(self, bs, hs):
         """The sub-problem of the batches ``bs`` and kv heads ``hs`` (slices with a start), with
@@ -252,12 +256,14 @@ class _Dense:
         s = buf[:q_s.shape[2] * n * self.B * self.H_kv].view(self.B, self.H_kv, -1, n)
         return torch.matmul(q_s, self.k[:, :, k0:k1].float().transpose(-2, -1), out=s)
 
-    def modded(self, s, idx):
+    def modded(self, s, idx, user_aux=None):
         """The score mods' PyTorch twins applied to ``s`` in the pipeline's order (``s`` itself
         without any; else a new tensor, or ``s`` if the mods return it). Differentiable in
-        ``s``: the backward chains dS through this."""
+        ``s``: the backward chains dS through this. ``user_aux``: the user's score mod reads
+        it instead of mods.aux (the backward's leaves for d(mod_aux))."""
+        user = self.call.mods.score_mod
         for mod, aux in self.score_mods:
-            s = mod.torch_fn(s, *idx, aux)
+            s = mod.torch_fn(s, *idx, aux if user_aux is None or mod is not user else user_aux)
         return s.contiguous()
 
     def mask(self, s, i0, i1, k0, k1, idx):
@@ -585,12 +591,19 @@ def _backward_blocks(pb, do, o, lse, dq, dk_acc, dv_acc, blocks):
     With score mods, P comes from the modded scores and dS (with respect to them) is chained
     back to the raw score s = scale q·kᵀ through the mods' twins by autograd before the
     matmuls. Sinks change nothing here: they are in the forward's lse already.
-    ``dk_acc``, ``dv_acc``: fp32 (B * H_kv, k_len, D) and (B * H_kv, k_len, Dv) accumulators."""
+    ``dk_acc``, ``dv_acc``: fp32 (B * H_kv, k_len, D) and (B * H_kv, k_len, Dv) accumulators.
+    With ``pb.daux``, the same autograd call gives d(mod_aux) of the block (the user's twin
+    reads leaf copies of the wanted entries), added into ``pb.daux``."""
     # With mods, the raw scores must outlive P and dS (autograd reads them, and perhaps the
     # mods saved them), so they get a buffer of their own.
     bufs, mask_buf = pb.scratch(blocks, 3 if pb.score_mods else 2)
     p_buf, ds_buf = bufs[:2]
     keep_scale = pb.drop_scale
+    user_aux = leaves = None
+    if pb.daux is not None:
+        user_aux = [a.detach().requires_grad_() if d is not None else a
+                    for a, d in zip(pb.call.mods.aux, pb.daux)]
+        leaves = [a for a, d in zip(user_aux, pb.daux) if d is not None]
     for i0, i1 in blocks:
         k0, k1 = pb.keys(i0, i1)
         if k0 == k1:  # no row of the block sees a key: dQ stays 0
@@ -603,8 +616,8 @@ def _backward_blocks(pb, do, o, lse, dq, dk_acc, dv_acc, blocks):
         idx = pb.index(i0, i1, k0, k1) if pb.needs_index else None
         if pb.score_mods:
             s_raw = pb.raw_scores(q_s, k0, k1, bufs[2]).detach().requires_grad_()
-            with torch.enable_grad():  # the worker threads run under no_grad
-                s_mod = pb.modded(s_raw, idx)
+            with _recording():  # the worker threads run under no_grad
+                s_mod = pb.modded(s_raw, idx, user_aux)
             # Out of place: autograd may have saved s_mod (tanh saves its output).
             p = torch.sub(s_mod.detach(), lse_b, out=p_buf[:s_mod.numel()].view(s_mod.shape))
         else:
@@ -619,8 +632,17 @@ def _backward_blocks(pb, do, o, lse, dq, dk_acc, dv_acc, blocks):
         if pb.score_mods:
             # ds' · ∂s_mod/∂s_raw (the 1 / (1 - p) factor commutes with the chain rule). A mod
             # that ignores s altogether leaves nothing to differentiate: dS = 0.
-            ds = (torch.autograd.grad(s_mod, s_raw, ds)[0].contiguous() if s_mod.requires_grad
-                  else torch.zeros_like(ds))
+            if not s_mod.requires_grad:
+                ds = torch.zeros_like(ds)
+            elif leaves is None:
+                ds = torch.autograd.grad(s_mod, s_raw, ds)[0].contiguous()
+            else:
+                g_s, *g_aux = torch.autograd.grad(s_mod, [s_raw, *leaves], ds,
+                                                  allow_unused=True)
+                ds = torch.zeros_like(ds) if g_s is None else g_s.contiguous()
+                for acc, g in zip((d for d in pb.daux if d is not None), g_aux):
+                    if g is not None:
+                        acc.add_(g, alpha=keep_scale)
         pb.put_rows(dq, i0, i1, torch.matmul(ds, pb.k[:, :, k0:k1].float()).mul_(
             pb.scale * keep_scale))
         n, rows = k1 - k0, p.shape[2]
@@ -633,6 +655,21 @@ def _backward_blocks(pb, do, o, lse, dq, dk_acc, dv_acc, blocks):
                                   do_b.view(-1, rows, do_b.shape[-1]), alpha=keep_scale)
 
 
+@contextlib.contextmanager
+def _recording():
+    """Autograd records in this thread: grad mode on, and autograd's dispatch keys back in
+    where a custom op's implementation (kernels/ops.py, the torch.compile path) runs with them
+    excluded -- there ``enable_grad`` alone records nothing and the mods' twins would give no
+    gradient. (Worker threads start without the exclusion.)"""
+    with torch._C._PreserveDispatchKeyGuard():
+        torch._C._dispatch_tls_set_dispatch_key_excluded(
+            torch._C.DispatchKey.AutogradFunctionality, False)
+        torch._C._dispatch_tls_set_dispatch_key_included(torch._C.DispatchKey.ADInplaceOrView,
+                                                         False)
+        with torch.enable_grad():
+            yield
+
+
 def _grad_acc(x, shape, fresh=False):
     """A contiguous fp32 ``shape`` accumulator for gradient ``x`` (zeros): ``x`` itself when
     it is one and not ``fresh``."""
@@ -641,15 +678,19 @@ def _grad_acc(x, shape, fresh=False):
     return torch.zeros(shape, dtype=torch.float32, device=x.device)
 
 
-def _backward_dense(pb, do, o, lse, dq, dk, dv):
+def _backward_dense(pb, do, o, lse, dq, dk, dv, daux=None):
     """dq, dk, dv (zeros on entry) of one dense problem. Each task sums dK / dV into an fp32
     accumulator: the gradient itself where it is fp32 and contiguous and the first task of its
     heads, else a zeroed one added in at the end (row ranges of the same heads, other
-    dtypes)."""
+    dtypes). ``daux`` (``backward``): each task gets its own d(mod_aux) accumulators, added
+    into ``daux`` in task order at the end (deterministic)."""
     if pb.B * pb.H * pb.q_len == 0:
         return  # nothing to compute: dk and dv stay zero
-    tasks, sums = [], {}
+    tasks, sums, task_daux = [], {}, []
     for sub, qi, ki, blocks in _split(pb):
+        if daux is not None:
+            sub.daux = [None if d is None else torch.zeros_like(d) for d in daux]
+            task_daux.append(sub.daux)
         dk_u, dv_u = dk[ki], dv[ki]
         key = tuple((s.start, s.stop) for s in ki)
         first = key not in sums
@@ -662,6 +703,10 @@ def _backward_dense(pb, do, o, lse, dq, dk, dv):
         tasks.append(functools.partial(_backward_blocks, sub, do[qi], o[qi], lse[qi], dq[qi],
                                        *accs, blocks))
     _run_tasks(tasks)
+    for accs in task_daux:
+        for d, acc in zip(daux, accs):
+            if d is not None:
+                d += acc
     for dk_u, dv_u, accs in sums.values():
         for j, out in enumerate((dk_u, dv_u)):
             total = accs[j]
@@ -720,9 +765,10 @@ def _forward(q, k, v, cu_q, cu_k, call, o, batch0=0):
     return o, lse
 
 
-def backward(do, q, k, v, o, lse, cu_q, cu_k, call, dq, dk, dv):
+def backward(do, q, k, v, o, lse, cu_q, cu_k, call, dq, dk, dv, daux=None):
     """(dq, dk, dv) as the backward kernels return them for ``call``, written into the given
-    tensors (do, o and dv with v's head_dim)."""
+    tensors (do, o and dv with v's head_dim). ``daux``: as ``attention_backward``'s (fp32
+    zeroed buffers parallel to ``call.mods.aux``, None where not wanted), added into."""
     if _sdpa_applies(q, k, cu_q, call, v):
         return _sdpa_backward(do, q, k, v, o, lse, call.causal, call.softmax_scale, dq, dk, dv)
     packed = cu_q is not None
@@ -732,7 +778,8 @@ def backward(do, q, k, v, o, lse, cu_q, cu_k, call, dq, dk, dv):
     for pb, rq, rk in _problems(q, k, v, cu_q, cu_k, call):
         lse_v = lse[:, rq].unsqueeze(0) if packed else lse
         _backward_dense(pb, _view(do, rq, packed), _view(o, rq, packed), lse_v,
-                        _view(dq, rq, packed), _view(dk, rk, packed), _view(dv, rk, packed))
+                        _view(dq, rq, packed), _view(dk, rk, packed), _view(dv, rk, packed),
+                        daux)
     return dq, dk, dv
 
 

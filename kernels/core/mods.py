@@ -28,10 +28,35 @@ of every (query, key) pair before masking and the softmax::
   for every mod of the call; a mod may read it (``tl.load``) and must not write it.
 * ``grad`` gets the mod's *input* ``s`` and the gradient ``ds`` of its output and returns the
   gradient of its input: the chain rule of the backward (kernels/core/score.py). A mod whose
-  derivative is 1 (an additive bias) leaves it None. Gradients do not flow into ``aux``.
+  derivative is 1 (an additive bias) leaves it None. Gradients flow into ``aux`` only
+  through ``aux_grad`` (below).
 * ``torch_fn`` gets PyTorch tensors: ``s`` of shape (batch, heads, rows, keys) (or a block of
   it), ``b``, ``h``, ``q_idx``, ``kv_idx`` int64 tensors broadcastable against it. The
-  fallback differentiates it with autograd.
+  fallback differentiates it with autograd (in ``s``, and in the ``grad_aux`` entries).
+
+Differentiable aux (a learned bias table, per-head slopes; FlexAttention's captured buffers):
+``ScoreMod(..., aux_grad=fn, grad_aux=(i, ...))`` declares the entries ``aux[i]`` that get a
+gradient and a @triton.jit function that accumulates it::
+
+    aux_grad(ds, s, b, h, q_idx, kv_idx, aux, daux)  -> None
+
+* ``ds``: fp32 (BLOCK_M, BLOCK_N), the gradient of the loss with respect to the mod's *output*
+  s' (already chained back through any mod that comes after it -- none today: the user's mod
+  is the pipeline's last); ``s``: the mod's input, as ``grad`` gets it. Always (queries, keys)
+  orientation, ``h`` a scalar: it runs in the dQ kernel only, whose programs visit each
+  (query block, key tile) pair exactly once.
+* ``daux``: a tuple parallel to ``aux``: for each ``grad_aux`` entry an fp32 gradient buffer
+  with that entry's shape and strides (zeros on entry; a scratch one when that entry needs no
+  gradient in the call), other entries a 1-element dummy.
+  The function adds ``Σ ds · ∂s'/∂aux[i]`` into it, typically with ``tl.atomic_add`` at the
+  addresses ``fn`` reads (reduce within the tile first where many scores share one entry,
+  e.g. ``tl.sum`` for a per-head slope). ``ds`` is 0 at invisible pairs and padding rows and
+  columns, but the function runs on the whole tile: its addresses must stay in bounds there,
+  as ``fn``'s loads must.
+* Atomics make the order of the summation, hence the last bits of ``d(aux)``, vary from run to
+  run (as FlexAttention's); dQ, dK, dV stay bit-reproducible. The kernels compile this in only
+  when an entry of ``grad_aux`` requires grad in the call: the plain backward is unchanged.
+* Differentiable entries must be float32, contiguous, on q's device (checked per call).
 
 ``MaskMod(name, fn, torch_fn, kv_range=None, q_range=None)`` hides (query, key) pairs on top of
 the built-in rules (causal, window, chunk): ``fn(b, h, q_idx, kv_idx, aux) -> bool`` (True =
@@ -107,12 +132,25 @@ class ScoreMod:
     fn: object                      # @triton.jit (s, b, h, q_idx, kv_idx, aux) -> s'
     torch_fn: Callable              # PyTorch twin, differentiable in s
     grad: Optional[object] = None   # @triton.jit (ds, s, b, h, q_idx, kv_idx, aux); None: 1
+    # @triton.jit (ds, s, b, h, q_idx, kv_idx, aux, daux): accumulates d(aux[i]) into daux[i]
+    aux_grad: Optional[object] = None
+    grad_aux: tuple = ()            # indices of the aux entries that aux_grad differentiates
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
             raise TypeError(f"ScoreMod name must be a non-empty str, got {self.name!r}")
         _check_jit("ScoreMod.fn", self.fn)
         _check_jit("ScoreMod.grad", self.grad, optional=True)
+        _check_jit("ScoreMod.aux_grad", self.aux_grad, optional=True)
+        if not isinstance(self.grad_aux, tuple) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                for i in self.grad_aux) or len(set(self.grad_aux)) != len(self.grad_aux):
+            raise TypeError(f"ScoreMod.grad_aux must be a tuple of distinct indices >= 0 into "
+                            f"mod_aux, got {self.grad_aux!r}")
+        if (self.aux_grad is None) != (not self.grad_aux):
+            raise ValueError("ScoreMod.aux_grad and grad_aux come together: the function that "
+                             "accumulates the gradients and the aux entries it differentiates "
+                             f"(got aux_grad={self.aux_grad!r}, grad_aux={self.grad_aux!r})")
         if not callable(self.torch_fn):
             raise TypeError(f"ScoreMod.torch_fn must be callable, got {self.torch_fn!r}")
         _register(self)
@@ -211,6 +249,7 @@ class ModFns(NamedTuple):
     """The kernels' view of one score mod (part of the ``ScoreSpec`` constexpr)."""
     fn: object
     grad: object
+    aux_grad: object = None   # set only in the dQ launch of a backward that needs d(aux)
 
 
 @dataclass(frozen=True)
@@ -249,6 +288,36 @@ class CallMods:
 
 
 NO_MODS = CallMods()
+
+
+def aux_grad_mask(score_mod, aux) -> tuple:
+    """One bool per ``mod_aux`` entry: whether this call computes its gradient (the score mod
+    declares it in ``grad_aux`` and it requires grad). Checks those entries (float32,
+    contiguous: the gradient buffer shares the entry's indexing) and refuses an entry that
+    requires grad without a declared gradient (it would silently get none)."""
+    declared = () if score_mod is None else score_mod.grad_aux
+    mask = []
+    for i, t in enumerate(aux):
+        wanted = isinstance(t, torch.Tensor) and t.requires_grad
+        if wanted and i not in declared:
+            name = "no score mod" if score_mod is None else f"ScoreMod {score_mod.name!r}"
+            raise ValueError(f"mod_aux[{i}] requires grad but {name} declares no gradient for "
+                             f"it (grad_aux={declared}): declare it with ScoreMod(..., "
+                             f"aux_grad=..., grad_aux=({i},)) or pass it detached")
+        if wanted and (t.dtype != torch.float32 or not t.is_contiguous()):
+            raise ValueError(f"mod_aux[{i}] is differentiable: expected a contiguous float32 "
+                             f"tensor, got {t.dtype}"
+                             f"{'' if t.is_contiguous() else ', not contiguous'}")
+        mask.append(wanted)
+    return tuple(mask)
+
+
+def aux_grad_buffers(score_mod, aux) -> list:
+    """fp32 zero buffers (each entry's shape and strides) for every ``grad_aux`` entry of
+    ``score_mod``, None for the others: ``aux_grad`` writes every declared entry's buffer, so
+    one that needs no gradient in this call still gets one (discarded afterwards)."""
+    return [torch.zeros_like(t, dtype=torch.float32) if i in score_mod.grad_aux else None
+            for i, t in enumerate(aux)]
 
 
 def sinks_grad(sinks, lse, do, o, packed):

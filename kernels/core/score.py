@@ -82,6 +82,28 @@ def score_grad(ds, qk, b, h, rows, cols, diag, score, SPEC: tl.constexpr):
 
 
 @triton.jit
+def mods_aux_grad(ds, qk, b, h, rows, cols, diag, score, SPEC: tl.constexpr):
+    """Adds the gradients of the score mods' differentiable aux into ``score.daux`` (the
+    buffers parallel to the call's ``mod_aux``), for the mods whose ``aux_grad`` SPEC carries
+    (only the dQ launch's SPEC does; kernels/core/mods.py). ``ds``: the tile's gradient with
+    respect to the final scores (queries, keys), chained back to each mod's output before its
+    ``aux_grad`` gets it. Compiles to nothing when no mod has one."""
+    N_MODS: tl.constexpr = len(SPEC.mods)
+    for j in tl.static_range(N_MODS):
+        if SPEC.mods[N_MODS - 1 - j].aux_grad is not None:
+            s0 = qk * score.softmax_scale
+            SPEC.mods[N_MODS - 1 - j].aux_grad(
+                ds, _apply_mods(s0, b, h, rows + diag, cols, score, SPEC, N_MODS - 1 - j),
+                b, h, rows + diag, cols, score.aux[N_MODS - 1 - j], score.daux)
+        if j + 1 < N_MODS:   # only mods before one with aux_grad need the chained ds
+            if SPEC.mods[N_MODS - 1 - j].grad is not None:
+                ds = SPEC.mods[N_MODS - 1 - j].grad(
+                    ds, _apply_mods(qk * score.softmax_scale, b, h, rows + diag, cols, score,
+                                    SPEC, N_MODS - 1 - j),
+                    b, h, rows + diag, cols, score.aux[N_MODS - 1 - j])
+
+
+@triton.jit
 def _visible(b, h, rows, cols, k_len, diag, edge, score, SPEC: tl.constexpr,
              ON_KEYS: tl.constexpr):
     """The visibility rule (kernels/core/tiles.py; ``edge``: its ``edge_bound``) and the mask
