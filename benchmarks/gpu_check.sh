@@ -69,6 +69,8 @@
 #   profile     (5) profile_call.py at seq 128 (kernel vs host time; ours, flash, cuDNN) with
 #               and without TMA, then Nsight Compute on ours' kernels; profile_tma*.json,
 #               ncu_seq128.csv
+#   host        benchmarks/host.py: the host's time per call through the public API (ours vs
+#               SDPA and the book's module, a tiny shape), ~40 s; host/
 #   tma_ab      last, when >= 60 s are left: ours and flash at seq 128 / 512 / 1k, d128 and
 #               d64, with (tma1/) and without (tma0/) descriptors
 # Each stage's limit is what is left less a reserve for the stages after it (STAGE_RESERVE).
@@ -104,7 +106,7 @@ TEST_WORKERS=${TEST_WORKERS:-8}
 TEST_ARGS=${TEST_ARGS:-}
 DRY_RUN=${DRY_RUN:-0}
 STAGES=" ${GPU_CHECK_STAGES:-versions ceilings tests bench} "
-STAGES=${STAGES/ speed / versions precompile probe sweep dropout modules profile tma_ab }
+STAGES=${STAGES/ speed / versions precompile probe sweep dropout modules profile host tma_ab }
 if [[ "$STAGES" == *" suite "* ]]; then
     STAGES=${STAGES/ suite / versions tests }
     TESTS_TIMEOUT=${TESTS_TIMEOUT_SUITE:-$(( BUDGET - 15 ))}
@@ -298,6 +300,13 @@ print(\"device\", torch.cuda.get_device_name() if torch.cuda.is_available() else
         else
             echo "ncu not found: no Nsight Compute profile"
         fi
+        pack
+    fi
+    if wanted host; then
+        # The host's time per call through the public API (issue 29): ours vs SDPA and the
+        # book's module at a tiny shape, where the GPU waits on the host (benchmarks/host.py).
+        stage "host cost per call" "$(limit_reserving 60 20)" "${PYM[@]}" benchmarks.host \
+            --device cuda --budget 20 --out-dir "$WORK/host"
         pack
     fi
     if wanted tma_ab; then

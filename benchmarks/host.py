@@ -148,7 +148,7 @@ def _positive(kind):
     return parse
 
 
-def main(argv=None):
+def build_parser():
     p = argparse.ArgumentParser(prog="python -m benchmarks.host", description=__doc__.split(
         "\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
@@ -156,6 +156,11 @@ def main(argv=None):
     p.add_argument("--budget", type=_positive(float), default=20.0, help="seconds of timing")
     p.add_argument("--inner", type=_positive(int), default=20, help="calls per timed batch")
     p.add_argument("--out-dir", default=os.path.join(REPO, "benchmarks", "results"))
+    return p
+
+
+def main(argv=None):
+    p = build_parser()
     args = p.parse_args(argv)
     device = args.device
     if device == "auto":

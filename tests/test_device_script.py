@@ -64,3 +64,13 @@ def test_precompile_plan_lists_the_run():
     assert r.returncode == 0, r.stderr[-2000:]
     # 7 lengths x 2 head dims: one tutorial workload each, Flex's two graphs each.
     assert "42 workloads ({'ours': 0, 'tutorial': 14, 'flex': 28})" in r.stdout
+
+
+@pytest.mark.skipif(not os.path.exists("/bin/bash") and not os.path.exists("/usr/bin/bash"),
+                    reason="needs bash")
+def test_host_stage_dry_run_parses_its_arguments(tmp_path):
+    """The speed list's host stage (benchmarks/host.py on the GPU) goes through its parser."""
+    r = _run_script(tmp_path, "host")
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    assert "benchmarks.host: {'device': 'cuda'" in out and "host cost per call: exit 0" in out
