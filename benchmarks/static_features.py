@@ -11,7 +11,7 @@ from the real launchers' arguments. Nothing is timed; no GPU is needed.
 Usage (the tool's venv: triton 3.6, a CPU torch)::
 
     ~/.cache/sm90-venv/bin/python benchmarks/static_features.py [--arch 90] [--json out.json]
-        [--only dims|features|shapes]
+        [--only dims|features|shapes|paged]
 
 ``--only shapes`` (not part of the default run): degenerate lengths, where Triton specialises
 an int argument equal to 1 and loops fold away -- q_len x k_len in SHAPES, causal or not, with
@@ -20,6 +20,12 @@ backward too; every kept config). 2026-11-26 it found dK/dV's descriptor in a lo
 pipeliner could not predicate at q_len 1 (fixed) and ptxas crashing (error -11) at k_len 1
 causal for dQ's 128-row tiles and the 2-stage packed-GQA forward (other kept configs compile:
 launches skip the failing ones).
+
+``--only paged`` (not part of the default run): paged KV caches (kernels/core/paged.py) through
+``kvcache_forward`` with a block table -- the append kernel and the paged forward (per-thread
+loads, PAGED = the page size) -- at 8k keys per row, GQA 4:1, head_dim 128: decoding with
+split-KV at page size 16, decoding at page size 256, 4 speculative tokens, a 128-token
+prefill at page size 64 (PAGED_CASES).
 """
 import argparse
 import itertools
@@ -38,6 +44,9 @@ FEATURES = ["softcap", "sinks", "alibi", "chunk", "gpt-oss (window+sinks)",
             "window 512+dropout", "packed 1365+2731", "packed+dropout"]
 # (q_len, k_len) of ``--only shapes``: both 1, one 1, one past a 128-row tile, a whole tile.
 SHAPES = [(1, 1), (1, 3), (3, 1), (1, 130), (16, 16)]
+# (label, q_len, page_size, num_splits) of ``--only paged``.
+PAGED_CASES = [("decode p16 split 4", 1, 16, 4), ("decode p256", 1, 256, 1),
+               ("4 tokens p16", 4, 16, 1), ("prefill 128 p64", 128, 64, 1)]
 # A real 45-bit seed: Triton specialises an int argument equal to 1.
 SEED = 0x5DEECE66D123
 
@@ -48,7 +57,7 @@ def main(argv=None):
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     ap.add_argument("--seq", type=int, default=4096)
-    ap.add_argument("--only", choices=["dims", "features", "shapes"])
+    ap.add_argument("--only", choices=["dims", "features", "shapes", "paged"])
     ap.add_argument("--backward", action="store_true", help="also compile the backward")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
@@ -129,6 +138,22 @@ def main(argv=None):
                 label = f"{lq}x{lk}{' causal' if causal else ''}{' dropout' if p else ''}" \
                         f"{' gqa' if kv_heads < H else ''}"
                 launch(label, d, d, call, heads_kv=kv_heads, seq_lens=(lq, lk))
+        if a.only == "paged":
+            from kernels.core.kvcache import kvcache_forward
+            d, kv_heads, keys = 128, H // 4, 8192
+            for label, lq, page_size, splits in PAGED_CASES:
+                st.LABEL.clear()
+                st.LABEL.update(side="project", dtype=a.dtype, head_dim=f"{d}/{d}",
+                                flags=f"paged {label}")
+                max_blocks = keys // page_size
+                pages = torch.empty((4 * max_blocks, page_size, kv_heads, d), dtype=dt)
+                table = torch.arange(4 * max_blocks, dtype=torch.int32).view(4, max_blocks)
+                lens = torch.full((4,), keys // 2, dtype=torch.int32)
+                q = torch.empty((4, H, lq, d), dtype=dt)
+                k = torch.empty((4, kv_heads, lq, d), dtype=dt)
+                kvcache_forward(q, pages, pages, lens, k, k,
+                                AttentionCall(causal=True, softmax_scale=d ** -0.5),
+                                num_splits=splits, block_table=table)
     st.print_table(st.RECORDS)
     st.print_summary(st.RECORDS)
     if a.json:
