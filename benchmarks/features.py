@@ -98,6 +98,10 @@ decode     kernels                 ``kernels.attention_with_kvcache(q, k_cache, 
                                    split, since the heuristic gives 1 in the interpreter)
 decode     kernels_unsplit         the same with ``num_splits=1`` (no split)
 decode     kernels_dense           ``kernels.attention(q, k_cache, v_cache, num_splits=N)``
+decode     kernels_paged           ``kernels`` on the same keys in a paged cache (pages of
+                                   ``DECODE_PAGE_SIZE`` rows in a shuffled order,
+                                   ``block_table=``); ``paged_vs_dense`` = kernels ms /
+                                   kernels_paged ms (1: paging costs nothing)
 decode     sdpa_flash / sdpa_*     ``F.scaled_dot_product_attention(q, k_cache[:, :, :len],
                                    v_cache[:, :, :len], is_causal=False, enable_gqa=True)``
                                    forced to one backend (flash, efficient; CPU: efficient
@@ -645,7 +649,10 @@ def _ratio(a, b, key):
 # --------------------------------------------------------------------------------------------
 # Decode rows (issue 10)
 # --------------------------------------------------------------------------------------------
-DECODE_OURS = ("kernels", "kernels_unsplit", "kernels_dense")
+DECODE_OURS = ("kernels", "kernels_unsplit", "kernels_dense", "kernels_paged")
+# Rows per page of the paged-cache decode row (FlashAttention's and vLLM's usual size; the
+# whole cache when it is shorter).
+DECODE_PAGE_SIZE = 256
 
 
 def decode_targets(batch, cache_len):
@@ -715,6 +722,25 @@ def _decode_inputs(batch, heads, heads_kv, cache_len, head_dim, device, dtype):
     return q, kc, vc, lens
 
 
+def _paged_copy(kc, vc, page_size=DECODE_PAGE_SIZE):
+    """The dense caches (B, H_kv, L, D) as paged ones (B * L / page, page, H_kv, D) with the
+    pages in a shuffled order (a serving cache's pages are scattered) and their block table
+    int32 (B, L / page): the same keys, read page by page."""
+    B, Hkv, L, D = kc.shape
+    page = min(page_size, L)
+    assert L % page == 0, (L, page)
+    n = B * (L // page)
+    g = torch.Generator(device="cpu").manual_seed(L)
+    table = torch.randperm(n, generator=g).to(device=kc.device, dtype=torch.int32)
+
+    def pages(c):
+        out = c.new_empty((n, page, Hkv, c.shape[-1]))
+        out[table.long()] = c.view(B, Hkv, L // page, page, -1).permute(0, 2, 3, 1, 4).reshape(
+            n, page, Hkv, -1)
+        return out
+    return pages(kc), pages(vc), table.view(B, L // page)
+
+
 def _decode_spec(name, inputs, num_splits):
     """The _Spec of one decode provider on ``inputs`` (fwd only: no leaves, no gradients)."""
     def build():
@@ -728,6 +754,11 @@ def _decode_spec(name, inputs, num_splits):
         if name == "kernels_dense":
             return (lambda: [kernels.attention(q, kc, vc, causal=True,
                                                num_splits=num_splits)]), ()
+        if name == "kernels_paged":
+            kp, vp, table = _paged_copy(kc, vc)
+            return (lambda: [kernels.attention_with_kvcache(q, kp, vp, lens, causal=True,
+                                                            num_splits=num_splits,
+                                                            block_table=table)]), ()
         import torch.nn.functional as F
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -817,6 +848,8 @@ def decode_compare(rows, gpu, copy_gbps):
     if mine is None:
         return rows
     mine["speedup_vs_unsplit"] = _ratio(by.get("kernels_unsplit"), mine, "ms")
+    if by.get("kernels_paged") is not None:   # the paged cache's cost: paged / dense GB/s
+        by["kernels_paged"]["paged_vs_dense"] = _ratio(mine, by["kernels_paged"], "ms")
     add_speedups(rows)
     targets = decode_targets(mine["batch"], mine["seq_len"])
     mine["target"] = decode_target_text(targets)

@@ -401,8 +401,8 @@ def _check_decode_rows(rows, csv_path):
     assert list(dict.fromkeys((r["batch"], r["seq_len"]) for r in dec)) == points
     for B, L in points:
         by = {r["provider"]: r for r in dec if (r["batch"], r["seq_len"]) == (B, L)}
-        assert set(by) == {"kernels", "kernels_unsplit", "kernels_dense", "sdpa_flash",
-                           "sdpa_efficient"}
+        assert set(by) == {"kernels", "kernels_unsplit", "kernels_dense", "kernels_paged",
+                           "sdpa_flash", "sdpa_efficient"}
         assert by["sdpa_efficient"]["status"] == "unsupported: CUDA-only backend"
         for name, r in by.items():
             assert (r["heads"], r["heads_kv"], r["head_dim"], r["q_len"]) == (H, Hkv, D, 1)
@@ -423,6 +423,8 @@ def _check_decode_rows(rows, csv_path):
                 unsplit["num_splits_how"]) == (1, 1, "none")
         assert "num_splits" not in by["sdpa_flash"]
         assert mine["speedup_vs_unsplit"] == pytest.approx(unsplit["ms"] / mine["ms"])
+        paged = by["kernels_paged"]
+        assert paged["paged_vs_dense"] == pytest.approx(mine["ms"] / paged["ms"])
         assert mine["speedup_vs_best_sdpa"] == pytest.approx(by["sdpa_flash"]["ms"] / mine["ms"])
         assert mine["best_sdpa"] == "sdpa_flash"
         assert mine["target"] is None and mine["target_met"] is None
@@ -795,7 +797,7 @@ def test_feature_rows_respect_the_time_budget():
     # decode, then the integration rows (issue 12) last: every point written
     assert [r["bench"] for r in rows][-1] == "sdpa_impl"
     dec = [r for r in rows if r["bench"] == "decode"]
-    assert len(dec) == 5 * 4 and rows.index(dec[-1]) < min(
+    assert len(dec) == 6 * 4 and rows.index(dec[-1]) < min(
         i for i, r in enumerate(rows) if r["bench"] in ("hf", "sdpa_impl"))
     assert all(r["copy_gbps"] is None and r["gbps"] is None for r in dec)
     assert "decode: q_len 1" in format_decode(dec)
