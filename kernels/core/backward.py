@@ -620,12 +620,17 @@ class BackwardPlan:
                                          dict(dkdv_fixed, **tensors, DK=dk4, DV=dv4))
             configs_dq = fixed_configs(bwd_configs(kernel="dq"), prune_bwd_configs,
                                        dict(dq_fixed, **tensors, DQ=dq4))
-        if aux_grad and configs_dq is None:
+        if aux_grad and config is None and not interpreter_active():
             # dQ then adds into d(aux): autotuning reruns would add several times. The first
-            # pruned config that compiles, as with KERNELS_AUTOTUNE=0.
-            configs_dq = fixed_configs(bwd_configs(kernel="dq"), prune_bwd_configs, dict(
+            # pruned config that compiles, as with KERNELS_AUTOTUNE=0, among tiles of at most
+            # 128 x 32 scores where there are some: the aux_grad's index and dS tiles live
+            # across its atomics, and the 128 x 64 tile spilled with the tests' bias + slopes
+            # mod at head_dim 128 (sm_90, 2026-11-26; 128 x 32 did not).
+            kept = configs_dq or fixed_configs(bwd_configs(kernel="dq"), prune_bwd_configs, dict(
                 dq_fixed, Q=pb.q, K=pb.k, V=pb.v, DO=do, STATS=dummy, seq=self.seq,
                 score=self.score, drop=self.drop, DQ=dq4))
+            configs_dq = [c for c in kept
+                          if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 4096] or kept
         for configs in (configs_dkdv, configs_dq):
             for cfg in configs or ():     # the stats' padding covers every tile's rows
                 assert BWD_ROW_PAD % cfg.kwargs["BLOCK_M"] == 0, cfg
