@@ -639,10 +639,11 @@ def test_score_mod_neg_inf_fallback(monkeypatch):
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the fallback serves CPU tensors")
 def test_score_mod_neg_inf_fallback_grads(monkeypatch):
-    """The eager path runs the fallback's backward from an autograd.Function (kernels/ops.py
-    ``_PlannedAttention``), where the score mods' twins record their graph. (Run from the
-    custom op -- the torch.compile path -- they recorded none, and dq, dk came out wrong for
-    every score mod: that path's fallback backward is still open.)"""
+    """The fallback's backward differentiates the score mods' twins: from the eager path's
+    autograd.Function (kernels/ops.py ``_PlannedAttention``) and from inside the custom op (the
+    torch.compile path), where autograd is off at the dispatch level until the fallback turns
+    it back on (fallback.py ``_recording``; without it dq, dk came out wrong for every score
+    mod)."""
     (_, _, grads), (_, _, rg), (_, lg) = _fallback_neg_inf(monkeypatch)
     for name, g, r, l in zip(("dq", "dk", "dv"), grads, rg, lg):
         assert_parity(g, r, l, factor=GRAD_FACTOR, name=name)
