@@ -39,4 +39,4 @@ from . import flash_attn_interface  # noqa: E402  FlashAttention 2's API on the 
 __all__ = ["attention", "attention_varlen", "attention_with_kvcache", "ScoreMod", "MaskMod",
            "SOFTCAP", "ALIBI", "FusedCausalAttention",
            "FusedMultiHeadAttentionWrapper", "FusedMultiHeadAttention", "fuse_attention",
-           "book", "distributed"]
+           "book", "distributed", "flash_attn_interface"]

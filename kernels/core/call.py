@@ -150,6 +150,16 @@ class SeqArgs(NamedTuple):
     bt_stride: int              # block_table's row stride (its column stride is 1)
 
 
+class KeyLayout(NamedTuple):
+    """How the forward finds a row's keys (its KEYS constexpr; part of the autotune key):
+    ``varlen`` packed sequences (cu_seqlens), ``k_lens`` per-row key counts (a KV cache's
+    filled length, ``SeqArgs.k_lens``), ``page_size`` 0, or the page size of a paged cache
+    (kernels/core/paged.py; one compile per page size)."""
+    varlen: bool
+    k_lens: bool
+    page_size: int
+
+
 class ScoreArgs(NamedTuple):
     """The score pipeline's runtime parameters (the kernels' ``score``; kernels/core/score.py)."""
     qk_scale: float       # softmax_scale * log2(e)

@@ -111,7 +111,7 @@ def unsupported_gpu_reason(device) -> Optional[str]:
 
 # Autotune keys (kernel argument names). Sequence lengths enter as power-of-two buckets, so a new
 # length re-tunes only when it changes bucket.
-FWD_TUNE_KEY = ["BUCKETS", "HEAD_DIM", "HEAD_DIM_V", "SPEC", "VARLEN", "SEQUSED_K", "PACK_GQA",
+FWD_TUNE_KEY = ["BUCKETS", "HEAD_DIM", "HEAD_DIM_V", "SPEC", "KEYS", "PACK_GQA",
                 "SPLIT", "DROPOUT", "DOT_PRECISION", "TMA"]
 BWD_TUNE_KEY = ["BUCKETS", "HEAD_DIM", "HEAD_DIM_V", "SPEC", "VARLEN", "DROPOUT",
                 "DOT_PRECISION", "TMA"]

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .call import (AttentionCall, DropArgs, SplitArgs, make_problem,
+from .call import (AttentionCall, DropArgs, KeyLayout, SplitArgs, make_problem,
                    packed_view, score_args, score_spec, seed_tensor)
 from .common import (block_d, dot_operand, dot_precision, interpreter_active,
                      round_for_store, widen, widen_bf16)
@@ -55,11 +55,10 @@ def _attn_fwd(Q, K, V, O, LSE,
               BUCKETS,  # autotune key only: Problem.tune_buckets
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
               HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
-              SPEC: tl.constexpr, VARLEN: tl.constexpr,
-              SEQUSED_K: tl.constexpr, PACK_GQA: tl.constexpr, SPLIT: tl.constexpr,
-              DROPOUT: tl.constexpr, WIDEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-              TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              PAGED: tl.constexpr = 0):
+              SPEC: tl.constexpr, KEYS: tl.constexpr, PACK_GQA: tl.constexpr,
+              SPLIT: tl.constexpr, DROPOUT: tl.constexpr, WIDEN: tl.constexpr,
+              DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr):
     """One program = BLOCK_M query rows of one (batch or packed sequence, query head), against
     the keys they see (or, with SPLIT, one of ``split.num_splits`` even shares of those keys).
     Grid: (cdiv(rows, BLOCK_M) * (num_splits if SPLIT else 1), heads, batch or sequences),
@@ -71,9 +70,11 @@ def _attn_fwd(Q, K, V, O, LSE,
     HEAD_DIM_V); O: (B, heads_q, q_len, HEAD_DIM_V); heads_q = group * heads_kv (query head h
     reads kv head h // group); unit stride in the last dim; ``stride_x`` = x's (batch, head,
     row) strides. SPEC: the score pipeline's ScoreSpec (causal, window / chunk edge, score and
-    mask mods, sinks). Grouped arguments (kernels/core/call.py): ``seq`` (SeqArgs: group,
-    lengths; VARLEN: B = 1 with zero batch strides and sequence b is rows cu_q[b]:cu_q[b+1] of Q
-    (cu_k for K, V); SEQUSED_K: batch entry b has k_lens[b] keys, a KV cache's filled length),
+    mask mods, sinks). KEYS: the keys' layout (``KeyLayout``: varlen, k_lens, page_size,
+    read below as VARLEN, SEQUSED_K, PAGED). Grouped arguments (kernels/core/call.py):
+    ``seq`` (SeqArgs: group, lengths; VARLEN: B = 1 with zero batch strides and sequence b is
+    rows cu_q[b]:cu_q[b+1] of Q (cu_k for K, V); SEQUSED_K: batch entry b has k_lens[b] keys,
+    a KV cache's filled length),
     ``score`` (ScoreArgs), ``drop`` (DropArgs: the dropout mask's row ids and columns,
     kernels/core/dropout.py), ``split`` (SplitArgs). DROPOUT: 0 off, 1 on, 2 on at a column
     offset off the 4-column Philox groups (``AttentionCall.dropout_mode``). LSE: fp32, entry (b,
@@ -93,6 +94,9 @@ def _attn_fwd(Q, K, V, O, LSE,
     A constexpr (one compile per page size), so that the per-key division is a shift for
     powers of two: with a runtime page size, 128 x 128 tiles spilled on sm_90 (q_len 4, GQA).
     """
+    VARLEN: tl.constexpr = KEYS.varlen
+    SEQUSED_K: tl.constexpr = KEYS.k_lens
+    PAGED: tl.constexpr = KEYS.page_size
     # Causal: the longest rows (the last blocks) of every head first (``program_ids``).
     pid, pid_h, b = program_ids(SPEC.causal, False)
     if SPLIT:
@@ -396,10 +400,11 @@ class ForwardPlan:
                      stride_v=pb.strides(pb.v), stride_o=o_strides, stride_lse=pb.lse_strides,
                      BUCKETS=pb.tune_buckets(),
                      HEAD_DIM=D, BLOCK_D=block_d(D), HEAD_DIM_V=Dv, BLOCK_DV=block_d(Dv),
-                     SPEC=score_spec(call), VARLEN=pb.varlen, SEQUSED_K=k_lens is not None,
+                     SPEC=score_spec(call), KEYS=KeyLayout(
+                         varlen=pb.varlen, k_lens=k_lens is not None,
+                         page_size=k.shape[2] if block_table is not None else 0),
                      PACK_GQA=bool(pack_gqa), SPLIT=num_splits > 1, DROPOUT=call.dropout_mode,
-                     WIDEN=widen_bf16(q.dtype), DOT_PRECISION=dot_precision(q.dtype), TMA=tma,
-                     PAGED=k.shape[2] if block_table is not None else 0)
+                     WIDEN=widen_bf16(q.dtype), DOT_PRECISION=dot_precision(q.dtype), TMA=tma)
 
         def grid(cfg):
             return (triton.cdiv(rows, cfg["BLOCK_M"]) * num_splits, heads, pb.batch)
