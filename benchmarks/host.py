@@ -13,9 +13,10 @@ case: min, p20 and median of the batches' per-call times, in microseconds.
 Cases (bf16 on CUDA, fp32 on CPU; causal): ``kernels.attention`` forward under no_grad, forward
 + backward (``torch.autograd.grad``), the same with dropout 0.1; SDPA's same calls (the
 baseline); ``kernels.FusedMultiHeadAttention`` vs ``reference.MultiHeadAttention`` forward +
-backward (same constructor arguments); ``kernels.attention_with_kvcache`` one-token decode
-(cache 4x the sequence, one new key appended) and ``kernels.attention_varlen`` forward (two
-packed sequences).
+backward (same constructor arguments); ``kernels.flash_attn_interface.flash_attn_func``
+forward against our own call (the compatibility layer's cost);
+``kernels.attention_with_kvcache`` one-token decode (cache 4x the sequence, one new key
+appended) and ``kernels.attention_varlen`` forward (two packed sequences).
 
 On a machine without CUDA the CPU tensors take the PyTorch fallback (or Triton's interpreter
 with TRITON_INTERPRET=1), not the GPU path: the rows then say what a CPU user's call costs.
@@ -82,6 +83,13 @@ def _cases(device, shape, dtype):
     q1, k1, v1 = (torch.randn(b, h, 1, d, device=device, dtype=dtype) for _ in range(3))
     cases["attention_with_kvcache decode"] = (
         lambda: kernels.attention_with_kvcache(q1, k_cache, v_cache, lens, k1, v1), None)
+    from kernels.flash_attn_interface import flash_attn_func
+    qb, kb, vb = (t.detach().transpose(1, 2) for t in (q, k, v))   # FlashAttention's layout
+
+    def fa_fwd():
+        with torch.no_grad():
+            flash_attn_func(qb, kb, vb, causal=True)
+    cases["flash_attn_func fwd"] = (fa_fwd, "attention fwd")
     packed = [torch.randn(2 * n, h, d, device=device, dtype=dtype) for _ in range(3)]
     cu = torch.tensor([0, n // 2, 2 * n], dtype=torch.int32, device=device)
 

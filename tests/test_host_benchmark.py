@@ -17,7 +17,7 @@ def test_host_benchmark_writes_every_case(tmp_path, monkeypatch, capsys):
     cases = {r["case"]: r for r in data["rows"]}
     assert {"attention fwd", "sdpa fwd", "attention fwd+bwd", "attention p=0.1 fwd+bwd",
             "FusedMultiHeadAttention fwd+bwd", "attention_with_kvcache decode",
-            "attention_varlen fwd"} <= set(cases)
+            "attention_varlen fwd", "flash_attn_func fwd"} <= set(cases)
     assert data["meta"]["torch"] and "fallback" in data["meta"]["what"]
     r = cases["attention fwd+bwd"]
     assert r["baseline"] == "sdpa fwd+bwd" and r["x_baseline_p20"] > 0
