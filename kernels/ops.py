@@ -410,10 +410,12 @@ class _Plan:
             out, lse = self.forward(q, k, v, seed_t, call, *cu)
         return (out, lse) if return_lse else out
 
-    def forward(self, q, k, v, seed_t, call, cu_q=None, cu_k=None):
+    def forward(self, q, k, v, seed_t, call, cu_q=None, cu_k=None, saved=None):
+        """(out, lse); ``saved``: a dict the PyTorch fallback may keep a small call's weights
+        in for ``backward`` (kernels/core/fallback.py ``_small_forward``)."""
         if _use_fallback(q):
             return fallback.forward(q, k, v, cu_q, cu_k, dataclasses.replace(call, seed=seed_t),
-                                    _out_like(q, v))
+                                    _out_like(q, v), saved=saved)
         plan = self.fwd
         if plan is None:
             max_q, max_k = self.max_seqlens
@@ -422,13 +424,15 @@ class _Plan:
                                           num_splits=self.num_splits)
         return plan(q, k, v, call, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seed=seed_t)
 
-    def backward(self, do, q, k, v, o, lse, seed_t, call, cu_q=None, cu_k=None, daux=None):
-        """(dq, dk, dv); ``daux``: d(mod_aux) buffers added into (``attention_backward``)."""
+    def backward(self, do, q, k, v, o, lse, seed_t, call, cu_q=None, cu_k=None, daux=None,
+                 saved=None):
+        """(dq, dk, dv); ``daux``: d(mod_aux) buffers added into (``attention_backward``);
+        ``saved``: the dict ``forward`` was given."""
         do = _unit_last(do)
         if _use_fallback(q):
             return fallback.backward(do, q, k, v, o, lse, cu_q, cu_k,
                                      dataclasses.replace(call, seed=seed_t), _like(q),
-                                     _like(k), _like(v), daux=daux)
+                                     _like(k), _like(v), daux=daux, saved=saved)
         o = _unit_last(o)
         # The forward's own output always has one layout; an integration's may not.
         key = (do.stride(), do.data_ptr() % 16 == 0, o.stride(), o.data_ptr() % 16 == 0,
@@ -450,7 +454,9 @@ class _PlannedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, seed_t, plan, call, cu_q=None, cu_k=None, *aux):
         # aux: the call's mod_aux (inputs here so that their gradients have a place).
-        out, lse = plan.forward(q, k, v, seed_t, call, cu_q, cu_k)
+        # ctx.kept: what the CPU fallback keeps of a small call for the backward (its weights).
+        ctx.kept = {}
+        out, lse = plan.forward(q, k, v, seed_t, call, cu_q, cu_k, saved=ctx.kept)
         ctx.save_for_backward(q, k, v, out, lse, seed_t, sinks, cu_q, cu_k, *aux)
         ctx.plan, ctx.call = plan, call
         ctx.mark_non_differentiable(lse)
@@ -464,7 +470,7 @@ class _PlannedAttention(torch.autograd.Function):
         daux = aux_grad_buffers(ctx.call.mods.score_mod, aux) if any(wanted) else None
         with torch.no_grad():
             grads = ctx.plan.backward(do, q, k, v, out, lse, seed_t, ctx.call, cu_q, cu_k,
-                                      daux=daux)
+                                      daux=daux, saved=ctx.kept)
             dsinks = None
             if sinks is not None and ctx.needs_input_grad[3]:
                 dsinks = sinks_grad(sinks, lse, do, out, packed=cu_q is not None)

@@ -420,6 +420,125 @@ def _sdpa_backward(do, q, k, v, o, lse, causal, softmax_scale, dq, dk, dv):
 
 
 # --------------------------------------------------------------------------------------------
+# Small problems with dropout: whole score matrices, the weights kept for the backward.
+# The blockwise path pays a few dozen PyTorch calls per block and draws the Philox mask twice
+# (forward and backward), and its exp meets -inf at every hidden score (PyTorch's CPU exp takes
+# a slow path there: 1M scores, half -inf, 2.6 ms against 0.9 for finite ones). Below
+# _SAVED_ELEMS score elements (batch * heads * q_len * k_len) a dense call with dropout is
+# instead a few big aten ops, as the book's module computes it: s = bias + scale q·kᵀ (bias
+# 0 / -inf: the causal rule, added by the matmul itself), P = softmax(s) (aten's softmax takes
+# -inf at full speed), the kernels' keep mask once, out = (P · keep) v / (1 - p). The forward
+# hands P and P · keep to the backward (``saved``), which then needs neither the scores, nor an
+# exp, nor the mask again: dV = (P·keep)ᵀ dO / (1 - p) and, as P · Z = (P · keep) / (1 - p),
+# dS = ((P·keep) ∘ (dO Vᵀ) - P ∘ rowsum(dO ∘ O) (1 - p)) / (1 - p). Without ``saved`` (the
+# custom op, ``kernels.ops.backward``) the backward recomputes P and P · keep with the very
+# same ops: the gradients are bit for bit those of the kept-weights path.
+# Memory: the two fp32 matrices, at most 8 · _SAVED_ELEMS bytes (32 MiB) per call, and fp32
+# copies of q, k, v, kept from the forward to the backward; above _SAVED_ELEMS the blockwise
+# path's O(seq) memory holds. (Without dropout PyTorch's CPU flash ops stay faster: at 4 x 4
+# heads x 256 x 64, forward + backward 33 ms against this route's 40.)
+# --------------------------------------------------------------------------------------------
+_SAVED_ELEMS = 1 << 22
+_BIASES = {}      # (q_len, k_len, group) -> the causal bias (group * q_len, k_len), fp32
+_MAX_BIASES = 16
+
+
+def _small_applies(q, k, v, cu_q, call):
+    """Whether a call takes the small-problem route above: CPU, dense, dropout, no window,
+    chunks, mods or sinks, at most _SAVED_ELEMS scores, every row seeing a key (causal:
+    q_len <= k_len, bottom-right), and finite q, k, v (a NaN or an infinity takes the blockwise
+    path, whose NaN rules are the kernels')."""
+    B, H, q_len = q.shape[:3]
+    k_len = k.shape[2]
+    return (q.device.type == "cpu" and cu_q is None and call.dropout and call.window is None
+            and call.chunk_size is None and not call.mods.any and 0 < q_len
+            and (q_len <= k_len if call.causal else 0 < k_len)
+            and B * H * q_len * k_len <= _SAVED_ELEMS and _all_finite(q, k, v))
+
+
+def _causal_bias(q_len, k_len, group):
+    """fp32 (group * q_len, k_len): 0 where row i (of each of the group's heads) sees key j
+    (j <= i + k_len - q_len), -inf elsewhere."""
+    key = (q_len, k_len, group)
+    bias = _BIASES.get(key)
+    if bias is None:
+        hidden = ~block_visible(0, q_len, 0, k_len, q_len, k_len, True, None, "cpu")
+        bias = torch.zeros((q_len, k_len)).masked_fill_(hidden, float("-inf")).repeat(group, 1)
+        if len(_BIASES) >= _MAX_BIASES:
+            _BIASES.clear()
+        _BIASES[key] = bias
+    return bias
+
+
+def _small_inputs(pb):
+    """q, k, v of the dense problem ``pb`` as fp32 contiguous (B * H_kv, rows, head_dim), q's
+    rows being ``group * q_len`` in ``_Dense``'s order (copies where the layout differs; the
+    bmms read them, and the backward reuses the forward's)."""
+    B = pb.B * pb.H_kv
+    q = pb.rows(pb.q, 0, pb.q_len).view(B, pb.group * pb.q_len, pb.D)
+    return q, pb.k.float().reshape(B, pb.k_len, pb.D), pb.v.float().reshape(B, pb.k_len, -1)
+
+
+def _small_weights(pb, q, k):
+    """(P, P · keep, lse) of the dense problem ``pb`` with ``q``, ``k`` from ``_small_inputs``:
+    P the softmax weights and P · keep the weights the kernels' dropout mask keeps (not yet
+    scaled by 1 / (1 - p)), fp32 (B * H_kv, group * q_len, k_len); lse fp32 (B * H_kv,
+    group * q_len)."""
+    if pb.causal:
+        s = torch.baddbmm(_causal_bias(pb.q_len, pb.k_len, pb.group), q, k.transpose(1, 2),
+                          alpha=pb.scale)
+    else:  # beta 0: the input is not read, only the scale applied
+        s = torch.baddbmm(q.new_empty(()), q, k.transpose(1, 2), beta=0, alpha=pb.scale)
+    p = torch.softmax(s, -1)
+    # P's row max is exp(0) / sum = 1 / sum (every row sees a key): lse = max + log(sum).
+    lse = s.amax(-1).sub_(p.amax(-1).log_())
+    keep = pb.kept(0, pb.q_len, 0, pb.k_len, torch.empty(s.numel(), dtype=torch.bool))
+    # uint8, not bool: aten's mul by a bool tensor is not vectorised (1M weights: 0.86 ms
+    # against 0.23).
+    kept = torch.mul(p, keep.view(p.shape).view(torch.uint8), out=s)
+    return p, kept, lse
+
+
+def _small_forward(q, k, v, call, o, saved):
+    """(o, lse) of a call ``_small_applies`` to; with ``saved`` (a dict), what the backward
+    needs goes into it (``saved["small"]``: the problem, the fp32 q, k, v, P and P · keep)."""
+    pb = _problems(q, k, v, None, None, call)[0][0]
+    q3, k3, v3 = _small_inputs(pb)
+    p, kept, lse = _small_weights(pb, q3, k3)
+    # (B * H_kv, group * q_len, ...) is (B, H, q_len, ...) in memory: query head
+    # kv_head * group + g is row block g of its kv head.
+    o.copy_(torch.baddbmm(v3.new_empty(()), kept, v3, beta=0, alpha=pb.drop_scale)
+            .view(o.shape))
+    if saved is not None:
+        saved["small"] = (pb, q3, k3, v3, p, kept)
+    return o, lse.view(q.shape[:3])
+
+
+def _small_backward(do, q, k, v, o, call, dq, dk, dv, saved):
+    """(dq, dk, dv) of a call ``_small_applies`` to, from what the forward put into ``saved``
+    when it holds that, else from the same tensors recomputed (see the section's comment)."""
+    state = None if saved is None else saved.get("small")
+    if state is None:
+        pb = _problems(q, k, v, None, None, call)[0][0]
+        q3, k3, v3 = _small_inputs(pb)
+        p, kept, _ = _small_weights(pb, q3, k3)
+    else:
+        pb, q3, k3, v3, p, kept = state
+    B, rows, scale = pb.B * pb.H_kv, pb.group * pb.q_len, pb.drop_scale
+    do3 = pb.rows(do, 0, pb.q_len).view(B, rows, -1)
+    ds = torch.bmm(do3, v3.transpose(1, 2)).mul_(kept)   # (P · keep) ∘ (dO Vᵀ)
+    # rowsum(dO ∘ O) (1 - p) is this one's row sum (O = (P · keep) V / (1 - p)): no pass over
+    # O, and the backward reads nothing of the forward but ``saved``.
+    ds.addcmul_(p, ds.sum(-1, keepdim=True), value=-1)   # dS (1 - p): the scale comes last
+    alpha, none = pb.scale * scale, ds.new_empty(())   # beta 0: ``none`` is not read
+    dq.copy_(torch.baddbmm(none, ds, k3, beta=0, alpha=alpha).view(dq.shape))
+    dk.copy_(torch.baddbmm(none, ds.transpose(1, 2), q3, beta=0, alpha=alpha).view(dk.shape))
+    dv.copy_(torch.baddbmm(none, kept.transpose(1, 2), do3, beta=0, alpha=scale)
+             .view(dv.shape))
+    return dq, dk, dv
+
+
+# --------------------------------------------------------------------------------------------
 # Worker threads. With PyTorch on T > 1 intra-op threads every elementwise op of a block ends
 # at a thread barrier; on a machine with other work running, a descheduled worker stalls each
 # of those thousands of barriers (measured: seq 4096, 8 heads, dropout, forward + backward
@@ -568,7 +687,9 @@ def _forward_blocks(pb, o, lse, blocks):
         if keep is not None:
             # x * keep: NaN only comes whole rows at a time here (a row's max and sum are NaN
             # with any of its scores), so it equals the kernels' where(keep, x, 0); 2x faster.
-            s.mul_(keep)
+            # As uint8: aten's mul by a bool tensor is not vectorised (1M weights: 0.86 ms
+            # against 0.23).
+            s.mul_(keep.view(torch.uint8))
         out = torch.matmul(s, pb.v[:, :, k0:k1].float())
         norm = keep_scale / total
         out.mul_(norm.masked_fill_(total == 0, 0.0))
@@ -650,7 +771,7 @@ def _backward_blocks(pb, do, o, lse, dq, dk_acc, dv_acc, blocks):
         dk_acc[:, k0:k1].baddbmm_(ds.view(-1, rows, n).transpose(1, 2),
                                   q_s.view(-1, rows, pb.D), alpha=keep_scale)
         if keep is not None:
-            p.mul_(keep)  # NaN comes whole rows at a time in P, as in the forward
+            p.mul_(keep.view(torch.uint8))  # NaN comes whole rows at a time, as in the forward
         dv_acc[:, k0:k1].baddbmm_(p.view(-1, rows, n).transpose(1, 2),
                                   do_b.view(-1, rows, do_b.shape[-1]), alpha=keep_scale)
 
@@ -747,9 +868,13 @@ def _view(x, r, packed):
     return x[r].transpose(0, 1).unsqueeze(0) if packed else x
 
 
-def forward(q, k, v, cu_q, cu_k, call, o):
+def forward(q, k, v, cu_q, cu_k, call, o, saved=None):
     """(o, lse) as the forward kernel returns them for ``call`` (an ``AttentionCall``,
-    kernels/core/call.py); ``o`` (q's layout with v's head_dim) is written in place."""
+    kernels/core/call.py); ``o`` (q's layout with v's head_dim) is written in place.
+    ``saved``: a dict into which a small call with dropout puts its weights for ``backward``
+    (``_small_forward``; other calls leave it empty)."""
+    if _small_applies(q, k, v, cu_q, call):
+        return _small_forward(q, k, v, call, o, saved)
     return _forward(q, k, v, cu_q, cu_k, call, o)
 
 
@@ -765,10 +890,13 @@ def _forward(q, k, v, cu_q, cu_k, call, o, batch0=0):
     return o, lse
 
 
-def backward(do, q, k, v, o, lse, cu_q, cu_k, call, dq, dk, dv, daux=None):
+def backward(do, q, k, v, o, lse, cu_q, cu_k, call, dq, dk, dv, daux=None, saved=None):
     """(dq, dk, dv) as the backward kernels return them for ``call``, written into the given
     tensors (do, o and dv with v's head_dim). ``daux``: as ``attention_backward``'s (fp32
-    zeroed buffers parallel to ``call.mods.aux``, None where not wanted), added into."""
+    zeroed buffers parallel to ``call.mods.aux``, None where not wanted), added into.
+    ``saved``: the dict the forward filled (or None: what it would hold is recomputed)."""
+    if saved and "small" in saved or _small_applies(q, k, v, cu_q, call):  # no daux: no mods
+        return _small_backward(do, q, k, v, o, call, dq, dk, dv, saved)
     if _sdpa_applies(q, k, cu_q, call, v):
         return _sdpa_backward(do, q, k, v, o, lse, call.causal, call.softmax_scale, dq, dk, dv)
     packed = cu_q is not None

@@ -128,8 +128,11 @@ def test_fallback_does_not_import_reference():
 # The fallback's mask is the kernel's, bit for bit: read off the outputs
 # ------------------------------------------------------------------------------------------
 def _fallback_on(monkeypatch):
+    """The PyTorch fallback, on its blockwise path (per-block masks, worker threads) even for
+    the small problems here: the small-problem route has tests/core/test_fallback_small.py."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(ops, "_warned_fallback", True)
+    monkeypatch.setattr(fallback, "_SAVED_ELEMS", 0)
 
 
 def _kept(out):

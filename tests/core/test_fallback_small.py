@@ -1,0 +1,146 @@
+"""The fallback's small-problem route with dropout (kernels/core/fallback.py ``_small_forward`` /
+``_small_backward``): whole score matrices, the kernels' Philox mask drawn once, the weights
+kept from the forward for the backward.
+
+* its results against the float64 oracle given the kernels' mask (``reference.dropout_keep_mask``,
+  itself held to the interpreted kernel in test_fallback_philox.py) and against the blockwise
+  path;
+* the kept-weights backward (the eager autograd path) bit for bit equal to the recomputing one
+  (``kernels.ops.forward_with_lse`` / ``backward``, which keep nothing);
+* what takes the route: problems above ``_SAVED_ELEMS`` scores keep nothing (O(seq) memory),
+  and NaN inputs, rows without keys, windows and packed sequences go blockwise.
+"""
+import pytest
+import torch
+from helpers import DEVICE, randn
+
+import kernels
+import reference
+from kernels import ops
+from kernels.core import fallback
+from kernels.core.call import AttentionCall
+
+pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="the fallback serves CPU tensors")
+
+SEED, P = 2**40 + 3, 0.3
+# (batch, query heads, kv heads, q_len, k_len, causal, v head_dim)
+CASES = [
+    (2, 4, 2, 19, 37, True, 16),    # grouped-query heads, q_len < k_len (bottom-right)
+    (1, 3, 1, 24, 24, True, 24),    # one kv head, v's head_dim of its own
+    (2, 2, 2, 13, 30, False, 16),
+]
+IDS = ["gqa-causal-rect", "mqa-square-dv", "full"]
+
+
+@pytest.fixture(autouse=True)
+def no_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(ops, "_warned_fallback", True)
+
+
+def _inputs(B, hq, hkv, q_len, k_len, dv, dtype=torch.float32):
+    q = randn(B, hq, q_len, 16, dtype=dtype, requires_grad=True)
+    k = randn(B, hkv, k_len, 16, dtype=dtype, requires_grad=True)
+    v = randn(B, hkv, k_len, dv, dtype=dtype, requires_grad=True)
+    return q, k, v, randn(B, hq, q_len, dv, dtype=dtype)
+
+
+def _eager(q, k, v, do, causal):
+    """(out, lse, dq, dk, dv) through ``kernels.attention``'s autograd (the eager plan)."""
+    out, lse = kernels.attention(q, k, v, causal=causal, dropout_p=P, seed=SEED,
+                                 return_lse=True)
+    return (out, lse, *torch.autograd.grad(out, (q, k, v), do))
+
+
+@pytest.mark.parametrize("B,hq,hkv,q_len,k_len,causal,dv", CASES, ids=IDS)
+def test_small_route_is_the_oracle_with_the_kernels_mask(B, hq, hkv, q_len, k_len, causal, dv):
+    q, k, v, do = _inputs(B, hq, hkv, q_len, k_len, dv)
+    assert fallback._small_applies(q, k, v, None, AttentionCall(causal, 0.25, P))
+    out, lse, *grads = _eager(q, k, v, do, causal)
+    keep = reference.dropout_keep_mask(SEED, B, hq, q_len, k_len, P, device=DEVICE)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = reference.attention(*leaves, causal=causal, dropout_p=P, keep_mask=keep)
+    ref_g = torch.autograd.grad(ref, leaves, do.double())
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_g)):
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5, msg=name)
+    # The mask alone: with q = 0 (uniform weights) and v = identity, out != 0 exactly where a
+    # seen key is kept.
+    qz = torch.zeros(B, hq, q_len, k_len)
+    eye = torch.eye(k_len).expand(B, hkv, k_len, k_len).contiguous()
+    kept = kernels.attention(qz, randn(B, hkv, k_len, k_len), eye, causal=causal, dropout_p=P,
+                             seed=SEED) != 0
+    vis = fallback.block_visible(0, q_len, 0, k_len, q_len, k_len, causal, None, DEVICE)
+    assert torch.equal(kept, keep & vis)
+
+
+@pytest.mark.parametrize("B,hq,hkv,q_len,k_len,causal,dv", CASES, ids=IDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_small_route_matches_the_blockwise_path(monkeypatch, B, hq, hkv, q_len, k_len, causal,
+                                                dv, dtype):
+    q, k, v, do = _inputs(B, hq, hkv, q_len, k_len, dv, dtype)
+    small = _eager(q, k, v, do, causal)
+    monkeypatch.setattr(fallback, "_SAVED_ELEMS", 0)
+    blockwise = _eager(q, k, v, do, causal)
+    tol = dict(rtol=0, atol=2e-5) if dtype == torch.float32 else dict(rtol=0.02, atol=0.02)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), small, blockwise):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        torch.testing.assert_close(a.float(), b.float(), msg=name, **tol)
+
+
+@pytest.mark.parametrize("B,hq,hkv,q_len,k_len,causal,dv", CASES, ids=IDS)
+def test_kept_weights_backward_is_the_recomputing_one_bit_for_bit(B, hq, hkv, q_len, k_len,
+                                                                    causal, dv):
+    """The eager autograd path keeps the forward's weights (P, P · keep) for its backward;
+    ``ops.forward_with_lse`` / ``ops.backward`` keep nothing and recompute them (v's head_dim
+    that of q: ``ops.backward`` takes no other)."""
+    q, k, v, do = _inputs(B, hq, hkv, q_len, k_len, 16)
+    out, lse = kernels.attention(q, k, v, causal=causal, dropout_p=P, seed=SEED,
+                                 return_lse=True)
+    assert "small" in out.grad_fn.kept   # the weights are kept on the autograd context
+    kept = torch.autograd.grad(out, (q, k, v), do)
+    qd, kd, vd = (t.detach() for t in (q, k, v))
+    out2, lse2 = ops.forward_with_lse(qd, kd, vd, causal=causal, dropout_p=P, seed=SEED)
+    recomputed = ops.backward(do, qd, kd, vd, out2, lse2, causal=causal, dropout_p=P,
+                              seed=SEED)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *kept),
+                          (out2, lse2, *recomputed)):
+        assert torch.equal(a, b), name
+
+
+def test_big_problems_keep_nothing(monkeypatch):
+    """Above ``_SAVED_ELEMS`` score elements (batch * heads * q_len * k_len) nothing is kept
+    for the backward: the blockwise path, O(seq) memory; at or below, the weights are."""
+    q, k, v, do = _inputs(1, 2, 2, 16, 16, 16)   # 512 score elements
+    monkeypatch.setattr(fallback, "_SAVED_ELEMS", 511)
+    call = AttentionCall(True, 0.25, P, SEED)
+    saved = {}
+    fallback.forward(q.detach(), k.detach(), v.detach(), None, None, call,
+                     torch.empty_like(q), saved=saved)
+    assert saved == {}
+    out = kernels.attention(q, k, v, dropout_p=P, seed=SEED)
+    assert out.grad_fn.kept == {}
+    big = torch.autograd.grad(out, (q, k, v), do)
+    monkeypatch.setattr(fallback, "_SAVED_ELEMS", 512)
+    out = kernels.attention(q, k, v, dropout_p=P, seed=SEED)
+    assert set(out.grad_fn.kept) == {"small"}
+    small = torch.autograd.grad(out, (q, k, v), do)
+    for name, a, b in zip(("dq", "dk", "dv"), small, big):
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-5, msg=name)
+
+
+def test_what_takes_the_small_route():
+    q, k, v, _ = _inputs(1, 2, 2, 16, 16, 16)
+    q, k, v = (t.detach() for t in (q, k, v))
+    drop = AttentionCall(True, 0.25, P)
+    assert fallback._small_applies(q, k, v, None, drop)
+    assert not fallback._small_applies(q, k, v, None, AttentionCall(True, 0.25))  # no dropout
+    assert not fallback._small_applies(q, k, v, None, AttentionCall(True, 0.25, P, window=4))
+    # A row that sees no key (causal, q_len > k_len): zeros and lse -inf, the blockwise path's.
+    assert not fallback._small_applies(q, k[:, :, :8], v[:, :, :8], None, drop)
+    # NaN in, NaN out as the kernels do it: the blockwise path.
+    nan_v = v.clone()
+    nan_v[0, 0, 3, 1] = float("nan")
+    assert not fallback._small_applies(q, k, nan_v, None, drop)
+    cu = torch.tensor([0, 16], dtype=torch.int32)
+    assert not fallback._small_applies(q[0].transpose(0, 1), k[0].transpose(0, 1),
+                                       v[0].transpose(0, 1), cu, drop)
