@@ -60,10 +60,6 @@ def _caller_stacklevel():
     return level
 
 
-_GPU_REASON = {}      # CUDA device -> unsupported_gpu_reason(device)
-_UNKNOWN = object()
-
-
 def _use_fallback(t):
     """CPU tensors without Triton's interpreter, and CUDA tensors on GPUs the Triton kernels do
     not serve (before sm_80: ``configs.unsupported_gpu_reason``), take the PyTorch fallback
@@ -72,9 +68,7 @@ def _use_fallback(t):
     global _warned_fallback, _warned_gpu
     device = t.device
     if device.type == "cuda":
-        reason = _GPU_REASON.get(device, _UNKNOWN)
-        if reason is _UNKNOWN:   # a GPU's generation does not change: asked once per device
-            reason = _GPU_REASON[device] = unsupported_gpu_reason(device)
+        reason = unsupported_gpu_reason(device)   # from configs' per-device cache
         if reason is not None and not _warned_gpu:
             warnings.warn(f"kernels.attention: {reason}; CUDA tensors on this GPU run a PyTorch "
                           f"path with the same semantics (dropout mask included) in O(seq) "
@@ -686,18 +680,22 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
         lse (only with ``return_lse``): float32 (heads_q, total_q), natural log, -inf for rows
             that see no key. Not differentiable.
     """
-    causal_arg = causal
+    if (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() == k.dim() == 3
+            and not torch.compiler.is_compiling()):
+        # The lengths first (read on the host once per cu_seqlens tensor): they size the
+        # launch plan's grid, which is part of its key.
+        max_q, max_k = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q,
+                                        max_seqlen_k)
+        plan = _fast_plan(q, k, v, (causal, dropout_p, softmax_scale, window, 0, softcap,
+                                    chunk_size, score_mod, mask_mod, None), sinks, alibi_slopes,
+                          mod_aux, (cu_seqlens_q, cu_seqlens_k, max_q, max_k))
+        if plan is not None:
+            return plan(q, k, v, seed, return_lse, sinks, alibi_slopes, mod_aux,
+                        (cu_seqlens_q, cu_seqlens_k))
     causal = validate_attention(q, k, v, causal, dropout_p, softmax_scale, seed, window, dims=3,
                                 layout=_PACKED_LAYOUT, head_axis=1)
     max_seqlen_q, max_seqlen_k = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k,
                                                   max_seqlen_q, max_seqlen_k)
-    if max_seqlen_q >= 0:   # known here (not while tracing): the launch plan's grid
-        plan = _fast_plan(q, k, v, (causal_arg, dropout_p, softmax_scale, window, 0, softcap,
-                                    chunk_size, score_mod, mask_mod, None), sinks, alibi_slopes,
-                          mod_aux, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
-        if plan is not None:
-            return plan(q, k, v, seed, return_lse, sinks, alibi_slopes, mod_aux,
-                        (cu_seqlens_q, cu_seqlens_k))
     mods, chunk_size = check_mods(q, causal, window, softcap, sinks, chunk_size, alibi_slopes,
                                   score_mod, mask_mod, mod_aux,
                                   batch=cu_seqlens_q.numel() - 1)
