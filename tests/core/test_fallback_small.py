@@ -144,3 +144,23 @@ def test_what_takes_the_small_route():
     cu = torch.tensor([0, 16], dtype=torch.int32)
     assert not fallback._small_applies(q[0].transpose(0, 1), k[0].transpose(0, 1),
                                        v[0].transpose(0, 1), cu, drop)
+
+
+def test_cached_causal_mask_index_gives_the_same_bits():
+    """``_causal_keep`` caches which Philox counters a small causal block draws (by layout):
+    the cached and the fresh draw are equal, and the kernels' mask (the oracle's) where keys are
+    seen (unseen columns of a partly seen 4-column group carry their drawn bits)."""
+    B, H, q_len, k_len = 2, 3, 10, 14
+    bases, groups = torch.arange(B * H) * q_len, (k_len + 3) // 4
+    fallback._COUNTERS.clear()
+    masks = []
+    for _ in range(2):
+        out = torch.empty(B * H * q_len, k_len, dtype=torch.bool)
+        masks.append(fallback._causal_keep(SEED, bases, 0, q_len, k_len - q_len, 0, k_len, 0, P,
+                                           groups, out))
+        assert len(fallback._COUNTERS) == 1
+    vis = fallback.block_visible(0, q_len, 0, k_len, q_len, k_len, True, None, DEVICE)
+    keep = reference.dropout_keep_mask(SEED, B, H, q_len, k_len, P, device=DEVICE)
+    assert torch.equal(masks[0], masks[1])
+    got = masks[0].view(B, H, q_len, k_len) & vis
+    assert torch.equal(got, keep & vis)
