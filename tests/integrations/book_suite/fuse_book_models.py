@@ -16,8 +16,8 @@ package's installed test files, which stay unchanged. It
   by a factory returning ``fuse_attention(module, strict=True)``'s twin (the same check:
   exactly one swapped); the package's own modules keep their classes, so models still build
   the originals for ``fuse_attention`` to recognise;
-* counts, per test, the Triton kernel launches of ``kernels.ops`` (forward and KV-cache
-  forward) and the PyTorch-fallback calls, so the caller can tell that the fused kernel ran;
+* counts, per test, the Triton forward launches (``ForwardPlan`` calls: dense, packed and
+  KV-cache) and the PyTorch-fallback calls, so the caller can tell that the fused kernel ran;
 * writes every construction, count and outcome as JSON to ``$BOOK_SUITE_RECORD``.
 
 ``BOOK_SUITE_NO_FUSE=1`` replaces ``kernels.fuse_attention`` by one that swaps nothing, to show
@@ -140,11 +140,11 @@ def pytest_configure(config):
     _ATTENTION.update(_resolve(ATTENTION))
     for cls, name in _resolve(MODELS).items():
         _wrap_model(cls, name)
-    # The Triton kernels (the interpreter on CPU) and the PyTorch fallback, as kernels.ops
-    # calls them (module attributes looked up at call time).
-    for fn_name in ("attention_forward", "kvcache_forward"):
-        setattr(kernels.ops, fn_name,
-                _counting(getattr(kernels.ops, fn_name), _record["kernel_launches"]))
+    # The Triton kernels (the interpreter on CPU): every forward launch, the KV cache's too,
+    # is a call of a ForwardPlan (kernels/core/forward.py), whichever path built it; the
+    # PyTorch fallback as kernels.ops calls it (module attributes looked up at call time).
+    from kernels.core.forward import ForwardPlan
+    ForwardPlan.__call__ = _counting(ForwardPlan.__call__, _record["kernel_launches"])
     for fn_name in ("forward", "kvcache_forward"):
         setattr(kernels.core.fallback, fn_name,
                 _counting(getattr(kernels.core.fallback, fn_name), _record["fallback_calls"]))
