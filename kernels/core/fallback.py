@@ -459,8 +459,8 @@ def _sdpa_backward(do, q, k, v, o, lse, causal, softmax_scale, dq, dk, dv):
 # hands P and P · keep to the backward (``saved``), which then needs neither the scores, nor an
 # exp, nor the mask again: dV = (P·keep)ᵀ dO / (1 - p) and, as P · Z = (P · keep) / (1 - p),
 # dS = ((P·keep) ∘ (dO Vᵀ) - P ∘ rowsum(dO ∘ O) (1 - p)) / (1 - p). Without ``saved`` (the
-# custom op, ``kernels.ops.backward``) the backward recomputes P and P · keep with the very
-# same ops: the gradients are bit for bit those of the kept-weights path.
+# custom op, ``kernels.ops.backward``) the backward is the blockwise one, which takes the
+# (o, lse) it is given: ring attention passes the merged result of several key blocks.
 # Memory: the two fp32 matrices, at most 8 · _SAVED_ELEMS bytes (32 MiB) per call, and fp32
 # copies of q, k, v, kept from the forward to the backward; above _SAVED_ELEMS the blockwise
 # path's O(seq) memory holds. (Without dropout PyTorch's CPU flash ops stay faster: at 4 x 4
@@ -543,15 +543,9 @@ def _small_forward(q, k, v, call, o, saved):
 
 
 def _small_backward(do, q, k, v, o, call, dq, dk, dv, saved):
-    """(dq, dk, dv) of a call ``_small_applies`` to, from what the forward put into ``saved``
-    when it holds that, else from the same tensors recomputed (see the section's comment)."""
-    state = None if saved is None else saved.get("small")
-    if state is None:
-        pb = _problems(q, k, v, None, None, call)[0][0]
-        q3, k3, v3 = _small_inputs(pb)
-        p, kept, _ = _small_weights(pb, q3, k3)
-    else:
-        pb, q3, k3, v3, p, kept = state
+    """(dq, dk, dv) of a call ``_small_applies`` took, from what its forward put into
+    ``saved`` (see the section's comment)."""
+    pb, q3, k3, v3, p, kept = saved["small"]
     B, rows, scale = pb.B * pb.H_kv, pb.group * pb.q_len, pb.drop_scale
     do3 = pb.rows(do, 0, pb.q_len).view(B, rows, -1)
     ds = torch.bmm(do3, v3.transpose(1, 2)).mul_(kept)   # (P · keep) ∘ (dO Vᵀ)
@@ -923,7 +917,10 @@ def backward(do, q, k, v, o, lse, cu_q, cu_k, call, dq, dk, dv, daux=None, saved
     tensors (do, o and dv with v's head_dim). ``daux``: as ``attention_backward``'s (fp32
     zeroed buffers parallel to ``call.mods.aux``, None where not wanted), added into.
     ``saved``: the dict the forward filled (or None: what it would hold is recomputed)."""
-    if saved and "small" in saved or _small_applies(q, k, v, cu_q, call):  # no daux: no mods
+    # The small route only from its own forward's weights: ``kernels.ops.backward`` may be
+    # given another call's (o, lse) -- ring attention's merged result of several key blocks --
+    # which the blockwise path below uses as given (a recomputed softmax would ignore them).
+    if saved and "small" in saved:   # no daux: a small call has no mods
         return _small_backward(do, q, k, v, o, call, dq, dk, dv, saved)
     if _sdpa_applies(q, k, cu_q, call, v):
         return _sdpa_backward(do, q, k, v, o, lse, call.causal, call.softmax_scale, dq, dk, dv)
