@@ -13,6 +13,7 @@ Layers, each with one job:
   interpreter when TRITON_INTERPRET=1; otherwise CPU tensors take a PyTorch fallback
   (kernels/core/fallback.py) with the same semantics and dropout mask.
 """
+import contextlib
 import dataclasses
 import os
 import sys
@@ -393,21 +394,22 @@ class _Plan:
             call = dataclasses.replace(call, mods=dataclasses.replace(
                 self.mods, sinks=sinks, aux=tuple(mod_aux),
                 alibi_slopes=None if alibi_slopes is None else alibi_slopes.float().contiguous()))
-        aux_grad = (torch.is_grad_enabled() and any(t.requires_grad for t in mod_aux)
+        grad = torch.is_grad_enabled()
+        aux_grad = (grad and mod_aux and any(t.requires_grad for t in mod_aux)
                     and any(aux_grad_mask(self.mods.score_mod, mod_aux)))
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                        or sinks is not None and sinks.requires_grad
-                                        or aux_grad):
+        if grad and (q.requires_grad or k.requires_grad or v.requires_grad
+                     or sinks is not None and sinks.requires_grad or aux_grad):
             out, lse = _PlannedAttention.apply(q, k, v, sinks, seed_t, self, call, *cu,
                                                *mod_aux)
         else:
             out, lse = self.forward(q, k, v, seed_t, call, *cu)
         return (out, lse) if return_lse else out
 
-    def forward(self, q, k, v, seed_t, call, cu_q=None, cu_k=None, saved=None):
+    def forward(self, q, k, v, seed_t, call, cu_q=None, cu_k=None, saved=None, route=None):
         """(out, lse); ``saved``: a dict the PyTorch fallback may keep a small call's weights
-        in for ``backward`` (kernels/core/fallback.py ``_small_forward``)."""
-        if _use_fallback(q):
+        in for ``backward`` (kernels/core/fallback.py ``_small_forward``); ``route``: the
+        ``_use_fallback`` decision when the caller made it."""
+        if _use_fallback(q) if route is None else route:
             return fallback.forward(q, k, v, cu_q, cu_k, dataclasses.replace(call, seed=seed_t),
                                     _out_like(q, v), saved=saved)
         plan = self.fwd
@@ -419,18 +421,21 @@ class _Plan:
         return plan(q, k, v, call, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seed=seed_t)
 
     def backward(self, do, q, k, v, o, lse, seed_t, call, cu_q=None, cu_k=None, daux=None,
-                 saved=None):
+                 saved=None, own_output=False, route=None):
         """(dq, dk, dv); ``daux``: d(mod_aux) buffers added into (``attention_backward``);
-        ``saved``: the dict ``forward`` was given."""
+        ``saved``: the dict ``forward`` was given; ``own_output``: o is this plan's forward's
+        output (its layout is the plan's); ``route``: the forward's ``_use_fallback``."""
         do = _unit_last(do)
-        if _use_fallback(q):
+        if _use_fallback(q) if route is None else route:
             return fallback.backward(do, q, k, v, o, lse, cu_q, cu_k,
                                      dataclasses.replace(call, seed=seed_t), _like(q),
                                      _like(k), _like(v), daux=daux, saved=saved)
-        o = _unit_last(o)
-        # The forward's own output always has one layout; an integration's may not.
-        key = (do.stride(), do.data_ptr() % 16 == 0, o.stride(), o.data_ptr() % 16 == 0,
-               daux is not None)
+        if own_output:   # the forward's own output: one layout for the signature
+            key = (do.stride(), do.data_ptr() % 16 == 0, daux is not None)
+        else:            # an integration's (out, lse) may come from elsewhere
+            o = _unit_last(o)
+            key = (do.stride(), do.data_ptr() % 16 == 0, o.stride(), o.data_ptr() % 16 == 0,
+                   daux is not None)
         plan = self.bwd.get(key)
         if plan is None:
             max_q, max_k = self.max_seqlens
@@ -450,7 +455,9 @@ class _PlannedAttention(torch.autograd.Function):
         # aux: the call's mod_aux (inputs here so that their gradients have a place).
         # ctx.kept: what the CPU fallback keeps of a small call for the backward (its weights).
         ctx.kept = {}
-        out, lse = plan.forward(q, k, v, seed_t, call, cu_q, cu_k, saved=ctx.kept)
+        ctx.route = _use_fallback(q)   # the backward follows the forward's route
+        out, lse = plan.forward(q, k, v, seed_t, call, cu_q, cu_k, saved=ctx.kept,
+                                route=ctx.route)
         ctx.save_for_backward(q, k, v, out, lse, seed_t, sinks, cu_q, cu_k, *aux)
         ctx.plan, ctx.call = plan, call
         ctx.mark_non_differentiable(lse)
@@ -459,12 +466,14 @@ class _PlannedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, _dlse):
         q, k, v, out, lse, seed_t, sinks, cu_q, cu_k, *aux = ctx.saved_tensors
-        create_graph = torch.is_grad_enabled()
         wanted = ctx.needs_input_grad[9:]   # aux_grad_mask checked them in _Plan.__call__
         daux = aux_grad_buffers(ctx.call.mods.score_mod, aux) if any(wanted) else None
-        with torch.no_grad():
+        # Grad mode is on here only for create_graph=True (a graph of the gradients).
+        create_graph = torch.is_grad_enabled()
+        with torch.no_grad() if create_graph else contextlib.nullcontext():
             grads = ctx.plan.backward(do, q, k, v, out, lse, seed_t, ctx.call, cu_q, cu_k,
-                                      daux=daux, saved=ctx.kept)
+                                      daux=daux, saved=ctx.kept, own_output=True,
+                                      route=ctx.route)
             dsinks = None
             if sinks is not None and ctx.needs_input_grad[3]:
                 dsinks = sinks_grad(sinks, lse, do, out, packed=cu_q is not None)

@@ -120,8 +120,7 @@ class KernelStep:
         grid = tuple(self.grid(cfg.kwargs))
         grid = grid + (1,) * (3 - len(grid))
         if self.scratch:
-            self._alloc = lambda size, alignment, stream: torch.empty(
-                size, dtype=torch.int8, device=device)
+            self._alloc = _ScratchPerStream(device)
         # The arguments in the kernel's parameter order: the fixed ones in place, the per-call
         # ones (tensors and the tuples holding them) filled in by position at each launch.
         template = [fixed.get(n) for n in names]
@@ -131,6 +130,22 @@ class KernelStep:
         self.device = _driver().get_current_device()
         self.direct = (run, grid, kernel.function, kernel.packed_metadata, tuple(template),
                        slots)
+
+
+class _ScratchPerStream:
+    """Triton's allocator for one step's in-kernel descriptors (their global scratch: a fixed
+    size, as the plan's grid is fixed): one buffer per stream, kept, instead of an allocation
+    per launch. Launches on one stream run in order, so they can share it; another stream gets
+    its own."""
+
+    def __init__(self, device):
+        self.device, self.buffers = device, {}
+
+    def __call__(self, size, alignment, stream):
+        buf = self.buffers.get(stream)
+        if buf is None or buf.numel() < size:
+            buf = self.buffers[stream] = torch.empty(size, dtype=torch.int8, device=self.device)
+        return buf
 
 
 _NO_CONFIG = triton.Config({})
