@@ -496,7 +496,9 @@ def _fast_plan(q, k, v, options, sinks, alibi_slopes, mod_aux, packed=None):
         key = (_signature(q), _signature(k), _signature(v), options,
                tuple(x.__class__ for x in options),
                None if sinks is None else _signature(sinks),
-               None if alibi_slopes is None else _signature(alibi_slopes),
+               # (ALiBi slopes requiring grad are an error: checked when the plan is built)
+               None if alibi_slopes is None else (*_signature(alibi_slopes),
+                                                  alibi_slopes.requires_grad),
                tuple(_signature(t) for t in mod_aux),
                None if packed is None else (_signature(packed[0]), _signature(packed[1]),
                                             *packed[2:]))
@@ -931,7 +933,9 @@ def _kvcache_plan(q, k_cache, v_cache, cache_seqlens, k, v, block_table, options
         key = ("kvcache", *(None if t is None else _signature(t) for t in tensors), options,
                tuple(x.__class__ for x in options),
                None if sinks is None else _signature(sinks),
-               None if alibi_slopes is None else _signature(alibi_slopes),
+               # (ALiBi slopes requiring grad are an error: checked when the plan is built)
+               None if alibi_slopes is None else (*_signature(alibi_slopes),
+                                                  alibi_slopes.requires_grad),
                tuple(_signature(t) for t in mod_aux))
         plan = _PLANS.get(key)
     except (TypeError, AttributeError):
