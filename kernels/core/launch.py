@@ -133,19 +133,24 @@ class KernelStep:
 
 
 class _ScratchPerStream:
-    """Triton's allocator for one step's in-kernel descriptors (their global scratch: a fixed
-    size, as the plan's grid is fixed): one buffer per stream, kept, instead of an allocation
-    per launch. Launches on one stream run in order, so they can share it; another stream gets
-    its own."""
+    """Triton's allocator for in-kernel descriptors' global scratch in direct launches: one
+    buffer per (device, stream), shared by every step and grown when a launch needs more,
+    instead of an allocation per launch. Launches on one stream run in order, so they can
+    share it (a buffer replaced by a bigger one goes back to PyTorch's caching allocator,
+    which reuses memory in stream order); another stream gets its own."""
 
     def __init__(self, device):
-        self.device, self.buffers = device, {}
+        self.device = device
 
     def __call__(self, size, alignment, stream):
-        buf = self.buffers.get(stream)
+        key = (self.device, stream)
+        buf = _SCRATCH.get(key)
         if buf is None or buf.numel() < size:
-            buf = self.buffers[stream] = torch.empty(size, dtype=torch.int8, device=self.device)
+            buf = _SCRATCH[key] = torch.empty(size, dtype=torch.int8, device=self.device)
         return buf
+
+
+_SCRATCH = {}   # (device, stream) -> int8 buffer
 
 
 _NO_CONFIG = triton.Config({})
