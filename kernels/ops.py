@@ -381,12 +381,15 @@ class _Plan:
                                   int(window) if window is not None else None, drop_layout,
                                   chunk_size, self.mods)
         self.dropout_p, self.num_splits = float(dropout_p), int(num_splits)
+        self.copy_last = q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1
         self.fwd = None
         self.bwd = {}
 
     def __call__(self, q, k, v, seed, return_lse, sinks, alibi_slopes, mod_aux, cu=(None, None)):
         if seed is not None:
             check_seed(seed)
+        if self.copy_last:   # the kernels need a unit-stride last dim (a differentiable copy)
+            q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
         seed_t = _seed_tensor(self.dropout_p, seed, q.device)
         call = self.call
         if self.mod_tensors:   # the conversions check_mods makes (no-ops on fp32 inputs)
@@ -486,7 +489,7 @@ class _PlannedAttention(torch.autograd.Function):
 def _fast_plan(q, k, v, options, sinks, alibi_slopes, mod_aux, packed=None):
     """The ``_Plan`` of this ``attention`` call, or None when the call takes the general
     path: inside torch.compile (the custom ops), tensor subclasses, devices other than CPU and
-    CUDA, empty problems, a last dim that is not unit-stride (copied by the general path).
+    CUDA, empty problems.
     ``options``: the call's non-tensor arguments, in ``_Plan``'s order (drop_layout last)."""
     if (q.__class__ is not torch.Tensor or k.__class__ is not torch.Tensor
             or v.__class__ is not torch.Tensor or torch.compiler.is_compiling()):
@@ -508,8 +511,7 @@ def _fast_plan(q, k, v, options, sinks, alibi_slopes, mod_aux, packed=None):
     if plan is not None:
         return plan
     if (q.device.type not in ("cpu", "cuda") or q.numel() == 0 or k.numel() == 0
-            or v.numel() == 0 or q.dim() != (4 if packed is None else 3) or q.stride(-1) != 1
-            or k.stride(-1) != 1 or v.stride(-1) != 1):
+            or v.numel() == 0 or q.dim() != (4 if packed is None else 3)):
         return None
     plan = _Plan(q, k, v, options, sinks, alibi_slopes, mod_aux, packed)
     if len(_PLANS) >= _MAX_PLANS:
