@@ -346,6 +346,12 @@ def attention_forward(q, k, v, call=None, *, cu_seqlens_q=None, cu_seqlens_k=Non
                 k_lens=k_lens, block_table=block_table, out=out)
 
 
+def _new_output(q, Dv):
+    """The forward's output for q with v's head dim Dv: q's layout when the head dims agree
+    (``torch.empty_like``), else contiguous."""
+    return torch.empty_like(q) if Dv == q.shape[-1] else q.new_empty((*q.shape[:-1], Dv))
+
+
 class ForwardPlan:
     """The forward launch of one call signature (``attention_forward``'s arguments less the
     tensors' contents): grid, constexprs, strides, config and, after the first launch, the
@@ -363,10 +369,10 @@ class ForwardPlan:
         assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
         assert k_lens is None or not pb.varlen
         D, Dv = q.shape[-1], v.shape[-1]
-        self.varlen, self.Dv, self.device = pb.varlen, Dv, q.device
+        self.varlen, self.Dv = pb.varlen, Dv
         self.lse_shape, self.lse_numel = pb.lse_shape, math.prod(pb.lse_shape)
         self.empty = q.numel() == 0 or pb.batch == 0 or Dv == 0
-        self.dropout, self.sinks = call.dropout, call.mods.sinks is not None
+        self.dropout = call.dropout
         if self.empty:
             return
         if pack_gqa is None:
@@ -383,7 +389,7 @@ class ForwardPlan:
         # The output's strides are part of the compiled kernel's specialisation: every call
         # allocates it as this one does (``out``, when given, must have the same strides).
         if out is None:
-            out = torch.empty_like(q) if Dv == D else q.new_empty((*q.shape[:-1], Dv))
+            out = _new_output(q, Dv)
         self.o_stride = out.stride()
         o_strides = pb.strides(packed_view(out) if pb.varlen else out)
         self.pb = pb._replace(q=None, k=None, v=None)
@@ -432,10 +438,8 @@ class ForwardPlan:
         if out is not None:
             assert self.empty or out.stride() == self.o_stride, (out.stride(), self.o_stride)
             o = out
-        elif Dv == q.shape[-1]:
-            o = torch.empty_like(q)
         else:
-            o = q.new_empty((*q.shape[:-1], Dv))
+            o = _new_output(q, Dv)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
         if self.empty:
             return o, lse
