@@ -348,6 +348,22 @@ def _signature(t):
     return (t.__class__, t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
 
 
+def _remember(key, plan):
+    """Keep ``plan`` for its signature (all of them dropped past _MAX_PLANS); returns it."""
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[key] = plan
+    return plan
+
+
+def _with_mod_tensors(call, sinks, alibi_slopes, mod_aux):
+    """``call`` (a plan's, its mods without tensors) with this call's sinks (fp32), ALiBi
+    slopes and aux tensors, converted as ``check_mods`` converts them (no-ops on fp32)."""
+    return dataclasses.replace(call, mods=dataclasses.replace(
+        call.mods, sinks=sinks, aux=tuple(mod_aux),
+        alibi_slopes=None if alibi_slopes is None else alibi_slopes.float().contiguous()))
+
+
 class _Plan:
     """How ``attention(q, k, v, ...)`` (or, with ``packed`` = (cu_seqlens_q, cu_seqlens_k,
     max_seqlen_q, max_seqlen_k) checked by ``check_cu_seqlens``, ``attention_varlen``) runs
@@ -392,11 +408,9 @@ class _Plan:
             q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
         seed_t = _seed_tensor(self.dropout_p, seed, q.device)
         call = self.call
-        if self.mod_tensors:   # the conversions check_mods makes (no-ops on fp32 inputs)
+        if self.mod_tensors:
             sinks = None if sinks is None else sinks.float()
-            call = dataclasses.replace(call, mods=dataclasses.replace(
-                self.mods, sinks=sinks, aux=tuple(mod_aux),
-                alibi_slopes=None if alibi_slopes is None else alibi_slopes.float().contiguous()))
+            call = _with_mod_tensors(call, sinks, alibi_slopes, mod_aux)
         grad = torch.is_grad_enabled()
         aux_grad = (grad and mod_aux and any(t.requires_grad for t in mod_aux)
                     and any(aux_grad_mask(self.mods.score_mod, mod_aux)))
@@ -513,11 +527,7 @@ def _fast_plan(q, k, v, options, sinks, alibi_slopes, mod_aux, packed=None):
     if (q.device.type not in ("cpu", "cuda") or q.numel() == 0 or k.numel() == 0
             or v.numel() == 0 or q.dim() != (4 if packed is None else 3)):
         return None
-    plan = _Plan(q, k, v, options, sinks, alibi_slopes, mod_aux, packed)
-    if len(_PLANS) >= _MAX_PLANS:
-        _PLANS.clear()
-    _PLANS[key] = plan
-    return plan
+    return _remember(key, _Plan(q, k, v, options, sinks, alibi_slopes, mod_aux, packed))
 
 
 def _mod_op_args(mods, chunk_size):
@@ -911,9 +921,8 @@ class _KVCachePlan:
                             page_size)
         call = self.call
         if self.mod_tensors:
-            call = dataclasses.replace(call, mods=dataclasses.replace(
-                self.mods, sinks=None if sinks is None else sinks.float(), aux=tuple(mod_aux),
-                alibi_slopes=None if alibi_slopes is None else alibi_slopes.float().contiguous()))
+            call = _with_mod_tensors(call, None if sinks is None else sinks.float(),
+                                     alibi_slopes, mod_aux)
         if _use_fallback(q):
             return fallback.kvcache_forward(q, k_cache, v_cache, cache_seqlens, k, v, call,
                                             _out_like(q, v_cache), block_table=block_table)
@@ -947,11 +956,8 @@ def _kvcache_plan(q, k_cache, v_cache, cache_seqlens, k, v, block_table, options
                 or any(t is not None and (t.dim() < 2 or t.stride(-1) != 1)
                        for t in tensors[:3] + tensors[4:])):
             return None
-        plan = _KVCachePlan(q, k_cache, v_cache, cache_seqlens, k, v, block_table, options,
-                            sinks, alibi_slopes, mod_aux)
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        _PLANS[key] = plan
+        plan = _remember(key, _KVCachePlan(q, k_cache, v_cache, cache_seqlens, k, v,
+                                           block_table, options, sinks, alibi_slopes, mod_aux))
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                        for t in (q, k_cache, v_cache, k, v)):
         return None   # the general path attaches the forward-only error to them
