@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from .core import fallback
-from .core.call import AttentionCall, default_softmax_scale, lse_shape
+from .core.call import AttentionCall, default_softmax_scale, lse_shape, new_like, new_out
 from .core.common import check_interpreter_setting, interpreter_active
 from .core.configs import unsupported_gpu_reason
 from .core.backward import BackwardPlan, attention_backward
@@ -103,20 +103,6 @@ def _unit_last(t):
     return t.contiguous()
 
 
-def _like(t):
-    """Empty tensor with the layout the real ops give their outputs (fake and real agree)."""
-    return torch.empty_like(t) if t.stride(-1) == 1 else torch.empty(t.shape, dtype=t.dtype,
-                                                                      device=t.device)
-
-
-def _out_like(q, v):
-    """The output of attention(q, k, v): q's shape with v's head dim, q's layout when the head
-    dims agree (``_like``), else contiguous."""
-    if v.shape[-1] == q.shape[-1]:
-        return _like(q)
-    return q.new_empty((*q.shape[:-1], v.shape[-1]))
-
-
 def _op_mods(softcap, alibi_slopes, sinks, score_mod, mask_mod, mod_aux):
     """The ``CallMods`` of the custom ops' flat arguments (softcap 0 = none, mods by name)."""
     return CallMods(softcap=softcap if softcap > 0 else None, alibi_slopes=alibi_slopes,
@@ -143,7 +129,7 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     call = AttentionCall.from_op(causal, softmax_scale, dropout_p, seed, window, drop_layout,
                                  chunk_size, _op_mods(softcap, alibi_slopes, sinks, score_mod,
                                                       mask_mod, mod_aux))
-    o = _out_like(q, v)
+    o = new_out(q, v.shape[-1])
     if q.shape[1] == 0:  # no query heads: an empty problem, like batch = 0 (validation.py)
         return o, q.new_empty(lse_shape(q, cu_seqlens_q is not None), dtype=torch.float32)
     if _use_fallback(q):
@@ -159,7 +145,7 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, dropout_p,
       softmax_scale, seed, window, num_splits, drop_layout, chunk_size, softcap, alibi_slopes,
       sinks, score_mod, mask_mod, mod_aux):
-    return _out_like(q, v), q.new_empty(lse_shape(q, cu_seqlens_q is not None),
+    return new_out(q, v.shape[-1]), q.new_empty(lse_shape(q, cu_seqlens_q is not None),
                                         dtype=torch.float32)
 
 
@@ -185,10 +171,10 @@ def _bwd_run(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     """The body of the backward ops: (dq, dk, dv), and with ``daux`` (``attention_backward``'s)
     the score mod's aux gradients added into it."""
     if q.shape[1] == 0:  # no query heads: nothing reads k or v, whose gradients are 0
-        return _like(q), _like(k).zero_(), _like(v).zero_()
+        return new_like(q), new_like(k).zero_(), new_like(v).zero_()
     if _use_fallback(q):
         return fallback.backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, call,
-                                 _like(q), _like(k), _like(v), daux=daux)
+                                 new_like(q), new_like(k), new_like(v), daux=daux)
     return attention_backward(_unit_last(do), _unit_last(q), _unit_last(k), _unit_last(v),
                               _unit_last(o), lse, call, cu_seqlens_q=cu_seqlens_q,
                               cu_seqlens_k=cu_seqlens_k,
@@ -200,7 +186,7 @@ def _bwd_run(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
 def _(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
       dropout_p, softmax_scale, seed, window, drop_layout, chunk_size, softcap, alibi_slopes,
       sinks, score_mod, mask_mod, mod_aux):
-    return _like(q), _like(k), _like(v)
+    return new_like(q), new_like(k), new_like(v)
 
 
 @torch.library.custom_op("fused_attention::bwd_aux", mutates_args=())
@@ -229,7 +215,7 @@ def _bwd_aux_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 def _(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
       dropout_p, softmax_scale, seed, window, drop_layout, chunk_size, softcap, alibi_slopes,
       sinks, score_mod, mask_mod, mod_aux, aux_grad):
-    return [_like(q), _like(k), _like(v),
+    return [new_like(q), new_like(k), new_like(v),
             *(torch.empty_like(t, dtype=torch.float32) if g
               else q.new_empty(0, dtype=torch.float32) for t, g in zip(mod_aux, aux_grad))]
 
@@ -416,19 +402,26 @@ class _Plan:
                     and any(aux_grad_mask(self.mods.score_mod, mod_aux)))
         if grad and (q.requires_grad or k.requires_grad or v.requires_grad
                      or sinks is not None and sinks.requires_grad or aux_grad):
-            out, lse = _PlannedAttention.apply(q, k, v, sinks, seed_t, self, call, *cu,
-                                               *mod_aux)
+            route = _use_fallback(q)
+            recorded = None
+            if route and cu[0] is None:   # the fallback's few-aten-op routes: autograd's own
+                recorded = fallback.forward_recorded(
+                    q, k, v, dataclasses.replace(call, seed=seed_t), need_lse=return_lse)
+            if recorded is not None:
+                out, lse = recorded
+            else:
+                out, lse = _PlannedAttention.apply(q, k, v, sinks, seed_t, self, call, route,
+                                                   *cu, *mod_aux)
         else:
             out, lse = self.forward(q, k, v, seed_t, call, *cu)
         return (out, lse) if return_lse else out
 
-    def forward(self, q, k, v, seed_t, call, cu_q=None, cu_k=None, saved=None, route=None):
-        """(out, lse); ``saved``: a dict the PyTorch fallback may keep a small call's weights
-        in for ``backward`` (kernels/core/fallback.py ``_small_forward``); ``route``: the
-        ``_use_fallback`` decision when the caller made it."""
+    def forward(self, q, k, v, seed_t, call, cu_q=None, cu_k=None, route=None):
+        """(out, lse); ``route``: the ``_use_fallback`` decision when the caller made it."""
         if _use_fallback(q) if route is None else route:
+            # o None: the fallback's own buffer when its layout is new_out's (no copy)
             return fallback.forward(q, k, v, cu_q, cu_k, dataclasses.replace(call, seed=seed_t),
-                                    _out_like(q, v), saved=saved)
+                                    None)
         plan = self.fwd
         if plan is None:
             max_q, max_k = self.max_seqlens
@@ -438,15 +431,17 @@ class _Plan:
         return plan(q, k, v, call, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seed=seed_t)
 
     def backward(self, do, q, k, v, o, lse, seed_t, call, cu_q=None, cu_k=None, daux=None,
-                 saved=None, own_output=False, route=None):
+                 own_output=False, route=None):
         """(dq, dk, dv); ``daux``: d(mod_aux) buffers added into (``attention_backward``);
-        ``saved``: the dict ``forward`` was given; ``own_output``: o is this plan's forward's
-        output (its layout is the plan's); ``route``: the forward's ``_use_fallback``."""
+        ``own_output``: o is this plan's forward's output (its layout is the plan's);
+        ``route``: the forward's ``_use_fallback``."""
         do = _unit_last(do)
         if _use_fallback(q) if route is None else route:
+            # dq, dk, dv None: gradients in the fallback's own buffers (only autograd or the
+            # integration reads them: any layout)
             return fallback.backward(do, q, k, v, o, lse, cu_q, cu_k,
-                                     dataclasses.replace(call, seed=seed_t), _like(q),
-                                     _like(k), _like(v), daux=daux, saved=saved)
+                                     dataclasses.replace(call, seed=seed_t), None, None, None,
+                                     daux=daux)
         if own_output:   # the forward's own output: one layout for the signature
             key = (do.stride(), do.data_ptr() % 16 == 0, daux is not None)
         else:            # an integration's (out, lse) may come from elsewhere
@@ -468,13 +463,11 @@ class _PlannedAttention(torch.autograd.Function):
     custom-op dispatch in between (the compiled path keeps the custom ops)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, seed_t, plan, call, cu_q=None, cu_k=None, *aux):
+    def forward(ctx, q, k, v, sinks, seed_t, plan, call, route, cu_q=None, cu_k=None, *aux):
         # aux: the call's mod_aux (inputs here so that their gradients have a place).
-        # ctx.kept: what the CPU fallback keeps of a small call for the backward (its weights).
-        ctx.kept = {}
-        ctx.route = _use_fallback(q)   # the backward follows the forward's route
-        out, lse = plan.forward(q, k, v, seed_t, call, cu_q, cu_k, saved=ctx.kept,
-                                route=ctx.route)
+        # route: ``_use_fallback(q)``; the backward follows the forward's.
+        ctx.route = route
+        out, lse = plan.forward(q, k, v, seed_t, call, cu_q, cu_k, route=route)
         ctx.save_for_backward(q, k, v, out, lse, seed_t, sinks, cu_q, cu_k, *aux)
         ctx.plan, ctx.call = plan, call
         ctx.mark_non_differentiable(lse)
@@ -483,20 +476,20 @@ class _PlannedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, _dlse):
         q, k, v, out, lse, seed_t, sinks, cu_q, cu_k, *aux = ctx.saved_tensors
-        wanted = ctx.needs_input_grad[9:]   # aux_grad_mask checked them in _Plan.__call__
+        wanted = ctx.needs_input_grad[10:]   # aux_grad_mask checked them in _Plan.__call__
         daux = aux_grad_buffers(ctx.call.mods.score_mod, aux) if any(wanted) else None
         # Grad mode is on here only for create_graph=True (a graph of the gradients).
         create_graph = torch.is_grad_enabled()
         with torch.no_grad() if create_graph else contextlib.nullcontext():
             grads = ctx.plan.backward(do, q, k, v, out, lse, seed_t, ctx.call, cu_q, cu_k,
-                                      daux=daux, saved=ctx.kept, own_output=True,
+                                      daux=daux, own_output=True,
                                       route=ctx.route)
             dsinks = None
             if sinks is not None and ctx.needs_input_grad[3]:
                 dsinks = sinks_grad(sinks, lse, do, out, packed=cu_q is not None)
         if create_graph:  # a later grad of these gradients must fail with a clear message
             grads = _NoDoubleBackward.apply(grads, q, k, v, do)
-        return (*grads, dsinks, None, None, None, None, None,
+        return (*grads, dsinks, None, None, None, None, None, None,
                 *(d if w else None for d, w in zip(daux or [None] * len(aux), wanted)))
 
 
@@ -744,10 +737,10 @@ def _kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                  _op_mods(softcap, alibi_slopes, sinks, score_mod, mask_mod,
                                           mod_aux))
     if q.shape[1] == 0:  # no query heads (and so no kv heads: no cache entry to append)
-        return _out_like(q, v_cache), q.new_empty(tuple(q.shape[:3]), dtype=torch.float32)
+        return new_out(q, v_cache.shape[-1]), q.new_empty(tuple(q.shape[:3]), dtype=torch.float32)
     if _use_fallback(q):
         return fallback.kvcache_forward(q, k_cache, v_cache, cache_seqlens, k, v, call,
-                                        _out_like(q, v_cache), block_table=block_table)
+                                        new_out(q, v_cache.shape[-1]), block_table=block_table)
     return kvcache_forward(_unit_last(q), k_cache, v_cache, cache_seqlens,
                            None if k is None else _unit_last(k),
                            None if v is None else _unit_last(v), call, num_splits=num_splits,
@@ -757,7 +750,7 @@ def _kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 @_kvcache_op.register_fake
 def _(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, window, num_splits,
       chunk_size, softcap, alibi_slopes, sinks, score_mod, mask_mod, mod_aux, block_table=None):
-    return _out_like(q, v_cache), q.new_empty(tuple(q.shape[:3]), dtype=torch.float32)
+    return new_out(q, v_cache.shape[-1]), q.new_empty(tuple(q.shape[:3]), dtype=torch.float32)
 
 
 _KVCACHE_NO_BACKWARD = (
@@ -925,7 +918,7 @@ class _KVCachePlan:
                                      alibi_slopes, mod_aux)
         if _use_fallback(q):
             return fallback.kvcache_forward(q, k_cache, v_cache, cache_seqlens, k, v, call,
-                                            _out_like(q, v_cache), block_table=block_table)
+                                            new_out(q, v_cache.shape[-1]), block_table=block_table)
         if self.plan is None:
             self.plan = KVCachePlan(q, k_cache, v_cache, cache_seqlens, k, v, call,
                                     num_splits=self.num_splits, block_table=block_table)

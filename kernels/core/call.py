@@ -46,6 +46,22 @@ def seed_tensor(seed, device) -> torch.Tensor:
     return torch.tensor(int(seed), dtype=torch.int64, device=device)
 
 
+def new_like(t: torch.Tensor) -> torch.Tensor:
+    """An empty tensor like ``t`` in the layout the ops give their outputs: ``t``'s strides
+    when its last dim is unit-stride (``torch.empty_like``), else contiguous. Fake and real
+    tensors agree (the custom ops' fakes use it too)."""
+    return torch.empty_like(t) if t.stride(-1) == 1 else torch.empty(t.shape, dtype=t.dtype,
+                                                                      device=t.device)
+
+
+def new_out(q: torch.Tensor, head_dim_v: int) -> torch.Tensor:
+    """The attention output for ``q`` with v's head dim: q's shape and layout (``new_like``)
+    when the head dims agree, else contiguous."""
+    if head_dim_v == q.shape[-1]:
+        return new_like(q)
+    return q.new_empty((*q.shape[:-1], head_dim_v))
+
+
 def default_softmax_scale(head_dim: int) -> float:
     """The scale every entry point uses when none is given: 1 / sqrt(head_dim)."""
     return 1.0 / math.sqrt(head_dim)

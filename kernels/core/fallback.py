@@ -38,8 +38,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from .call import lse_shape, make_problem
+from .call import lse_shape, make_problem, new_like, new_out
 from .dropout import DROPOUT_BITS, dropout_mask_block, dropout_threshold, philox_words
+from .native import draw_keep
 
 # Score elements per block of query rows: two fp32 buffers of this size (4 MiB each) and one
 # bool mask are the blockwise path's temporaries, allocated once per task and reused by every
@@ -327,10 +328,10 @@ _COUNTERS_CACHED = 1 << 16   # at most this many counters per cached entry (512 
 
 
 def _causal_counters(bases, i0, i1, diag, k1, c, groups, g0, g1):
-    """(flat, counter) of ``_causal_keep``: int64 (F,) indices into the (rows * groups) grid of
-    the 4-column groups [g0, g1) some row of [i0, i1) sees, and int64 (S * F,) the Philox
-    counters of those groups for each of the S row sets ``bases`` (read only: cached for
-    small blocks)."""
+    """(flat, counter, slot) of ``_causal_keep``: int64 (F,) indices into the (rows * groups)
+    grid of the 4-column groups [g0, g1) some row of [i0, i1) sees, int64 (S * F,) the Philox
+    counters of those groups for each of the S row sets ``bases``, and int64 (S * F,) each
+    counter's group in the (S, rows * groups) grid (read only: cached for small blocks)."""
     key = None
     if bases.numel() * (i1 - i0) * (g1 - g0) <= _COUNTERS_CACHED:
         key = (tuple(bases.tolist()), i0, i1, diag, k1, c, groups, g0, g1, bases.device)
@@ -344,11 +345,13 @@ def _causal_counters(bases, i0, i1, diag, k1, c, groups, g0, g1):
     flat = (torch.arange(g0, g1, device=dev) <= last[:, None]).view(-1).nonzero().squeeze(1)
     row_of, group_of = torch.div(flat, g1 - g0, rounding_mode="floor"), flat % (g1 - g0) + g0
     counter = ((bases.to(torch.int64)[:, None] + (row_of + i0)) * groups + group_of).view(-1)
+    S = bases.numel()
+    slot = (torch.arange(S, device=dev)[:, None] * ((i1 - i0) * (g1 - g0)) + flat).view(-1)
     if key is not None:
         if len(_COUNTERS) >= _MAX_COUNTERS:
             _COUNTERS.clear()
-        _COUNTERS[key] = flat, counter
-    return flat, counter
+        _COUNTERS[key] = flat, counter, slot
+    return flat, counter, slot
 
 
 def _causal_keep(seed, bases, i0, i1, diag, k0, k1, col_offset, dropout_p, groups, out):
@@ -370,15 +373,15 @@ def _causal_keep(seed, bases, i0, i1, diag, k0, k1, col_offset, dropout_p, group
     g0, g1 = (c + k0) // 4, (c + k1 + 3) // 4
     ng, skip = g1 - g0, c + k0 - 4 * (g0)
     S = bases.numel()
-    flat, counter = _causal_counters(bases, i0, i1, diag, k1, c, groups, g0, g1)
-    aligned = skip == 0 and n == 4 * ng
+    flat, counter, slot = _causal_counters(bases, i0, i1, diag, k1, c, groups, g0, g1)
+    aligned = skip == 0 and n == 4 * ng and out.is_contiguous()
     full = (out.view(S, rows * ng, 4) if aligned
             else torch.empty((S, rows * ng, 4), dtype=torch.bool, device=dev))
     full.zero_()
-    if flat.numel():
+    # Kept iff word >> 8 >= threshold, i.e. iff word >= threshold << 8 (words unsigned).
+    bound = dropout_threshold(dropout_p) << (32 - DROPOUT_BITS)
+    if flat.numel() and not (dev.type == "cpu" and draw_keep(seed, counter, bound, full, slot)):
         words = philox_words(seed, counter)
-        # Kept iff word >> 8 >= threshold, i.e. iff word >= threshold << 8 (words unsigned).
-        bound = dropout_threshold(dropout_p) << (32 - DROPOUT_BITS)
         drawn = torch.empty((S, flat.numel(), 4), dtype=torch.bool, device=dev)
         for w in range(4):  # word w of group g is column 4 g + w
             torch.ge(words[w].view(S, -1), bound, out=drawn[:, :, w])
@@ -425,46 +428,65 @@ def _expand_kv(q, *kv):
 
 
 def _sdpa_forward(q, k, v, causal, softmax_scale, o):
+    """``o`` None: the aten op's own output is returned when it has the layout ``o`` would
+    have had (``_result``; the op writes (B, q_len, H, D) memory, the layout of heads split from
+    a (b, n, H * d) projection, as the book's modules do), saving a copy."""
     q, k, v = (_unit_last(x) for x in (q, k, v))
     k, v = _expand_kv(q, k, v)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, 0.0, causal, scale=softmax_scale)
-    o.copy_(out)
-    return o, lse.float().contiguous()
+    return _result(o, out, q), lse.float().contiguous()
+
+
+def _result(o, out, q):
+    """A route's own output buffer ``out`` as the forward's output: copied into ``o``; with
+    ``o`` None, ``out`` itself when it has ``new_out``'s layout and q's dtype, else a copy."""
+    if o is None:
+        o = new_out(q, out.shape[-1])
+        if o.dtype == out.dtype and o.stride() == out.stride():
+            return out
+    return o.copy_(out)
 
 
 def _sdpa_backward(do, q, k, v, o, lse, causal, softmax_scale, dq, dk, dv):
+    """``dq``, ``dk``, ``dv`` None: the aten op's own gradients are returned (the eager path,
+    where only autograd reads them)."""
     q, k, v, o = (_unit_last(x) for x in (q, k, v, o))
     k_e, v_e = _expand_kv(q, k, v)
+    # grad_out in any layout: the op reads it by strides (SDPA's autograd passes it as is).
     grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        do.contiguous(), q, k_e, v_e, o, lse, 0.0, causal, scale=softmax_scale)
+        _unit_last(do), q, k_e, v_e, o, lse, 0.0, causal, scale=softmax_scale)
     group = q.shape[1] // k.shape[1]
+    results = []
     for out, g in zip((dq, dk, dv), grads):
-        if out is not dq and group > 1:  # kv heads: sum over each group of query heads
+        if results and group > 1:  # kv heads: sum over each group of query heads
             B, H, n, D = g.shape
             g = g.view(B, H // group, group, n, D).sum(2)
-        out.copy_(g)
-    return dq, dk, dv
+        if out is not None:
+            g = out.copy_(g)
+        results.append(g)
+    return tuple(results)
 
 
 # --------------------------------------------------------------------------------------------
-# Small problems with dropout: whole score matrices, the weights kept for the backward.
+# Small problems with dropout: whole score matrices, recorded by autograd.
 # The blockwise path pays a few dozen PyTorch calls per block and draws the Philox mask twice
 # (forward and backward), and its exp meets -inf at every hidden score (PyTorch's CPU exp takes
 # a slow path there: 1M scores, half -inf, 2.6 ms against 0.9 for finite ones). Below
 # _SAVED_ELEMS score elements (batch * heads * q_len * k_len) a dense call with dropout is
 # instead a few big aten ops, as the book's module computes it: s = bias + scale q·kᵀ (bias
 # 0 / -inf: the causal rule, added by the matmul itself), P = softmax(s) (aten's softmax takes
-# -inf at full speed), the kernels' keep mask once, out = (P · keep) v / (1 - p). The forward
-# hands P and P · keep to the backward (``saved``), which then needs neither the scores, nor an
-# exp, nor the mask again: dV = (P·keep)ᵀ dO / (1 - p) and, as P · Z = (P · keep) / (1 - p),
-# dS = ((P·keep) ∘ (dO Vᵀ) - P ∘ rowsum(dO ∘ O) (1 - p)) / (1 - p). Without ``saved`` (the
-# custom op, ``kernels.ops.backward``) the backward is the blockwise one, which takes the
-# (o, lse) it is given: ring attention passes the merged result of several key blocks.
-# Memory: the two fp32 matrices, at most 8 · _SAVED_ELEMS bytes (32 MiB) per call, and fp32
-# copies of q, k, v, kept from the forward to the backward; above _SAVED_ELEMS the blockwise
-# path's O(seq) memory holds. (Without dropout PyTorch's CPU flash ops stay faster: at 4 x 4
-# heads x 256 x 64, forward + backward 33 ms against this route's 40.)
+# -inf at full speed), the kernels' keep mask once, out = (P · keep) v / (1 - p). On the eager
+# path (``forward_recorded``) autograd records these ops and differentiates them: the mask is
+# drawn once, and the backward is aten's (softmax's own backward, four bmms). Without autograd
+# (the custom ops under torch.compile, ``kernels.ops.backward``) the backward is the blockwise
+# one, which takes the (o, lse) it is given: ring attention passes the merged result of several
+# key blocks.
+# Memory: what autograd keeps of these ops, P and P · keep in fp32 and the byte mask, at most
+# 9 · _SAVED_ELEMS bytes (36 MiB) per call,
+# and fp32 copies of q, k, v; above _SAVED_ELEMS the blockwise path's O(seq) memory holds.
+# (Without dropout PyTorch's CPU flash ops stay faster: at 4 x 4 heads x 256 x 64, forward +
+# backward 33 ms against this route's 40.)
 # --------------------------------------------------------------------------------------------
 _SAVED_ELEMS = 1 << 22
 _BIASES = {}      # (q_len, k_len, group) -> the causal bias (group * q_len, k_len), fp32
@@ -474,14 +496,16 @@ _MAX_BIASES = 16
 def _small_applies(q, k, v, cu_q, call):
     """Whether a call takes the small-problem route above: CPU, dense, dropout, no window,
     chunks, mods or sinks, at most _SAVED_ELEMS scores, every row seeing a key (causal:
-    q_len <= k_len, bottom-right), and finite q, k, v (a NaN or an infinity takes the blockwise
-    path, whose NaN rules are the kernels')."""
+    q_len <= k_len, bottom-right). Its output must be finite too, which ``_small_forward``
+    checks: a NaN or an infinity anywhere in q, k or v makes some output NaN there (every row
+    sees a key; a NaN score or weight reaches its row's sum), and takes the blockwise path,
+    whose NaN rules are the kernels'."""
     B, H, q_len = q.shape[:3]
     k_len = k.shape[2]
     return (q.device.type == "cpu" and cu_q is None and call.dropout and call.window is None
             and call.chunk_size is None and not call.mods.any and 0 < q_len
             and (q_len <= k_len if call.causal else 0 < k_len)
-            and B * H * q_len * k_len <= _SAVED_ELEMS and _all_finite(q, k, v))
+            and B * H * q_len * k_len <= _SAVED_ELEMS)
 
 
 def _causal_bias(q_len, k_len, group):
@@ -498,66 +522,50 @@ def _causal_bias(q_len, k_len, group):
     return bias
 
 
-def _small_inputs(pb):
-    """q, k, v of the dense problem ``pb`` as fp32 contiguous (B * H_kv, rows, head_dim), q's
-    rows being ``group * q_len`` in ``_Dense``'s order (copies where the layout differs; the
-    bmms read them, and the backward reuses the forward's)."""
+def _small_inputs(pb, q, k, v):
+    """q, k, v (the dense problem ``pb``'s, not detached: autograd may record this) as fp32
+    contiguous (B * H_kv, rows, head_dim), q's rows being ``group * q_len`` in ``_Dense``'s
+    order (copies where the layout differs; the bmms read them)."""
     B = pb.B * pb.H_kv
-    q = pb.rows(pb.q, 0, pb.q_len).view(B, pb.group * pb.q_len, pb.D)
-    return q, pb.k.float().reshape(B, pb.k_len, pb.D), pb.v.float().reshape(B, pb.k_len, -1)
+    q = pb.rows(q, 0, pb.q_len).view(B, pb.group * pb.q_len, pb.D)
+    return q, k.float().reshape(B, pb.k_len, pb.D), v.float().reshape(B, pb.k_len, -1)
 
 
-def _small_weights(pb, q, k):
-    """(P, P · keep, lse) of the dense problem ``pb`` with ``q``, ``k`` from ``_small_inputs``:
-    P the softmax weights and P · keep the weights the kernels' dropout mask keeps (not yet
-    scaled by 1 / (1 - p)), fp32 (B * H_kv, group * q_len, k_len); lse fp32 (B * H_kv,
-    group * q_len)."""
+def _small_weights(pb, q, k, need_lse=True):
+    """(P · keep, lse) of the dense problem ``pb`` with ``q``, ``k`` from ``_small_inputs``:
+    P · keep the softmax weights P that the kernels' dropout mask keeps (not yet scaled by
+    1 / (1 - p)), fp32 (B * H_kv, group * q_len, k_len); lse fp32 (B * H_kv, group * q_len),
+    not differentiable (None unless ``need_lse``)."""
     if pb.causal:
         s = torch.baddbmm(_causal_bias(pb.q_len, pb.k_len, pb.group), q, k.transpose(1, 2),
                           alpha=pb.scale)
     else:  # beta 0: the input is not read, only the scale applied
         s = torch.baddbmm(q.new_empty(()), q, k.transpose(1, 2), beta=0, alpha=pb.scale)
     p = torch.softmax(s, -1)
-    # P's row max is exp(0) / sum = 1 / sum (every row sees a key): lse = max + log(sum).
-    lse = s.amax(-1).sub_(p.amax(-1).log_())
-    keep = pb.kept(0, pb.q_len, 0, pb.k_len, torch.empty(s.numel(), dtype=torch.bool))
+    with torch.no_grad():
+        # P's row max is exp(0) / sum = 1 / sum (every row sees a key): lse = max + log(sum).
+        lse = s.amax(-1).sub_(p.amax(-1).log_()) if need_lse else None
+        keep = pb.kept(0, pb.q_len, 0, pb.k_len, torch.empty(s.numel(), dtype=torch.bool))
     # uint8, not bool: aten's mul by a bool tensor is not vectorised (1M weights: 0.86 ms
     # against 0.23).
-    kept = torch.mul(p, keep.view(p.shape).view(torch.uint8), out=s)
-    return p, kept, lse
+    return p * keep.view(p.shape).view(torch.uint8), lse
 
 
-def _small_forward(q, k, v, call, o, saved):
-    """(o, lse) of a call ``_small_applies`` to; with ``saved`` (a dict), what the backward
-    needs goes into it (``saved["small"]``: the problem, the fp32 q, k, v, P and P · keep)."""
+def _small_forward(q, k, v, call, o, need_lse=True):
+    """(o, lse) of a call ``_small_applies`` to, in differentiable ops (``forward_recorded``:
+    autograd records them; ``o`` None: a new output, see ``_result``; lse None unless
+    ``need_lse``), or None when the output is not finite (NaN or infinity in: the blockwise
+    path's rules, see ``_small_applies``)."""
     pb = _problems(q, k, v, None, None, call)[0][0]
-    q3, k3, v3 = _small_inputs(pb)
-    p, kept, lse = _small_weights(pb, q3, k3)
+    q3, k3, v3 = _small_inputs(pb, q, k, v)
+    kept, lse = _small_weights(pb, q3, k3, need_lse)
     # (B * H_kv, group * q_len, ...) is (B, H, q_len, ...) in memory: query head
     # kv_head * group + g is row block g of its kv head.
-    o.copy_(torch.baddbmm(v3.new_empty(()), kept, v3, beta=0, alpha=pb.drop_scale)
-            .view(o.shape))
-    if saved is not None:
-        saved["small"] = (pb, q3, k3, v3, p, kept)
-    return o, lse.view(q.shape[:3])
-
-
-def _small_backward(do, q, k, v, o, call, dq, dk, dv, saved):
-    """(dq, dk, dv) of a call ``_small_applies`` took, from what its forward put into
-    ``saved`` (see the section's comment)."""
-    pb, q3, k3, v3, p, kept = saved["small"]
-    B, rows, scale = pb.B * pb.H_kv, pb.group * pb.q_len, pb.drop_scale
-    do3 = pb.rows(do, 0, pb.q_len).view(B, rows, -1)
-    ds = torch.bmm(do3, v3.transpose(1, 2)).mul_(kept)   # (P · keep) ∘ (dO Vᵀ)
-    # rowsum(dO ∘ O) (1 - p) is this one's row sum (O = (P · keep) V / (1 - p)): no pass over
-    # O, and the backward reads nothing of the forward but ``saved``.
-    ds.addcmul_(p, ds.sum(-1, keepdim=True), value=-1)   # dS (1 - p): the scale comes last
-    alpha, none = pb.scale * scale, ds.new_empty(())   # beta 0: ``none`` is not read
-    dq.copy_(torch.baddbmm(none, ds, k3, beta=0, alpha=alpha).view(dq.shape))
-    dk.copy_(torch.baddbmm(none, ds.transpose(1, 2), q3, beta=0, alpha=alpha).view(dk.shape))
-    dv.copy_(torch.baddbmm(none, kept.transpose(1, 2), do3, beta=0, alpha=scale)
-             .view(dv.shape))
-    return dq, dk, dv
+    out = torch.baddbmm(v3.new_empty(()), kept, v3, beta=0, alpha=pb.drop_scale)
+    if not _all_finite(out):
+        return None
+    return (_result(o, out.view(*q.shape[:3], v.shape[-1]), q),
+            None if lse is None else lse.view(q.shape[:3]))
 
 
 # --------------------------------------------------------------------------------------------
@@ -890,20 +898,40 @@ def _view(x, r, packed):
     return x[r].transpose(0, 1).unsqueeze(0) if packed else x
 
 
-def forward(q, k, v, cu_q, cu_k, call, o, saved=None):
+def forward(q, k, v, cu_q, cu_k, call, o):
     """(o, lse) as the forward kernel returns them for ``call`` (an ``AttentionCall``,
-    kernels/core/call.py); ``o`` (q's layout with v's head_dim) is written in place.
-    ``saved``: a dict into which a small call with dropout puts its weights for ``backward``
-    (``_small_forward``; other calls leave it empty)."""
+    kernels/core/call.py); ``o`` (q's layout with v's head_dim) is written in place."""
     if _small_applies(q, k, v, cu_q, call):
-        return _small_forward(q, k, v, call, o, saved)
+        result = _small_forward(q, k, v, call, o)
+        if result is not None:
+            return result
     return _forward(q, k, v, cu_q, cu_k, call, o)
+
+
+def forward_recorded(q, k, v, call, need_lse=True):
+    """(out, lse) of ``forward`` (dense, out in ``new_out``'s layout) for the calls that a few
+    aten ops compute, made of differentiable ops whose backward autograd records: PyTorch's CPU
+    flash attention (no dropout, ``_sdpa_applies``) and small problems with dropout
+    (``_small_applies``). Their backward then runs in PyTorch's engine with no Python of ours
+    (the eager path's: at 8 x 2 heads x 64 x 64 x 64, forward + backward, 1.45 ms through an
+    autograd.Function around ``forward`` / ``backward``, 1.08 ms for the same aten ops
+    recorded; a second derivative of the small route is autograd's, the flash ops' is
+    PyTorch's error). None when neither route applies: the caller runs ``forward`` and
+    ``backward`` (the blockwise path) in an autograd.Function. lse may be None unless
+    ``need_lse``."""
+    if _small_applies(q, k, v, None, call):
+        return _small_forward(q, k, v, call, None, need_lse)
+    if _sdpa_applies(q, k, None, call, v):
+        return _sdpa_forward(q, k, v, call.causal, call.softmax_scale, None)
+    return None
 
 
 def _forward(q, k, v, cu_q, cu_k, call, o, batch0=0):
     """``forward``, the dense batch being entries ``batch0``... of the call (the mods' b)."""
     if _sdpa_applies(q, k, cu_q, call, v):
         return _sdpa_forward(q, k, v, call.causal, call.softmax_scale, o)
+    if o is None:
+        o = new_out(q, v.shape[-1])
     packed = cu_q is not None
     lse = torch.empty(lse_shape(q, packed), dtype=torch.float32, device=q.device)
     for pb, rq, _ in _problems(q, k, v, cu_q, cu_k, call, batch0):
@@ -912,18 +940,18 @@ def _forward(q, k, v, cu_q, cu_k, call, o, batch0=0):
     return o, lse
 
 
-def backward(do, q, k, v, o, lse, cu_q, cu_k, call, dq, dk, dv, daux=None, saved=None):
+def backward(do, q, k, v, o, lse, cu_q, cu_k, call, dq, dk, dv, daux=None):
     """(dq, dk, dv) as the backward kernels return them for ``call``, written into the given
-    tensors (do, o and dv with v's head_dim). ``daux``: as ``attention_backward``'s (fp32
-    zeroed buffers parallel to ``call.mods.aux``, None where not wanted), added into.
-    ``saved``: the dict the forward filled (or None: what it would hold is recomputed)."""
-    # The small route only from its own forward's weights: ``kernels.ops.backward`` may be
-    # given another call's (o, lse) -- ring attention's merged result of several key blocks --
-    # which the blockwise path below uses as given (a recomputed softmax would ignore them).
-    if saved and "small" in saved:   # no daux: a small call has no mods
-        return _small_backward(do, q, k, v, o, call, dq, dk, dv, saved)
+    tensors (do, o and dv with v's head_dim), or, given None for all three (the eager path),
+    into new ones in any layout. ``daux``: as ``attention_backward``'s (fp32 zeroed buffers
+    parallel to ``call.mods.aux``, None where not wanted), added into.
+    A small call with dropout takes the blockwise path here, which uses the (o, lse) it is
+    given: ``kernels.ops.backward`` may be given another call's -- ring attention's merged
+    result of several key blocks -- which a recomputed softmax would ignore."""
     if _sdpa_applies(q, k, cu_q, call, v):
         return _sdpa_backward(do, q, k, v, o, lse, call.causal, call.softmax_scale, dq, dk, dv)
+    if dq is None:
+        dq, dk, dv = new_like(q), new_like(k), new_like(v)
     packed = cu_q is not None
     dq.zero_()  # rows of no sequence (none when cu_seqlens are valid) stay 0
     dk.zero_()

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .call import (AttentionCall, DropArgs, KeyLayout, SplitArgs, make_problem,
+from .call import (AttentionCall, DropArgs, KeyLayout, SplitArgs, make_problem, new_out,
                    packed_view, score_args, score_spec, seed_tensor)
 from .common import (block_d, dot_operand, dot_precision, interpreter_active,
                      round_for_store, widen, widen_bf16)
@@ -346,12 +346,6 @@ def attention_forward(q, k, v, call=None, *, cu_seqlens_q=None, cu_seqlens_k=Non
                 k_lens=k_lens, block_table=block_table, out=out)
 
 
-def _new_output(q, Dv):
-    """The forward's output for q with v's head dim Dv: q's layout when the head dims agree
-    (``torch.empty_like``), else contiguous."""
-    return torch.empty_like(q) if Dv == q.shape[-1] else q.new_empty((*q.shape[:-1], Dv))
-
-
 class ForwardPlan:
     """The forward launch of one call signature (``attention_forward``'s arguments less the
     tensors' contents): grid, constexprs, strides, config and, after the first launch, the
@@ -389,7 +383,7 @@ class ForwardPlan:
         # The output's strides are part of the compiled kernel's specialisation: every call
         # allocates it as this one does (``out``, when given, must have the same strides).
         if out is None:
-            out = _new_output(q, Dv)
+            out = new_out(q, Dv)
         self.o_stride = out.stride()
         o_strides = pb.strides(packed_view(out) if pb.varlen else out)
         self.pb = pb._replace(q=None, k=None, v=None)
@@ -439,7 +433,7 @@ class ForwardPlan:
             assert self.empty or out.stride() == self.o_stride, (out.stride(), self.o_stride)
             o = out
         else:
-            o = _new_output(q, Dv)
+            o = new_out(q, Dv)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
         if self.empty:
             return o, lse

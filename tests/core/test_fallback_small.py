@@ -1,11 +1,11 @@
-"""The fallback's small-problem route with dropout (kernels/core/fallback.py ``_small_forward`` /
-``_small_backward``): whole score matrices, the kernels' Philox mask drawn once, the weights
-kept from the forward for the backward.
+"""The fallback's small-problem route with dropout (kernels/core/fallback.py ``_small_forward``):
+whole score matrices, the kernels' Philox mask drawn once; on the eager autograd path its ops
+are recorded by autograd (``forward_recorded``), which differentiates them.
 
 * its results against the float64 oracle given the kernels' mask (``reference.dropout_keep_mask``,
   itself held to the interpreted kernel in test_fallback_philox.py) and against the blockwise
   path;
-* the kept-weights backward (the eager autograd path) equal, to fp32 rounding, to the
+* the recorded backward (the eager autograd path) equal, to fp32 rounding, to the
   blockwise one that ``kernels.ops.forward_with_lse`` / ``backward`` run (they keep nothing,
   and ``backward`` takes the (out, lse) it is given);
 * what takes the route: problems above ``_SAVED_ELEMS`` scores keep nothing (O(seq) memory),
@@ -88,9 +88,15 @@ def test_small_route_matches_the_blockwise_path(monkeypatch, B, hq, hkv, q_len, 
         torch.testing.assert_close(a.float(), b.float(), msg=name, **tol)
 
 
+def _recorded(out):
+    """Whether autograd recorded the fallback's aten ops for ``out`` (``forward_recorded``),
+    rather than the eager path's autograd.Function around the blockwise path."""
+    return type(out.grad_fn).__name__ != "_PlannedAttentionBackward"
+
+
 @pytest.mark.parametrize("B,hq,hkv,q_len,k_len,causal,dv", CASES, ids=IDS)
 def test_kept_weights_backward_is_the_blockwise_one(B, hq, hkv, q_len, k_len, causal, dv):
-    """The eager autograd path keeps the forward's weights (P, P · keep) for its backward;
+    """The eager autograd path records the small route's ops (autograd keeps P · keep);
     ``ops.forward_with_lse`` gives the same bits, and ``ops.backward`` (which keeps nothing
     and must take the (out, lse) it is given: ring attention passes merged ones) the same
     gradients through the blockwise path, to fp32 rounding (v's head_dim that of q:
@@ -98,7 +104,7 @@ def test_kept_weights_backward_is_the_blockwise_one(B, hq, hkv, q_len, k_len, ca
     q, k, v, do = _inputs(B, hq, hkv, q_len, k_len, 16)
     out, lse = kernels.attention(q, k, v, causal=causal, dropout_p=P, seed=SEED,
                                  return_lse=True)
-    assert "small" in out.grad_fn.kept   # the weights are kept on the autograd context
+    assert _recorded(out)
     kept = torch.autograd.grad(out, (q, k, v), do)
     qd, kd, vd = (t.detach() for t in (q, k, v))
     out2, lse2 = ops.forward_with_lse(qd, kd, vd, causal=causal, dropout_p=P, seed=SEED)
@@ -115,16 +121,14 @@ def test_big_problems_keep_nothing(monkeypatch):
     q, k, v, do = _inputs(1, 2, 2, 16, 16, 16)   # 512 score elements
     monkeypatch.setattr(fallback, "_SAVED_ELEMS", 511)
     call = AttentionCall(True, 0.25, P, SEED)
-    saved = {}
-    fallback.forward(q.detach(), k.detach(), v.detach(), None, None, call,
-                     torch.empty_like(q), saved=saved)
-    assert saved == {}
+    assert not fallback._small_applies(q, k, v, None, call)
+    assert fallback.forward_recorded(q, k, v, call) is None
     out = kernels.attention(q, k, v, dropout_p=P, seed=SEED)
-    assert out.grad_fn.kept == {}
+    assert not _recorded(out)   # the blockwise path, through the autograd.Function
     big = torch.autograd.grad(out, (q, k, v), do)
     monkeypatch.setattr(fallback, "_SAVED_ELEMS", 512)
     out = kernels.attention(q, k, v, dropout_p=P, seed=SEED)
-    assert set(out.grad_fn.kept) == {"small"}
+    assert _recorded(out)
     small = torch.autograd.grad(out, (q, k, v), do)
     for name, a, b in zip(("dq", "dk", "dv"), small, big):
         torch.testing.assert_close(a, b, rtol=0, atol=2e-5, msg=name)
@@ -139,10 +143,17 @@ def test_what_takes_the_small_route():
     assert not fallback._small_applies(q, k, v, None, AttentionCall(True, 0.25, P, window=4))
     # A row that sees no key (causal, q_len > k_len): zeros and lse -inf, the blockwise path's.
     assert not fallback._small_applies(q, k[:, :, :8], v[:, :, :8], None, drop)
-    # NaN in, NaN out as the kernels do it: the blockwise path.
-    nan_v = v.clone()
-    nan_v[0, 0, 3, 1] = float("nan")
-    assert not fallback._small_applies(q, k, nan_v, None, drop)
+    # NaN or infinity in, anywhere in q, k or v: the output is not finite, and the call takes
+    # the blockwise path, whose NaN rules are the kernels'.
+    seeded = AttentionCall(True, 0.25, P, SEED)
+    assert fallback._small_forward(q, k, v, seeded, None) is not None
+    for i in range(3):
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            qkv = [q, k, v]
+            qkv[i] = qkv[i].clone()
+            qkv[i][0, 1, 15 if i else 3, 1] = bad   # the last key: seen by the last row only
+            assert fallback._small_forward(*qkv, seeded, None) is None
+            assert fallback.forward_recorded(*qkv, seeded) is None
     cu = torch.tensor([0, 16], dtype=torch.int32)
     assert not fallback._small_applies(q[0].transpose(0, 1), k[0].transpose(0, 1),
                                        v[0].transpose(0, 1), cu, drop)
