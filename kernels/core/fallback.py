@@ -532,10 +532,10 @@ def _small_inputs(pb, q, k, v):
 
 
 def _small_weights(pb, q, k, need_lse=True):
-    """(P · keep, lse) of the dense problem ``pb`` with ``q``, ``k`` from ``_small_inputs``:
-    P · keep the softmax weights P that the kernels' dropout mask keeps (not yet scaled by
-    1 / (1 - p)), fp32 (B * H_kv, group * q_len, k_len); lse fp32 (B * H_kv, group * q_len),
-    not differentiable (None unless ``need_lse``)."""
+    """(P · Z, lse) of the dense problem ``pb`` with ``q``, ``k`` from ``_small_inputs``:
+    P the softmax weights and Z the kernels' dropout mask scaled, 1 / (1 - p) where it keeps
+    and 0 where it drops, fp32 (B * H_kv, group * q_len, k_len); lse fp32 (B * H_kv,
+    group * q_len), not differentiable (None unless ``need_lse``)."""
     if pb.causal:
         s = torch.baddbmm(_causal_bias(pb.q_len, pb.k_len, pb.group), q, k.transpose(1, 2),
                           alpha=pb.scale)
@@ -546,9 +546,13 @@ def _small_weights(pb, q, k, need_lse=True):
         # P's row max is exp(0) / sum = 1 / sum (every row sees a key): lse = max + log(sum).
         lse = s.amax(-1).sub_(p.amax(-1).log_()) if need_lse else None
         keep = pb.kept(0, pb.q_len, 0, pb.k_len, torch.empty(s.numel(), dtype=torch.bool))
-    # uint8, not bool: aten's mul by a bool tensor is not vectorised (1M weights: 0.86 ms
-    # against 0.23).
-    return p * keep.view(p.shape).view(torch.uint8), lse
+        # Z as fp32, the scale folded in (as nn.Dropout's mask): the output's bmm and its
+        # backward then need no scaling of their own (autograd's would be two more passes over
+        # the weights, ~0.25 ms of a 4 ms module step at 8 x 2 x 64 x 64). uint8, not bool,
+        # into the multiply: aten's mul by a bool tensor is not vectorised.
+        z = torch.mul(keep.view(p.shape).view(torch.uint8), pb.drop_scale,
+                      out=torch.empty(p.shape, dtype=torch.float32))
+    return p * z, lse
 
 
 def _small_forward(q, k, v, call, o, need_lse=True):
@@ -561,7 +565,7 @@ def _small_forward(q, k, v, call, o, need_lse=True):
     kept, lse = _small_weights(pb, q3, k3, need_lse)
     # (B * H_kv, group * q_len, ...) is (B, H, q_len, ...) in memory: query head
     # kv_head * group + g is row block g of its kv head.
-    out = torch.baddbmm(v3.new_empty(()), kept, v3, beta=0, alpha=pb.drop_scale)
+    out = torch.bmm(kept, v3)
     if not _all_finite(out):
         return None
     return (_result(o, out.view(*q.shape[:3], v.shape[-1]), q),
