@@ -1,6 +1,7 @@
-"""The fallback's own Philox (kernels/core/dropout.py: ``philox_words``, ``dropout_mask_block``)
-against the independent oracle (reference/dropout.py) and the interpreted kernel, and the
-fallback's worker-thread split (kernels/core/fallback.py) against the float64 oracle.
+"""The fallback's own Philox (kernels/core/dropout.py: ``philox_words`` in PyTorch and NumPy,
+``dropout_mask_block``; kernels/core/native.py: the compiled ``draw_keep``) against the
+independent oracle (reference/dropout.py) and the interpreted kernel, and the fallback's
+worker-thread split (kernels/core/fallback.py) against the float64 oracle.
 
 The product never imports ``reference``: the fallback computes the kernels' mask with its own
 code, and these tests hold the two PyTorch implementations and the kernel to the same bits.
@@ -19,25 +20,93 @@ import kernels
 import reference
 from kernels import ops
 from kernels.core import dropout as drop
-from kernels.core import fallback
+from kernels.core import fallback, native
 from reference.dropout import dropout_keep_rows, philox4x32
 
 REPO = Path(__file__).resolve().parents[2]
 SEEDS = [0, 1, 2**32 - 1, 2**32 + 5, 2**62 + 7, 2**63 - 1]
 
 
-@pytest.mark.parametrize("seed", SEEDS)
-def test_philox_words_match_the_oracle(seed):
+def _counters(seed):
     """Counters around 2**31 and 2**32 (the high counter word), up to 2**63 - 1."""
     g = torch.Generator().manual_seed(seed % 1000)
-    counter = torch.cat([
+    return torch.cat([
         torch.arange(0, 300), torch.arange(2**31 - 50, 2**31 + 50),
         torch.arange(2**32 - 50, 2**32 + 50), torch.arange(2**40 - 3, 2**40 + 3),
         torch.randint(0, 2**62, (2000,), generator=g), torch.tensor([2**63 - 2, 2**63 - 1]),
     ]).to(DEVICE)
-    got, want = drop.philox_words(seed, counter), philox4x32(seed, counter)
+
+
+@pytest.mark.parametrize("impl", ["torch", "numpy"])
+@pytest.mark.parametrize("seed", SEEDS)
+def test_philox_words_match_the_oracle(seed, impl):
+    counter = _counters(seed)
+    if impl == "numpy":
+        if DEVICE != "cpu" or drop._np is None:
+            pytest.skip("the NumPy twin serves CPU tensors, with NumPy installed")
+        # counter as one of the work buffers' rows, as dropout_mask_block passes it
+        bufs = torch.empty((6, counter.numel() + 5), dtype=torch.int64)
+        bufs[4, :counter.numel()] = counter
+        got = drop._philox_words_numpy(seed, bufs[4, :counter.numel()], bufs)
+    else:
+        got = drop._philox_words_torch(seed, counter, torch.empty(
+            (6, counter.numel()), dtype=torch.int64, device=DEVICE))
+    want = philox4x32(seed, counter)
     for w, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a, b), f"word {w} differs at {int((a != b).sum())} counters"
+
+
+def _native_or_skip():
+    if DEVICE != "cpu":
+        pytest.skip("the compiled mask serves CPU tensors")
+    if native.keep_fn() is None:   # CI has a C compiler: there this runs
+        pytest.skip("no C compiler here (or KERNELS_NATIVE=0): the compiled mask is not built")
+
+
+@pytest.mark.parametrize("p", [0.0, 0.1, 0.5, 0.999])
+@pytest.mark.parametrize("seed", SEEDS)
+def test_native_keep_bytes_match_the_oracle(seed, p):
+    """The compiled loop: keep and drop decisions, in order and scattered to given slots, for
+    every counter count modulo its 8 lanes."""
+    _native_or_skip()
+    counter = _counters(seed)[:2501]
+    bound = drop.dropout_threshold(p) << 8
+    words = torch.stack(philox4x32(seed, counter), 1)   # (n, 4)
+    for keep in (True, False):
+        want = words >= bound if keep else words < bound
+        out = torch.empty((counter.numel(), 4), dtype=torch.bool)
+        assert native.draw_keep(seed, counter, bound, out, keep=keep)
+        assert torch.equal(out, want)
+        slot = torch.randperm(counter.numel() + 3)[:counter.numel()]
+        scattered = torch.zeros((counter.numel() + 3, 4), dtype=torch.bool)
+        assert native.draw_keep(seed, counter, bound, scattered, slot=slot, keep=keep)
+        assert torch.equal(scattered[slot], want)
+        assert not scattered[torch.isin(torch.arange(len(scattered)), slot, invert=True)].any()
+
+
+def test_native_build_is_cached_and_can_be_turned_off(monkeypatch, tmp_path):
+    """KERNELS_CACHE_DIR gets the library (a second build finds it there); a failing compiler
+    or KERNELS_NATIVE=0
+    gives no compiled loop, and the mask is then the NumPy / PyTorch twin's."""
+    _native_or_skip()
+    import shutil
+    monkeypatch.setenv("KERNELS_CACHE_DIR", str(tmp_path))
+    compiler = shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc")
+    path = native._build(compiler)
+    assert path is not None and Path(path).parent == tmp_path
+    stamp = Path(path).stat().st_mtime_ns
+    assert native._build(compiler) == path and Path(path).stat().st_mtime_ns == stamp
+    monkeypatch.setenv("KERNELS_CACHE_DIR", str(tmp_path / "failed"))
+    monkeypatch.setenv("CC", "false")   # a compiler that fails: no library, no error
+    assert native._load() is None
+    monkeypatch.setenv("CC", compiler)
+    monkeypatch.setenv("KERNELS_NATIVE", "0")
+    assert native._load() is None
+    monkeypatch.setattr(native, "_STATE", {"fn": None})
+    rows = _dense_rows(2, 3, 11)
+    assert not native.draw_keep(5, rows, 0, torch.empty(4, dtype=torch.bool))
+    want = reference.dropout_keep_mask(5, 2, 3, 11, 29, 0.3, device=DEVICE).reshape(-1, 29)
+    assert torch.equal(drop.dropout_mask_block(5, rows, 0, 29, 0.3, 8), want)
 
 
 def _dense_rows(batch, heads, q_len, row_offset=0, q_total=None):
@@ -54,9 +123,21 @@ def chunks(request, monkeypatch):
         monkeypatch.setattr(drop, "_CHUNK_COUNTERS", 7)
 
 
+@pytest.fixture(params=["native", "numpy", "torch"])
+def philox_impl(request, monkeypatch):
+    """Which twin draws the CPU mask: the compiled loop, else NumPy, else PyTorch (on CUDA
+    tensors always PyTorch's)."""
+    if request.param == "native":
+        _native_or_skip()
+    else:
+        monkeypatch.setattr(native, "_STATE", {"fn": None})
+    if request.param == "torch":
+        monkeypatch.setattr(drop, "_np", None)
+
+
 @pytest.mark.parametrize("seed", [3, 2**33 + 5, 2**63 - 1])
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.93])
-def test_mask_block_is_the_dense_mask(chunks, seed, p):
+def test_mask_block_is_the_dense_mask(chunks, philox_impl, seed, p):
     """Every column window, starting at any column (not only multiples of 4), is that window of
     ``reference.dropout_keep_mask``; keep=False is its complement."""
     B, H, q_len, k_len = 2, 3, 11, 29
@@ -72,7 +153,7 @@ def test_mask_block_is_the_dense_mask(chunks, seed, p):
         assert torch.equal(dropped, ~whole[:, c0:c1]), (c0, c1)
 
 
-def test_mask_block_rows_in_any_order_and_counters_past_2_32(chunks):
+def test_mask_block_rows_in_any_order_and_counters_past_2_32(chunks, philox_impl):
     """Row ids in any order and large enough that the counter passes 2**32 (and 2**40); the
     result is written into a strided ``out``."""
     seed, p, k_len = 2**63 - 1, 0.3, 70
@@ -148,7 +229,7 @@ def _kept(out):
     dict(B=2, hq=2, hkv=2, q_len=13, k_len=30, causal=False, window=None),
 ], ids=["gqa-causal", "mqa-window", "full"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_fallback_mask_is_the_kernels(monkeypatch, case, threads):
+def test_fallback_mask_is_the_kernels(monkeypatch, philox_impl, case, threads):
     """Dense calls: the interpreted kernel's and the fallback's kept sets are equal, and equal
     to the oracle's mask where keys are seen; with 2 threads and tiny blocks the fallback runs
     its worker-thread split."""
