@@ -300,18 +300,26 @@ class _Dense:
             return None
         return self.head_rows(self.sinks[self.h0:self.h0 + self.H].float(), i0, i1)
 
-    def kept(self, i0, i1, k0, k1, buf):
+    def kept(self, i0, i1, k0, k1, buf, scaled=False):
         """Bool (B, H_kv, group * rows, k1 - k0) in ``buf``: True where dropout keeps the
-        weight (the kernels' Philox mask, kernels/core/dropout.py); None without dropout."""
+        weight (the kernels' Philox mask, kernels/core/dropout.py); None without dropout.
+        ``scaled``: fp32 in an fp32 ``buf`` instead, 1 / (1 - p) where kept and 0 where
+        dropped (the mask that multiplies the weights)."""
         if self.dropout_p == 0:
             return None
+        if scaled and not self.causal:   # one pass to scale the bool mask
+            mask = self.kept(i0, i1, k0, k1, torch.empty(buf.numel(), dtype=torch.bool,
+                                                         device=buf.device))
+            return torch.mul(mask.view(torch.uint8), self.drop_scale,
+                             out=buf[:mask.numel()].view(mask.shape))
         n = k1 - k0
         bases = self.row_base.reshape(-1)  # (B * H_kv * group): the block's row sets in order
         out = buf[:bases.numel() * (i1 - i0) * n].view(bases.numel() * (i1 - i0), n)
         c = self.col_offset
         if self.causal:
             _causal_keep(self.seed, bases, i0, i1, self.k_len - self.q_len, k0, k1, c,
-                         self.dropout_p, self.groups, out)
+                         self.dropout_p, self.groups, out,
+                         self.drop_scale if scaled else None)
         else:
             rows = (bases[:, None] + torch.arange(i0, i1, device=self.k.device)).reshape(-1)
             dropout_mask_block(self.seed, rows, c + k0, c + k1, self.dropout_p, self.groups,
@@ -354,7 +362,8 @@ def _causal_counters(bases, i0, i1, diag, k1, c, groups, g0, g1):
     return flat, counter, slot
 
 
-def _causal_keep(seed, bases, i0, i1, diag, k0, k1, col_offset, dropout_p, groups, out):
+def _causal_keep(seed, bases, i0, i1, diag, k0, k1, col_offset, dropout_p, groups, out,
+                 value=None):
     """The kernels' keep mask (kernels/core/dropout.py) of a causal block, drawing only the
     Philox words of the 4-column groups that hold a key some row can see (about half of them
     for a square block): the rest of ``out`` is False (dropped), which changes nothing, as
@@ -366,7 +375,8 @@ def _causal_keep(seed, bases, i0, i1, diag, k0, k1, col_offset, dropout_p, group
         j <= i + diag).
     k0, k1: the block's keys; ``col_offset`` the columns' global offset (a context-parallel
         block); ``groups`` the Philox counters per row id.
-    out: bool (S * (i1 - i0), k1 - k0), written.
+    out: bool (S * (i1 - i0), k1 - k0), written; or fp32 with ``value``: ``value`` where
+        kept, 0 where dropped (the scaled mask, in the compiled loop's one pass).
     """
     dev, rows, n = out.device, i1 - i0, k1 - k0
     c = col_offset
@@ -376,15 +386,19 @@ def _causal_keep(seed, bases, i0, i1, diag, k0, k1, col_offset, dropout_p, group
     flat, counter, slot = _causal_counters(bases, i0, i1, diag, k1, c, groups, g0, g1)
     aligned = skip == 0 and n == 4 * ng and out.is_contiguous()
     full = (out.view(S, rows * ng, 4) if aligned
-            else torch.empty((S, rows * ng, 4), dtype=torch.bool, device=dev))
+            else torch.empty((S, rows * ng, 4), dtype=out.dtype, device=dev))
     full.zero_()
     # Kept iff word >> 8 >= threshold, i.e. iff word >= threshold << 8 (words unsigned).
     bound = dropout_threshold(dropout_p) << (32 - DROPOUT_BITS)
-    if flat.numel() and not (dev.type == "cpu" and draw_keep(seed, counter, bound, full, slot)):
+    if flat.numel() and not (dev.type == "cpu"
+                             and draw_keep(seed, counter, bound, full, slot, value=value)):
         words = philox_words(seed, counter)
         drawn = torch.empty((S, flat.numel(), 4), dtype=torch.bool, device=dev)
         for w in range(4):  # word w of group g is column 4 g + w
             torch.ge(words[w].view(S, -1), bound, out=drawn[:, :, w])
+        if value is not None:
+            drawn = torch.mul(drawn.view(torch.uint8), value, out=torch.empty(
+                drawn.shape, dtype=torch.float32, device=dev))
         full.index_copy_(1, flat, drawn)
     if not aligned:
         out.view(S, rows, n).copy_(full.view(S, rows, 4 * ng)[:, :, skip:skip + n])
@@ -545,14 +559,12 @@ def _small_weights(pb, q, k, need_lse=True):
     with torch.no_grad():
         # P's row max is exp(0) / sum = 1 / sum (every row sees a key): lse = max + log(sum).
         lse = s.amax(-1).sub_(p.amax(-1).log_()) if need_lse else None
-        keep = pb.kept(0, pb.q_len, 0, pb.k_len, torch.empty(s.numel(), dtype=torch.bool))
-        # Z as fp32, the scale folded in (as nn.Dropout's mask): the output's bmm and its
-        # backward then need no scaling of their own (autograd's would be two more passes over
-        # the weights, ~0.25 ms of a 4 ms module step at 8 x 2 x 64 x 64). uint8, not bool,
-        # into the multiply: aten's mul by a bool tensor is not vectorised.
-        z = torch.mul(keep.view(p.shape).view(torch.uint8), pb.drop_scale,
-                      out=torch.empty(p.shape, dtype=torch.float32))
-    return p * z, lse
+        # Z as fp32, the scale folded in (as nn.Dropout's mask), drawn as such: the output's
+        # bmm and its backward then need no scaling of their own (autograd's would be two more
+        # passes over the weights, ~0.25 ms of a 4 ms module step at 8 x 2 x 64 x 64).
+        z = pb.kept(0, pb.q_len, 0, pb.k_len, torch.empty(s.numel(), dtype=torch.float32),
+                    scaled=True)
+    return p * z.view(p.shape), lse
 
 
 def _small_forward(q, k, v, call, o, need_lse=True):

@@ -34,10 +34,11 @@ typedef uint64_t u64x8 __attribute__((vector_size(64)));
 #define LANES 8
 
 /* For each counter i: the four words of tl.randint4x(seed, counter[i]) (Philox-4x32-10, key =
-   the seed's two halves, counter = (lo, hi, 0, 0)); byte w of 4-byte group slot[i] (i when
-   slot is NULL) of out = (word w >= bound) == keep. */
+   the seed's two halves, counter = (lo, hi, 0, 0)); element w of 4-element group slot[i] (i
+   when slot is NULL) of out = (word w >= bound) == keep: a byte 0 / 1, or with as_float a
+   float, value where that holds and 0 elsewhere. */
 void philox_keep(uint64_t seed, const int64_t *counter, int64_t n, uint32_t bound,
-                 const int64_t *slot, int keep, uint8_t *out) {
+                 const int64_t *slot, int keep, void *out, int as_float, float value) {
     const uint64_t M = 0xFFFFFFFFu;
     for (int64_t base = 0; base < n; base += LANES) {
         int64_t m = n - base < LANES ? n - base : LANES;
@@ -64,9 +65,14 @@ void philox_keep(uint64_t seed, const int64_t *counter, int64_t n, uint32_t boun
         memcpy(w[2], &c2, sizeof(c2));
         memcpy(w[3], &c3, sizeof(c3));
         for (int64_t j = 0; j < m; ++j) {
-            uint8_t *o = out + 4 * (slot ? slot[base + j] : base + j);
-            for (int q = 0; q < 4; ++q)
-                o[q] = (uint8_t)((w[q][j] >= bound) == (keep != 0));
+            int64_t g = 4 * (slot ? slot[base + j] : base + j);
+            for (int q = 0; q < 4; ++q) {
+                int hit = (w[q][j] >= bound) == (keep != 0);
+                if (as_float)
+                    ((float *)out)[g + q] = hit ? value : 0.0f;
+                else
+                    ((uint8_t *)out)[g + q] = (uint8_t)hit;
+            }
         }
     }
 }
@@ -139,7 +145,7 @@ def _load():
     except (OSError, AttributeError):
         return None
     fn.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint32,
-                   ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+                   ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_float]
     fn.restype = None
     return fn
 
@@ -154,7 +160,7 @@ def keep_fn():
     return _STATE["fn"]
 
 
-def draw_keep(seed, counter, bound, out, slot=None, keep=True):
+def draw_keep(seed, counter, bound, out, slot=None, keep=True, value=None):
     """Write the keep (``keep=True``) or drop decisions of the Philox words of ``counter``
     into ``out``; False when the compiled loop is not available (nothing written).
 
@@ -162,17 +168,21 @@ def draw_keep(seed, counter, bound, out, slot=None, keep=True):
         seed: int in [0, 2**63).
         counter: contiguous int64 CPU tensor (n,) of counters in [0, 2**63).
         bound: ``dropout_threshold(p) << 8``: word w keeps its weight iff w >= bound.
-        out: contiguous bool / uint8 CPU tensor; byte 4 * g + w is word w of the counter put
-            in 4-byte group g.
+        out: contiguous bool / uint8 CPU tensor, or float32 with ``value``: element 4 * g + w
+            is word w of the counter put in group g (a byte 0 / 1, or ``value`` / 0).
         slot: optional contiguous int64 CPU tensor (n,): counter i's group (default i).
+        value: a float: ``out`` is float32 and gets ``value`` where the decision holds (the
+            dropout mask with its 1 / (1 - p) scale, in one pass).
     """
     fn = keep_fn()
     if fn is None:
         return False
     n = counter.numel()
     assert counter.dtype.itemsize == 8 and counter.is_contiguous() and out.is_contiguous()
-    assert out.element_size() == 1 and (slot is None or slot.numel() == n)
+    assert out.element_size() == (1 if value is None else 4)
+    assert slot is None or slot.numel() == n
     if n:
         fn(int(seed), counter.data_ptr(), n, int(bound),
-           None if slot is None else slot.data_ptr(), int(bool(keep)), out.data_ptr())
+           None if slot is None else slot.data_ptr(), int(bool(keep)), out.data_ptr(),
+           int(value is not None), 0.0 if value is None else float(value))
     return True

@@ -66,8 +66,8 @@ def _native_or_skip():
 @pytest.mark.parametrize("p", [0.0, 0.1, 0.5, 0.999])
 @pytest.mark.parametrize("seed", SEEDS)
 def test_native_keep_bytes_match_the_oracle(seed, p):
-    """The compiled loop: keep and drop decisions, in order and scattered to given slots, for
-    every counter count modulo its 8 lanes."""
+    """The compiled loop: keep and drop decisions, in order and scattered to given slots, as
+    bytes and as the scaled fp32 mask, for every counter count modulo its 8 lanes."""
     _native_or_skip()
     counter = _counters(seed)[:2501]
     bound = drop.dropout_threshold(p) << 8
@@ -82,6 +82,9 @@ def test_native_keep_bytes_match_the_oracle(seed, p):
         assert native.draw_keep(seed, counter, bound, scattered, slot=slot, keep=keep)
         assert torch.equal(scattered[slot], want)
         assert not scattered[torch.isin(torch.arange(len(scattered)), slot, invert=True)].any()
+        scaled = torch.empty((counter.numel(), 4), dtype=torch.float32)   # the scaled mask
+        assert native.draw_keep(seed, counter, bound, scaled, keep=keep, value=1.25)
+        assert torch.equal(scaled, want.float() * 1.25)
 
 
 def test_native_build_is_cached_and_can_be_turned_off(monkeypatch, tmp_path):

@@ -18,7 +18,7 @@ from helpers import DEVICE, randn
 import kernels
 import reference
 from kernels import ops
-from kernels.core import fallback
+from kernels.core import dropout, fallback, native
 from kernels.core.call import AttentionCall
 
 pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="the fallback serves CPU tensors")
@@ -177,3 +177,19 @@ def test_cached_causal_mask_index_gives_the_same_bits():
     assert torch.equal(masks[0], masks[1])
     got = masks[0].view(B, H, q_len, k_len) & vis
     assert torch.equal(got, keep & vis)
+
+
+@pytest.mark.parametrize("B,hq,hkv,q_len,k_len,causal,dv", CASES, ids=IDS)
+def test_small_route_without_the_compiled_mask(monkeypatch, B, hq, hkv, q_len, k_len, causal,
+                                               dv):
+    """Where the compiled mask loop is not built (no C compiler), the NumPy or PyTorch twin
+    draws the same scaled mask: the same bits out and in every gradient."""
+    q, k, v, do = _inputs(B, hq, hkv, q_len, k_len, dv)
+    compiled = _eager(q, k, v, do, causal)
+    monkeypatch.setattr(native, "_STATE", {"fn": None})
+    for impl in ("numpy", "torch"):
+        if impl == "torch":
+            monkeypatch.setattr(dropout, "_np", None)
+        twin = _eager(q, k, v, do, causal)
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), twin, compiled):
+            assert torch.equal(a, b), (impl, name)
