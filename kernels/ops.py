@@ -146,7 +146,7 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, d
       softmax_scale, seed, window, num_splits, drop_layout, chunk_size, softcap, alibi_slopes,
       sinks, score_mod, mask_mod, mod_aux):
     return new_out(q, v.shape[-1]), q.new_empty(lse_shape(q, cu_seqlens_q is not None),
-                                        dtype=torch.float32)
+                                                 dtype=torch.float32)
 
 
 @torch.library.custom_op("fused_attention::bwd", mutates_args=())
