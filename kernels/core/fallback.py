@@ -453,11 +453,12 @@ def _sdpa_forward(q, k, v, causal, softmax_scale, o):
 
 def _result(o, out, q):
     """A route's own output buffer ``out`` as the forward's output: copied into ``o``; with
-    ``o`` None, ``out`` itself when it has ``new_out``'s layout and q's dtype, else a copy."""
+    ``o`` None, ``out`` itself when it has q's dtype, shape and strides (``new_out``'s layout:
+    those of a dense q), else a copy in ``new_out``'s layout."""
     if o is None:
-        o = new_out(q, out.shape[-1])
-        if o.dtype == out.dtype and o.stride() == out.stride():
+        if out.dtype == q.dtype and out.shape == q.shape and out.stride() == q.stride():
             return out
+        o = new_out(q, out.shape[-1])
     return o.copy_(out)
 
 
