@@ -5,7 +5,8 @@ GPU run of one seed drop the same weights. In PyTorch ops that costs ~100 tensor
 Philox call (~40-90 ns per 4 weights on one thread), in NumPy about half of that: at the book's
 sizes it was most of what a small call with dropout cost (8 x 2 heads x 64 x 64: ~0.4 ms of
 a ~1.4 ms forward). The C loop below draws and compares in one pass, 8 counters per vector,
-writing each kept / dropped byte where the caller's mask wants it: ~60 us there.
+writing each decision where the caller's mask wants it, as a byte or as the fp32 mask already
+scaled by 1 / (1 - p): 0.08 ms there (NumPy 0.45, PyTorch 0.65; one thread).
 
 It is built on first use with the system's C compiler (``$CC``, else ``cc``), as Triton
 builds its own launchers, for this machine's CPU (``-march=native``, so the file's name holds
