@@ -211,6 +211,38 @@ def _philox_words_numpy(seed, counter, bufs):
     return tuple(words[row[id(a)]] for a in (c0, c1, c2, c3))
 
 
+def draw_groups(seed, counter, bound, out, slot=None, keep=True, value=None, bufs=None):
+    """The decisions of the Philox words of ``counter`` in groups of 4: element w of group
+    ``slot[i]`` (``i`` without ``slot``) of ``out`` is word w of counter i kept (``keep=True``,
+    word >= ``bound``) or dropped, as a bool, or with ``value`` as fp32 ``value`` / 0 (the
+    mask already scaled). The compiled loop for CPU tensors where it is built
+    (kernels/core/native.py), else ``philox_words`` and compares: the same bits.
+
+    counter: contiguous int64 (n,); bound: ``dropout_threshold(p) << 8``; out: contiguous,
+    bool (or fp32 with ``value``), at least 4 * (n or max(slot) + 1) elements; slot: optional
+    contiguous int64 (n,); bufs: ``philox_words``' optional work space.
+    """
+    if counter.device.type == "cpu" and draw_keep(seed, counter, bound, out, slot, keep,
+                                                  value):
+        return out
+    n = counter.numel()
+    dest = out.view(-1, 4)
+    direct = slot is None and value is None
+    drawn = dest[:n] if direct else torch.empty((n, 4), dtype=torch.bool, device=out.device)
+    words = philox_words(seed, counter, bufs)
+    compare = torch.ge if keep else torch.lt
+    for w in range(4):  # word w of a group is its column w
+        compare(words[w], bound, out=drawn[:, w])
+    if value is not None:
+        drawn = torch.mul(drawn.view(torch.uint8), value, out=torch.empty(
+            drawn.shape, dtype=torch.float32, device=out.device))
+    if slot is not None:
+        dest.index_copy_(0, slot, drawn)
+    elif not direct:
+        dest[:n].copy_(drawn)
+    return out
+
+
 def dropout_mask_block(seed, rows, col_start, col_end, dropout_p, groups, keep=True,
                        out=None):
     """The kernels' dropout mask (module docstring) in PyTorch, for the rows with ids ``rows``
@@ -245,7 +277,6 @@ def dropout_mask_block(seed, rows, col_start, col_end, dropout_p, groups, keep=T
     n_groups, skip = g1 - g0, col_start - 4 * g0
     # Kept iff word >> 8 >= threshold, i.e. iff word >= threshold << 8 (words are unsigned).
     bound = dropout_threshold(dropout_p) << (32 - DROPOUT_BITS)
-    compare = torch.ge if keep else torch.lt
     chunk = max(1, _CHUNK_COUNTERS // n_groups)
     size = min(chunk, n_rows) * n_groups
     bufs = torch.empty((6, size), dtype=torch.int64, device=device)
@@ -257,12 +288,10 @@ def dropout_mask_block(seed, rows, col_start, col_end, dropout_p, groups, keep=T
         counter = bufs[4, :(r1 - r0) * n_groups]
         torch.add(row_ids[r0:r1, None], group_ids, out=counter.view(r1 - r0, n_groups))
         aligned = skip == 0 and n_cols == 4 * n_groups and out[r0:r1].is_contiguous()
-        dest = out[r0:r1] if aligned else bits[:counter.numel() * 4]
-        if not (device.type == "cpu" and draw_keep(seed, counter, bound, dest, keep=keep)):
-            words = philox_words(seed, counter, bufs)
-            dest = dest.view(r1 - r0, n_groups, 4)
-            for w in range(4):  # word w of group g is column 4 g + w
-                compare(words[w].view(r1 - r0, n_groups), bound, out=dest[:, :, w])
+        # word w of group g is column 4 g + w
+        dest = draw_groups(seed, counter, bound,
+                           out[r0:r1] if aligned else bits[:counter.numel() * 4],
+                           keep=keep, bufs=bufs)
         if not aligned:
             out[r0:r1] = dest.view(r1 - r0, 4 * n_groups)[:, skip:skip + n_cols]
     return out

@@ -39,8 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from .call import lse_shape, make_problem, new_like, new_out
-from .dropout import DROPOUT_BITS, dropout_mask_block, dropout_threshold, philox_words
-from .native import draw_keep
+from .dropout import DROPOUT_BITS, draw_groups, dropout_mask_block, dropout_threshold
 
 # Score elements per block of query rows: two fp32 buffers of this size (4 MiB each) and one
 # bool mask are the blockwise path's temporaries, allocated once per task and reused by every
@@ -329,17 +328,18 @@ class _Dense:
 
 # The seed-independent part of small causal masks (which Philox counters a block draws and
 # where their words go), by layout: a training loop calls the same shapes again and again, and
-# at 8 x 2 heads x 64 x 64 these ~10 index ops cost ~0.1 ms of the mask's ~0.5.
+# at 8 x 2 heads x 64 x 64 these ~10 index ops cost ~0.1 ms (the PyTorch-ops mask there took
+# ~0.5 ms; the compiled one takes 0.08).
 _COUNTERS = {}
 _MAX_COUNTERS = 16
 _COUNTERS_CACHED = 1 << 16   # at most this many counters per cached entry (512 KiB)
 
 
 def _causal_counters(bases, i0, i1, diag, k1, c, groups, g0, g1):
-    """(flat, counter, slot) of ``_causal_keep``: int64 (F,) indices into the (rows * groups)
-    grid of the 4-column groups [g0, g1) some row of [i0, i1) sees, int64 (S * F,) the Philox
-    counters of those groups for each of the S row sets ``bases``, and int64 (S * F,) each
-    counter's group in the (S, rows * groups) grid (read only: cached for small blocks)."""
+    """(counter, slot) of ``_causal_keep``: int64 (S * F,) the Philox counters of the F
+    4-column groups of [g0, g1) that some row of [i0, i1) sees, for each of the S row sets
+    ``bases``, and int64 (S * F,) each counter's group in the (S, rows * groups) grid (read
+    only: cached for small blocks)."""
     key = None
     if bases.numel() * (i1 - i0) * (g1 - g0) <= _COUNTERS_CACHED:
         key = (tuple(bases.tolist()), i0, i1, diag, k1, c, groups, g0, g1, bases.device)
@@ -358,8 +358,8 @@ def _causal_counters(bases, i0, i1, diag, k1, c, groups, g0, g1):
     if key is not None:
         if len(_COUNTERS) >= _MAX_COUNTERS:
             _COUNTERS.clear()
-        _COUNTERS[key] = flat, counter, slot
-    return flat, counter, slot
+        _COUNTERS[key] = counter, slot
+    return counter, slot
 
 
 def _causal_keep(seed, bases, i0, i1, diag, k0, k1, col_offset, dropout_p, groups, out,
@@ -367,8 +367,8 @@ def _causal_keep(seed, bases, i0, i1, diag, k0, k1, col_offset, dropout_p, group
     """The kernels' keep mask (kernels/core/dropout.py) of a causal block, drawing only the
     Philox words of the 4-column groups that hold a key some row can see (about half of them
     for a square block): the rest of ``out`` is False (dropped), which changes nothing, as
-    those weights are 0 already. Each Philox word costs ~100 int64 tensor ops in PyTorch, so
-    this halves the mask's cost, and the mask is drawn twice (forward and backward).
+    those weights are 0 already: half the Philox calls (``draw_groups``: the compiled loop,
+    else ~100 tensor ops per call).
 
     bases: int64 (S,) row ids of row 0 of each of the block's S row sets; the block's rows are
         i0..i1-1 of each (row id ``bases[s] + i``); ``diag`` = k_len - q_len (row i sees keys
@@ -383,23 +383,15 @@ def _causal_keep(seed, bases, i0, i1, diag, k0, k1, col_offset, dropout_p, group
     g0, g1 = (c + k0) // 4, (c + k1 + 3) // 4
     ng, skip = g1 - g0, c + k0 - 4 * (g0)
     S = bases.numel()
-    flat, counter, slot = _causal_counters(bases, i0, i1, diag, k1, c, groups, g0, g1)
+    counter, slot = _causal_counters(bases, i0, i1, diag, k1, c, groups, g0, g1)
     aligned = skip == 0 and n == 4 * ng and out.is_contiguous()
     full = (out.view(S, rows * ng, 4) if aligned
             else torch.empty((S, rows * ng, 4), dtype=out.dtype, device=dev))
     full.zero_()
     # Kept iff word >> 8 >= threshold, i.e. iff word >= threshold << 8 (words unsigned).
     bound = dropout_threshold(dropout_p) << (32 - DROPOUT_BITS)
-    if flat.numel() and not (dev.type == "cpu"
-                             and draw_keep(seed, counter, bound, full, slot, value=value)):
-        words = philox_words(seed, counter)
-        drawn = torch.empty((S, flat.numel(), 4), dtype=torch.bool, device=dev)
-        for w in range(4):  # word w of group g is column 4 g + w
-            torch.ge(words[w].view(S, -1), bound, out=drawn[:, :, w])
-        if value is not None:
-            drawn = torch.mul(drawn.view(torch.uint8), value, out=torch.empty(
-                drawn.shape, dtype=torch.float32, device=dev))
-        full.index_copy_(1, flat, drawn)
+    if counter.numel():   # word w of group g is column 4 g + w
+        draw_groups(seed, counter, bound, full, slot, value=value)
     if not aligned:
         out.view(S, rows, n).copy_(full.view(S, rows, 4 * ng)[:, :, skip:skip + n])
     return out
@@ -496,9 +488,9 @@ def _sdpa_backward(do, q, k, v, o, lse, causal, softmax_scale, dq, dk, dv):
 # (the custom ops under torch.compile, ``kernels.ops.backward``) the backward is the blockwise
 # one, which takes the (o, lse) it is given: ring attention passes the merged result of several
 # key blocks.
-# Memory: what autograd keeps of these ops, P and P · keep in fp32 and the byte mask, at most
-# 9 · _SAVED_ELEMS bytes (36 MiB) per call,
-# and fp32 copies of q, k, v; above _SAVED_ELEMS the blockwise path's O(seq) memory holds.
+# Memory: what autograd keeps of these ops, P, P · Z and the scaled mask Z, all fp32, at most
+# 12 · _SAVED_ELEMS bytes (48 MiB) per call, and fp32 copies of q, k, v; above _SAVED_ELEMS the
+# blockwise path's O(seq) memory holds.
 # (Without dropout PyTorch's CPU flash ops stay faster: at 4 x 4 heads x 256 x 64, forward +
 # backward 33 ms against this route's 40.)
 # --------------------------------------------------------------------------------------------
