@@ -493,6 +493,18 @@ class _PlannedAttention(torch.autograd.Function):
                 *(d if w else None for d, w in zip(daux or [None] * len(aux), wanted)))
 
 
+def _options_key(options, sinks, alibi_slopes, mod_aux):
+    """The part of a plan's key after its q, k, v (or cache) tensors: the options with their
+    types (1 == True, but causal=1 is an error, causal=True is not) and the mods' tensors'
+    signatures."""
+    return (options, tuple(x.__class__ for x in options),
+            None if sinks is None else _signature(sinks),
+            # (ALiBi slopes requiring grad are an error: checked when the plan is built)
+            None if alibi_slopes is None else (*_signature(alibi_slopes),
+                                               alibi_slopes.requires_grad),
+            tuple(_signature(t) for t in mod_aux))
+
+
 def _fast_plan(q, k, v, options, sinks, alibi_slopes, mod_aux, packed=None):
     """The ``_Plan`` of this ``attention`` call, or None when the call takes the general
     path: inside torch.compile (the custom ops), tensor subclasses, devices other than CPU and
@@ -501,15 +513,9 @@ def _fast_plan(q, k, v, options, sinks, alibi_slopes, mod_aux, packed=None):
     if (q.__class__ is not torch.Tensor or k.__class__ is not torch.Tensor
             or v.__class__ is not torch.Tensor or torch.compiler.is_compiling()):
         return None
-    # The options with their types: 1 == True, but causal=1 is an error, causal=True is not.
     try:
-        key = (_signature(q), _signature(k), _signature(v), options,
-               tuple(x.__class__ for x in options),
-               None if sinks is None else _signature(sinks),
-               # (ALiBi slopes requiring grad are an error: checked when the plan is built)
-               None if alibi_slopes is None else (*_signature(alibi_slopes),
-                                                  alibi_slopes.requires_grad),
-               tuple(_signature(t) for t in mod_aux),
+        key = (_signature(q), _signature(k), _signature(v),
+               *_options_key(options, sinks, alibi_slopes, mod_aux),
                None if packed is None else (_signature(packed[0]), _signature(packed[1]),
                                             *packed[2:]))
         plan = _PLANS.get(key)
@@ -934,13 +940,8 @@ def _kvcache_plan(q, k_cache, v_cache, cache_seqlens, k, v, block_table, options
             or torch.compiler.is_compiling()):
         return None
     try:
-        key = ("kvcache", *(None if t is None else _signature(t) for t in tensors), options,
-               tuple(x.__class__ for x in options),
-               None if sinks is None else _signature(sinks),
-               # (ALiBi slopes requiring grad are an error: checked when the plan is built)
-               None if alibi_slopes is None else (*_signature(alibi_slopes),
-                                                  alibi_slopes.requires_grad),
-               tuple(_signature(t) for t in mod_aux))
+        key = ("kvcache", *(None if t is None else _signature(t) for t in tensors),
+               *_options_key(options, sinks, alibi_slopes, mod_aux))
         plan = _PLANS.get(key)
     except (TypeError, AttributeError):
         return None
