@@ -1,16 +1,19 @@
-"""Installs the `kernels` (fused Triton attention) and `reference` (PyTorch oracles) packages."""
+"""Installs the `kernels` (fused Triton attention) and `reference` (PyTorch oracles) packages.
+
+`benchmarks/` and `tools/` are run from a checkout (`python -m benchmarks`, `python tools/...`)
+and are not installed.
+"""
 from setuptools import find_packages, setup
 
 setup(
     name="fused-causal-attention",
     version="0.1.0",
     description="Fused causal attention (forward, backward, dropout) in Triton, with "
-                "pure-PyTorch reference oracles, parity tests and benchmarks",
+                "pure-PyTorch reference oracles",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["kernels", "kernels.*", "reference", "reference.*",
-                                    "benchmarks", "benchmarks.*"]),
+    packages=find_packages(include=["kernels", "kernels.*", "reference", "reference.*"]),
     # No upper pins: a user's CUDA build of torch must not be replaced. Triton 3.6 is the oldest
     # release tested (the H100 host's); CPU machines run newer ones in the interpreter.
     install_requires=["torch>=2.5", "triton>=3.6"],

@@ -8,33 +8,22 @@ Layout (each layer imports only the ones below it)::
                              ring attention: built on the public functions only
 
 The integrations keep their short import paths (``kernels.hf``, ``kernels.sdpa``,
-``kernels.distributed``, ``kernels.book``, ``kernels.modules``, ``kernels.fuse``), and the
-launchers theirs (``kernels.forward``, ``kernels.backward``: what the static compile tools
-import): they are registered as aliases of the subpackages' modules below.
+``kernels.distributed``, ``kernels.book``, ``kernels.modules``, ``kernels.fuse``): each is a
+small module whose names are those of the integration module it is named after.
 
 Note: the import name ``kernels`` clashes with the unrelated ``kernels`` package on PyPI; do
 not install both in one environment.
 """
-import sys as _sys
-
 from .ops import attention, attention_varlen, attention_with_kvcache
 from .core.mods import ALIBI, SOFTCAP, MaskMod, ScoreMod
-from .core import backward as _backward, forward as _forward
-from .integrations import book, distributed, fuse, hf, modules, sdpa
+from . import book, distributed, fuse, hf, modules, sdpa
 from .integrations.fuse import fuse_attention
 from .integrations.modules import (
     FusedCausalAttention,
     FusedMultiHeadAttention,
     FusedMultiHeadAttentionWrapper,
 )
-
-for _name, _module in (("forward", _forward), ("backward", _backward), ("book", book),
-                       ("distributed", distributed), ("fuse", fuse), ("hf", hf),
-                       ("modules", modules), ("sdpa", sdpa)):
-    _sys.modules[f"{__name__}.{_name}"] = _module
-    globals()[_name] = _module
-del _name, _module
-from . import flash_attn_interface  # noqa: E402  FlashAttention 2's API on the functions above
+from . import flash_attn_interface  # FlashAttention 2's API on the functions above
 
 __all__ = ["attention", "attention_varlen", "attention_with_kvcache", "ScoreMod", "MaskMod",
            "SOFTCAP", "ALIBI", "FusedCausalAttention",

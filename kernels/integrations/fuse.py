@@ -337,7 +337,7 @@ def fuse_attention(model, verbose=False, strict=False):
         model: any nn.Module (a GPTModel, a single attention module, ...). Tensor shapes are
             unchanged by the swap: each attention still maps (b, n, d_in) -> (b, n, d_out).
         verbose: print one line per attention-looking module: "swapped" or "left alone: why".
-            The same lines always go to the ``kernels.fuse`` logger (INFO).
+            The same lines always go to the ``kernels.integrations.fuse`` logger (INFO).
         strict: raise ValueError, listing them, if any attention-looking module is left alone
             (the model is then left partly fused: the swaps already made stay).
 

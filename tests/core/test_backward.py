@@ -1,4 +1,4 @@
-"""Gradient parity of kernels.backward.attention_backward against the float64 oracle.
+"""Gradient parity of kernels.core.backward.attention_backward against the float64 oracle.
 
 The forward's outputs (o, lse) come from a float64 PyTorch computation here, so these tests
 check the backward kernels alone. Reference gradients are autograd through

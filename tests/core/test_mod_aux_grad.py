@@ -1,4 +1,4 @@
-"""Gradients into ``mod_aux`` (issue 31): a score mod that declares differentiable aux entries
+"""Gradients into ``mod_aux``: a score mod that declares differentiable aux entries
 (``ScoreMod(..., aux_grad=, grad_aux=)``, kernels/core/mods.py) gives them their gradient on
 every route -- the eager fast path, torch.compile (the custom ops), packed sequences and the
 PyTorch fallback -- against the float64 oracle (``reference.attention`` differentiates the

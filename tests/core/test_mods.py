@@ -462,7 +462,7 @@ def test_compiles_fullgraph_with_mods_and_sinks():
 
 
 # ------------------------------------------------------------------ extreme mod values, bounds
-# Issue 31. A score mod may mask by returning -inf (FlexAttention's mods do): a row that sees
+# A score mod may mask by returning -inf (FlexAttention's mods do): a row that sees
 # only -inf gives 0 and lse -inf, and a tile of -inf before any finite score must not poison
 # the running max ((-inf) - (-inf) = NaN). The oracle takes the same pattern as a mask (its
 # softmax of an all -inf row is NaN, the kernels' contract is 0).
