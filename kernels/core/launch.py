@@ -16,7 +16,12 @@ kernel (the dropout seed is a device tensor: kernels/core/dropout.py ``load_seed
 
 Direct launches are used on CUDA only, with no Triton launch hooks installed (a profiler's
 hooks see every launch through Triton's own path); the interpreter always goes through Triton.
+The launcher's arguments are Triton internals: direct launches are made only on the Triton
+versions of ``DIRECT_LAUNCH_TRITON``, whose launches tests/core/test_direct_launch.py found
+byte-identical to Triton's own; any other version keeps Triton's own path.
 """
+import logging
+
 import torch
 import triton
 
@@ -27,6 +32,29 @@ try:  # where Triton keeps launch hooks (3.4+); a profiler installs them
     from triton import knobs as _knobs
 except ImportError:  # pragma: no cover - older Triton
     _knobs = None
+
+
+# The Triton versions (major.minor) whose launch protocol (``CompiledKernel.run``'s arguments,
+# the kernel's parameters by position) tests/core/test_direct_launch.py has checked: every
+# kernel parameter, grid, block, shared memory and stream of a direct launch equal to Triton's
+# own launch of the same call, recorded by a stub libcuda under Triton's real launcher. Add a
+# version only after that test passed on it.
+DIRECT_LAUNCH_TRITON = ("3.6", "3.8", "3.9")
+TRITON_VERSION = ".".join(triton.__version__.split(".")[:2])
+# Read by ``KernelStep._keep`` at each first launch (the test switches it on for a version
+# not yet listed, to check it).
+DIRECT_LAUNCH = TRITON_VERSION in DIRECT_LAUNCH_TRITON
+_unchecked_logged = False
+
+
+def _log_unchecked():
+    global _unchecked_logged
+    if not _unchecked_logged:
+        _unchecked_logged = True
+        logging.getLogger(__name__).debug(
+            "triton %s is not in DIRECT_LAUNCH_TRITON %s: kernels launch through Triton's own "
+            "path (tests/core/test_direct_launch.py checks a version's direct launches)",
+            triton.__version__, DIRECT_LAUNCH_TRITON)
 
 
 def _hooks_installed() -> bool:
@@ -110,6 +138,9 @@ class KernelStep:
         self._keep(kernel, cfg, args, device)
 
     def _keep(self, kernel, cfg, args, device):
+        if not DIRECT_LAUNCH:
+            _log_unchecked()
+            return
         names = getattr(self.jit_fn, "arg_names", None)
         run = getattr(kernel, "run", None)
         if names is None or run is None or not hasattr(kernel, "packed_metadata"):
