@@ -1,71 +1,21 @@
-"""Book-model rows (issue 11): the models of llms-from-scratch 1.0.19, the package's own
-classes as they are (``original``) vs the same weights after ``kernels.fuse_attention``
-(``fused``). Opt-in: ``python -m benchmarks --book-models [FAMILY ...]`` (cli.py).
-
-One ``bench: "book"`` row per (family, mode, batch, provider), random weights, nothing
-downloaded, in the run's first dtype (bf16 by default):
-
-=============  ===================================  =========================================
-family         generation (``mode: generate``)      training step (``mode: train_step``)
-=============  ===================================  =========================================
-qwen3          ``kv_cache.qwen3.Qwen3Model`` driven  ``qwen3.Qwen3Model``
-               by ``kv_cache.generate.
-               generate_text_simple``
-llama3         ``kv_cache.llama3.Llama3Model``,      ``llama3.Llama3Model``
-               the same generate
-gpt2_kv        ``kv_cache.gpt2.GPTModel``: a greedy  the same class, uncached
-               loop over its own cache protocol
-               (:func:`gpt2_kv_generate`; the
-               package's generate helpers need
-               ``model.cfg`` / ``reset_kv_cache``)
-qwen3_batched  ``kv_cache_batched.qwen3.Qwen3Model`` the same class, uncached
-               driven by ``kv_cache_batched.
-               generate.generate_text_simple``
-=============  ===================================  =========================================
-
-Configs (:data:`CONFIGS`): on a GPU Qwen 3 0.6B's shapes (the package's ``QWEN_CONFIG_06_B``:
-emb 1024, 16 query / 8 kv heads, head_dim 128, 28 layers, vocab 151936), Llama 3.2 1B's
-(``LLAMA32_CONFIG_1B``: emb 2048, 32 / 8 heads, 16 layers, vocab 128256) and GPT-2 124M
-(``reference.GPT_CONFIG_124M``, context_length raised to 2048 for the seq-2048 step); on CPU
-one-layer toys of the same code paths. ``layers`` cuts every model to fewer layers (a shorter
-GPU run); each row records ``layers`` and the config's own ``layers_full``.
-
-Generation: greedy, ``prompt`` random tokens, ``new_tokens`` new ones (the package's loops:
-one prefill + one cached forward per new token), model in eval mode, no dropout;
-``tokens_per_s`` = batch * new_tokens / median time. A generation call takes seconds on a GPU,
-so it is timed with ``measure(gpu_wall_reps=...)``: one warm-up call (compilation, autotuning:
-``first_call_s``), then ``gen_reps`` wall-clock calls, each ended by a synchronize.
-Training: one step (measure.py's protocol, do_bench on a GPU) of ``modules.train_step``:
-zero_grad, forward of ``train_seq`` tokens at ``train_batch``, cross-entropy in fp32, backward,
-AdamW step, the whole model in the run's dtype (no autocast); ``dropout_p`` = the config's
-drop_rate (GPT-2: 0.1, in the fused attention too); ``tflops`` from flops.gpt_step_flops
-(``6 * nn.Linear weights * tokens`` + the attention cores), ``tokens_per_s`` = tokens / time.
-
-On the fused row of each point: ``speedup_vs_original`` = original ms / fused ms (for
-generation, fused tokens/s over original tokens/s), ``target`` and ``target_met`` (> 1, judged
-on a GPU only: None on CPU, where our kernel runs in Triton's interpreter, and when a row is
-missing). ``fused_modules`` = the count ``fuse_attention`` returned (a fused model whose count
-is not its number of layers is not timed: its row says so).
-
-GPT-2 KV: 1.0.19's ``kv_cache.gpt2.MultiHeadAttention`` slices its causal mask by columns, so
-its own cached decoding fails at the first cached step; the ``original`` generation row runs
-it anyway and records ``unsupported: ...`` with the package's error (a later, fixed package
-would be timed). ``original_uncached`` is the package's model generating without a cache
-(``ch04.generate_text_simple``, a full forward per token: the oracle of the tests), and the
-fused row carries ``speedup_vs_original_uncached`` for reference (no target: a cache against
-no cache says little about attention).
+"""Book-model rows: llms-from-scratch 1.0.19's models as they are (``original``) vs the same
+weights after ``kernels.fuse_attention`` (``fused``): greedy generation (tokens/s) and a
+training step, random weights, nothing downloaded. ``python -m benchmarks book [FAMILY ...]``.
+The families, configs, protocol and columns (``speedup_vs_original`` = original ms / fused ms,
+...) are in docs/performance.md. ``gpt2_kv_generate`` / ``gpt2_uncached_generate`` are also
+the tests' generation loops.
 """
 import copy
 import importlib
 
 import torch
 
-from .features import _integration_row, _ratio
+from .features import integration_row, ratio
 from .flops import gpt_step_flops, tflops
 from .measure import MEASURE_KEYS, classify_failure, measure
 from .modules import linear_weights, train_step
 from .providers import Case
-from .timing import free_memory
+from .measure import free_memory
 
 FAMILIES = ("qwen3", "llama3", "gpt2_kv", "qwen3_batched")
 PACKAGE = "llms-from-scratch==1.0.19"
@@ -84,7 +34,7 @@ FAMILY_MODELS = {
                           cls="Qwen3Model", generate="kv_cache_batched.generate"),
 }
 
-# Shapes per profile. GPU: the issue's points; CPU: tiny versions of the same code paths.
+# Shapes per profile. GPU: the measured points; CPU: tiny versions of the same code paths.
 BOOK_SHAPES = {
     "cuda": dict(batches=(1, 8), prompt=512, new_tokens=256, train_batch=1, train_seq=2048,
                  gen_reps=2),
@@ -287,7 +237,7 @@ def family_rows(family, sh, device, dtype, opts, deadline=float("inf"), progress
         point = []
         for provider in _providers(family, mode):
             cls_mod = spec[kind]
-            row = _integration_row("book", provider, mode, case,
+            row = integration_row("book", provider, mode, case,
                                    dict(extra, model=f"llms_from_scratch.{cls_mod}.{spec['cls']}"),
                                    static, deadline)
             if mode == "generate":
@@ -378,10 +328,10 @@ def _compare(point, gpu):
     mine = by.get("fused")
     if mine is None:
         return point
-    value = _ratio(by.get("original"), mine, "ms")
+    value = ratio(by.get("original"), mine, "ms")
     mine["speedup_vs_original"] = value
     if "original_uncached" in by:
-        mine["speedup_vs_original_uncached"] = _ratio(by["original_uncached"], mine, "ms")
+        mine["speedup_vs_original_uncached"] = ratio(by["original_uncached"], mine, "ms")
     mine["target"] = TARGET
     mine["target_met"] = (value > 1.0) if gpu and value is not None else None
     return point

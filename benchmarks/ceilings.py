@@ -8,7 +8,7 @@
   the median time, in GB/s (1e9 bytes).
 
 These are the measured ceilings that attention TFLOP/s figures are judged against
-(benchmarks/NOTES.md). Needs CUDA; on CPU it says so and exits with status 0 without numbers.
+(docs/performance.md). Needs CUDA; on CPU it says so and exits with status 0 without numbers.
 """
 import argparse
 import datetime

@@ -1,44 +1,36 @@
-"""Command line of ``python -m benchmarks`` (see ``--help`` and benchmarks/README.md).
+"""Command line of ``python -m benchmarks`` (run from a checkout; docs/performance.md).
 
-1. Parity: ``kernels.attention`` (forward and gradients) against the float64 oracle; a failure
-   exits with status 1 before anything is timed.
-2. Module level: reference.MultiHeadAttention vs kernels.FusedMultiHeadAttention, and a GPT
-   training step without / with kernels.fuse_attention (``--no-modules`` to skip).
-3. The attention sweep over seq_len x mode x dtype x head_dim x dropout x provider; right after
-   its primary config, the feature rows (features.py: grouped-query heads, sliding window,
-   chunked attention, packed sequences, a value head dim of its own (MLA), decoding against
-   a KV cache, a transformers model and SDPA's flash backend with ours; ``--features`` /
-   ``--no-features``), so that
-   the time budget cuts the secondary configs first.
-3a. With ``--book-models`` (opt-in): llms-from-scratch's models, original vs
-   ``kernels.fuse_attention``, generation tokens/s and a training step (book_models.py); they
-   run after the module rows, before the sweep.
-3b. With ``--fallback-row`` (opt-in, CPU measurement on any machine): the PyTorch fallback at
-   seq 16384 vs SDPA, time and peak memory, in fresh processes (cpu_fallback.py); with
-   ``--fallback-dropout`` (opt-in, issue 22): with dropout at seq 1k / 4k / 8k on 1 and 2
-   threads, and the memory without dropout at 8k.
-4. ``<out-dir>/<date>-<gpu-or-cpu>.json`` and ``.csv`` (rewritten after every point, so a killed
-   run leaves valid partial files with ``meta.complete = false``), PNG plots, a terminal table.
+    python -m benchmarks [sweep] [OPTIONS]   the default: parity check, the module and GPT rows,
+                                             the attention sweep with its feature rows
+    python -m benchmarks modules [OPTIONS]   CPU: the book's module vs ours, interleaved ratios
+    python -m benchmarks book [FAMILY...]    llms-from-scratch's models, original vs fused
+    python -m benchmarks host [OPTIONS]      the host's cost per call, ours vs PyTorch's
+    python -m benchmarks gpu-check OUTDIR    the device script (benchmarks/gpu_check.sh)
 
-Without CUDA (or with ``--device cpu``) the run compares what a CPU user can choose between:
-``kernels`` as it runs on CPU tensors (its PyTorch fallback, TRITON_INTERPRET unset for our
-calls), SDPA's CPU backends and the reference (the book's math, and in the module rows its
-classes), with peak memory; our Triton kernel runs in Triton's interpreter only when asked
-(``--interpreter``: a parity check, correctness rows against the fallback, and the feature
-rows). Those figures say nothing about GPU speed.
+The sweep: (1) parity of ``kernels.attention`` (forward and gradients) against the float64
+oracle, a failure exits with status 1 before anything is timed; (2) the module rows
+(reference.MultiHeadAttention vs kernels.FusedMultiHeadAttention, a GPT training step without /
+with kernels.fuse_attention; ``--no-modules``); (3) the sweep over seq_len x mode x dtype x
+head_dim x dropout x provider, with the feature rows (features.py) right after its primary
+config, so that the time budget cuts the secondary configs first; opt-in: the book's models
+(``--book-models``); (4) ``<out-dir>/<date>-<gpu-or-cpu>.json`` and
+``.csv`` (rewritten after every point: a killed run leaves valid files with
+``meta.complete = false``), PNG plots, a terminal table.
+
+Where our kernel runs is decided here, not at import: without CUDA (or with ``--device cpu``)
+TRITON_INTERPRET=1 is set before ``kernels`` is first imported (Triton reads it when a kernel
+is decorated), and our calls then take the PyTorch fallback for CPU tensors, except the rows
+that ask for Triton's interpreter (``--interpreter``: a parity check at a tiny shape and the
+feature rows). CPU figures say nothing about GPU speed.
 """
 import argparse
 import contextlib
 import os
+import subprocess
 import sys
 import time
 
-REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# benchmarks/results/ of the checkout; when the package is installed elsewhere (site-packages),
-# ./benchmarks/results/ under the current directory instead.
-DEFAULT_OUT = (os.path.join(REPO_DIR, "benchmarks", "results")
-               if os.path.exists(os.path.join(REPO_DIR, "setup.py"))
-               else os.path.join(os.getcwd(), "benchmarks", "results"))
+from .report import DEFAULT_OUT, REPO_DIR
 
 DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16",
                  "float16": "float16", "half": "float16", "fp32": "float32",
@@ -48,7 +40,7 @@ DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16",
 # GPU head_dims: 128 (primary) and 64 as in the FlashAttention papers, then 512, the largest the
 # kernels take (at hidden 2048: 4 heads); a secondary config, after d64 in the run order.
 # CPU: PyTorch only (ours = the PyTorch fallback), fp32 as CPU users run it; the run is sized to
-# take about a minute on an idle 2-core machine (measured: benchmarks/README.md).
+# take about a minute on an idle 2-core machine.
 DEFAULTS = {
     "cuda": dict(seq_lens=[128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768],
                  modes=["fwd", "bwd", "fwd_bwd"], dtypes=["bfloat16", "float16"],
@@ -147,7 +139,8 @@ def build_parser():
     from .providers import ALL_PROVIDERS
 
     p = _Parser(
-        prog="python -m benchmarks", formatter_class=_Help,
+        prog="python -m benchmarks [sweep]", formatter_class=_Help,
+        epilog="Other commands: python -m benchmarks {modules,book,host,gpu-check} --help",
         description="Parity check, then a benchmark of kernels.attention against PyTorch's "
                     "attention. GPU: the full sweep within --time-budget. CPU: ours as CPU "
                     "tensors run it (the PyTorch fallback) vs SDPA and the book's reference, "
@@ -155,9 +148,6 @@ def build_parser():
     run = p.add_argument_group("what to run")
     run.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                      help="auto: cuda if available")
-    run.add_argument("--host", action="store_true",
-                     help="only the host cost per call, ours vs PyTorch's (benchmarks/host.py; "
-                          "its flags: python -m benchmarks.host --help)")
     run.add_argument("--quick", action="store_true", help="a small sweep (a quick look)")
     run.add_argument("--skip-parity", action="store_true", help="do not run the parity check")
     run.add_argument("--no-modules", action="store_true",
@@ -165,12 +155,12 @@ def build_parser():
     run.add_argument("--no-sweep", action="store_true", help="skip the attention sweep")
     run.add_argument("--features", nargs="+", choices=list(FEATURES), metavar="FEATURE",
                      help=f"feature rows to run, of {', '.join(FEATURES)} (default: all on "
-                          "GPU; none on CPU unless --interpreter); benchmarks/README.md says "
+                          "GPU; none on CPU unless --interpreter); docs/performance.md says "
                           "what each compares")
     run.add_argument("--no-features", action="store_true", help="skip the feature rows")
     run.add_argument("--interpreter", action="store_true",
                      help="CPU: also run our Triton kernel in Triton's interpreter (1,000-4,000x "
-                          "slower than PyTorch) at a tiny shape, checked against the fallback")
+                          "slower than PyTorch): a parity check at a tiny shape, the feature rows")
     run.add_argument("--strict", action="store_true",
                      help="exit with status 2 when any row has status 'error: ...'")
 
@@ -189,6 +179,10 @@ def build_parser():
                        help=f"of {', '.join(ALL_PROVIDERS)} (default: GPU all but "
                             "kernels_interpreter; CPU kernels, reference, sdpa_math, "
                             "sdpa_flash)")
+    sweep.add_argument("--tutorial", metavar="PATH",
+                       help="the Triton tutorial's fused attention (Triton 3.6's "
+                            "tutorials/06-fused-attention.py) for the triton_tutorial rows "
+                            "(default: none, and those rows say 'not given')")
     sweep.add_argument("--tokens", type=_POSITIVE_INT,
                        help="batch * seq_len per point (batch >= 1); " + _per_device("tokens"))
     sweep.add_argument("--hidden", type=_POSITIVE_INT,
@@ -230,23 +224,6 @@ def build_parser():
                             f"not run; no FAMILY = all of {', '.join(BOOK_FAMILIES)})")
     extra.add_argument("--book-layers", type=_POSITIVE_INT, metavar="N",
                        help="layers of the book models (default: each config's own)")
-    extra.add_argument("--fallback-row", action="store_true",
-                       help="the PyTorch fallback for CPU tensors vs SDPA, batch 1, 2 heads, "
-                            "head_dim 64, fp32: time and peak memory in fresh processes "
-                            "(about 2 min on 2 cores)")
-    extra.add_argument("--fallback-seq", type=_POSITIVE_INT, default=16384, metavar="N",
-                       help="seq_len of --fallback-row")
-    extra.add_argument("--fallback-dropout", action="store_true",
-                       help="the fallback with dropout 0.1 vs SDPA with dropout 0.1 (batch 1, "
-                            "8 heads, head_dim 64, fp32, fwd_bwd) on 1 and 2 threads, and peak "
-                            "memory without dropout; 20-30 min on 2 cores")
-    extra.add_argument("--fallback-dropout-seqs", type=_POSITIVE_INT, nargs="+",
-                       default=[1024, 4096, 8192], metavar="N",
-                       help="seq_lens of --fallback-dropout")
-    extra.add_argument("--fallback-threads", type=_POSITIVE_INT, nargs="+", default=[1, 2],
-                       metavar="T", help="PyTorch thread counts of --fallback-dropout")
-    extra.add_argument("--fallback-memory-seq", type=_COUNT, default=8192, metavar="N",
-                       help="seq_len of --fallback-dropout's memory rows, 0 = none")
     return p
 
 
@@ -305,13 +282,51 @@ class Progress:
             sys.stderr.flush()
 
 
+def use_interpreter_if_no_cuda(force_cpu: bool = False) -> bool:
+    """Set TRITON_INTERPRET=1 when there is no CUDA device (or ``force_cpu``); return whether set.
+
+    Must run before the first import of ``kernels``; warns when that already happened.
+    """
+    import torch
+
+    if force_cpu or not torch.cuda.is_available():
+        if os.environ.get("TRITON_INTERPRET") != "1" and "kernels" in sys.modules:
+            print("benchmarks: warning: `kernels` was imported before TRITON_INTERPRET=1 was set; "
+                  "its kernels may not run on CPU", file=sys.stderr)
+        os.environ["TRITON_INTERPRET"] = "1"
+        return True
+    return False
+
+
+def _gpu_check(argv):
+    script = os.path.join(REPO_DIR, "benchmarks", "gpu_check.sh")
+    return subprocess.call(["bash", script, *argv])
+
+
+def _host(argv):
+    from .host import main as host_main
+    return host_main(argv)
+
+
+def _modules(argv):
+    from .modules import main as modules_main
+    return modules_main(argv)
+
+
+# Subcommands other than the sweep; "book" is the sweep's runner with only the book rows.
+COMMANDS = {"host": _host, "modules": _modules, "gpu-check": _gpu_check}
+
+
 def main(argv=None):
     """Entry point; returns the process exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if "--host" in argv:   # its own benchmark with its own flags (python -m benchmarks.host)
-        from .host import main as host_main
-        argv.remove("--host")
-        return host_main(argv)
+    command = argv[0] if argv and not argv[0].startswith("-") else "sweep"
+    if command in COMMANDS:
+        return COMMANDS[command](argv[1:])
+    if command == "book":
+        argv = ["--no-modules", "--no-sweep", "--no-features", "--book-models"] + argv[1:]
+    elif argv and argv[0] == "sweep":
+        argv = argv[1:]
     args = build_parser().parse_args(argv)
     start = time.monotonic()
     import torch
@@ -320,13 +335,13 @@ def main(argv=None):
         print("error: --device cuda but torch.cuda.is_available() is False", file=sys.stderr)
         return 2
     device_type = "cuda" if (args.device != "cpu" and torch.cuda.is_available()) else "cpu"
-    from . import use_interpreter_if_no_cuda
-
     # TRITON_INTERPRET must be set before `kernels` is imported (all imports of it are lazy).
     # On CPU that keeps the interpreter available; `run` then has our calls take the PyTorch
     # fallback, except where the interpreter is asked for.
     use_interpreter_if_no_cuda(force_cpu=device_type == "cpu")
     resolve_args(args, device_type)
+    from .providers import set_tutorial_path
+    set_tutorial_path(args.tutorial)
     return run(args, device_type, start)
 
 
@@ -366,7 +381,6 @@ def _run(args, device_type, start):
     import torch
 
     from . import report
-    from .cpu_fallback import fallback_dropout_rows, fallback_rows
     from .features import feature_rows
     from .modules import gpt_rows, module_rows
     from .providers import INTERPRETER, cpu_backend
@@ -437,12 +451,6 @@ def _run(args, device_type, start):
         save(rows)
         rows += gpt_rows(device, primary, opts, deadline, progress, args.quick)
         save(rows)
-    # 2a. CPU, opt-in: our Triton kernel in Triton's interpreter against the fallback.
-    if device_type == "cpu" and args.interpreter:
-        from .interpreter import interpreter_rows
-
-        rows += interpreter_rows(primary, args.dropout, opts, deadline, progress, args.quick)
-        save(rows)
     # 2b. Book models (opt-in): asked for, so before the sweep that the time budget cuts.
     if args.book_models is not None:
         from .book_models import FAMILIES as BOOK_FAMILIES
@@ -488,18 +496,6 @@ def _run(args, device_type, start):
                                on_point=lambda current: save(done + feat + current),
                                progress=progress, after_primary=run_features)
         rows = done + feat + sweep_rows
-    # 3b. The CPU fallback row (asked for, so not cut by the time budget).
-    if args.fallback_row:
-        save(rows)
-        threads = args.cpu_threads if args.cpu_threads and args.cpu_threads > 0 else 0
-        rows = rows + fallback_rows(args.fallback_seq, threads=threads, reps=args.cpu_reps,
-                                    progress=progress)
-    if args.fallback_dropout:
-        save(rows)
-        rows = rows + fallback_dropout_rows(seqs=args.fallback_dropout_seqs,
-                                            threads=args.fallback_threads,
-                                            memory_seq=args.fallback_memory_seq,
-                                            progress=progress)
     progress.close()
     meta["complete"] = True
     save(rows)
@@ -516,10 +512,6 @@ def _run(args, device_type, start):
     print(report.format_headline(rows))
     if device_type == "cpu":
         print("\nNOTE: " + meta["note"])
-    if args.fallback_row or args.fallback_dropout:
-        print("NOTE: the fallback rows measure the PyTorch fallback for CPU tensors "
-              "(TRITON_INTERPRET unset, fresh processes), not Triton's interpreter; their "
-              "target is a CPU target, judged on any machine.")
     summary = report.status_summary(rows)
     print(f"\n{len(rows)} rows: " + ", ".join(f"{k} {v}" for k, v in sorted(summary.items()))
           + f"; {time.monotonic() - start:.1f}s")

@@ -1,124 +1,15 @@
-"""Feature rows (issue 9): grouped-query heads, a sliding window, packed variable-length
-sequences; chunked attention and a value head dim of its own (MLA); (issue 10) decoding against
-a KV cache; and (issue 12) a transformers model and
-SDPA's flash backend with ours installed (``hf``, ``sdpa_impl``: see the comment above
-HF_SHAPES), each against what it should be at
-least as good as. ``--features`` picks them, ``--no-features`` skips them; in the run order
-they come right after the sweep's primary config (see cli.py), and rows not started within
-the time budget say ``skipped: time budget``.
-
-Modes ``fwd`` and ``fwd_bwd`` (decode: ``fwd``), causal, the sweep's first dtype, measured like
-every other row (measure.py). Rows have every ``sweep.ROW_KEYS`` field (``heads`` = query heads)
-plus ``heads_kv`` and ``window`` (None = none), chunk rows also ``chunk_size`` (None on the
-full causal row) and mla rows ``head_dim_v`` (``head_dim`` is q's and k's); the comparison
-fields sit on the row of ours
-that the target is about, with ``target`` (in words: the issue's; for chunk and mla the one
-TARGETS justifies) and ``target_met``
-(True / False on a GPU when both rows ran; None on CPU, where the kernel runs in Triton's
-interpreter and the figures say nothing about GPU speed, or when a row is missing).
-
-=========  ======================  =========================================================
-bench      provider                what
-=========  ======================  =========================================================
-gqa        kernels                 ``kernels.attention`` with k/v of ``heads_kv`` heads
-gqa        kernels_mha             ours with k/v repeated to ``heads`` heads (MHA, same query
-                                   heads, same values): the target is GQA >= MHA
-                                   (``speedup_vs_mha`` = MHA ms / GQA ms >= 1)
-gqa        sdpa_*                  ``F.scaled_dot_product_attention(enable_gqa=True)`` forced to
-                                   one backend (CPU: math, flash; CUDA: flash, efficient,
-                                   cudnn); ``speedup_vs_best_sdpa`` on the kernels row
-window     kernels                 ``kernels.attention(window=W)``
-window     kernels_causal          ours, full causal, same inputs: ``speedup_vs_full`` =
-                                   causal ms / window ms, target >= 3.5; ``ideal_speedup`` =
-                                   visible pairs causal / window (flops.ideal_window_speedup)
-window     torch_varlen            PyTorch's packed flash attention
-                                   (``torch.nn.attention.varlen.varlen_attn``, window_size
-                                   (W-1, 0)) on the one sequence; CUDA only
-chunk      kernels                 ``kernels.attention(chunk_size=C)`` (Llama 4's chunked
-                                   attention: a query sees the keys of its own chunk of C
-                                   positions, up to itself)
-chunk      kernels_causal          ours, full causal, same inputs: ``speedup_vs_full`` =
-                                   causal ms / chunk ms, target >= 3.2 (0.8 x the ideal, see
-                                   TARGETS); ``ideal_speedup`` = visible pairs causal / chunked
-                                   (flops.ideal_chunk_speedup: 4.0 at chunk 8192 / 32k)
-chunk      kernels_chunks_batched  ours, plain causal, on the chunks as a batch of B * L / C
-                                   sequences of C (the same pairs: at q_len = k_len chunked
-                                   attention is causal attention within each chunk; contiguous
-                                   copies made outside the timed call): ``speedup_vs_batched``
-                                   = batched ms / chunk ms on the kernels row, no target
-                                   (about 1 when the chunk rule costs nothing over the same
-                                   work done as separate sequences)
-chunk      torch_varlen            ``varlen_attn`` on the chunks as packed sequences
-                                   (cu_seqlens every C tokens, window_size (-1, 0)); CUDA only
-varlen     kernels_varlen          ``kernels.attention_varlen`` on the packed batch
-varlen     kernels_dense_each      ours dense, each sequence run alone (one call per sequence,
-                                   batch 1, in order; views of the same packed tokens)
-varlen     kernels_dense_padded    ours dense, one call on the batch right-padded to the
-                                   longest sequence (padding keys come after every real query,
-                                   so the real rows are exact); its padding work is not counted
-varlen     torch_varlen            ``varlen_attn`` (window_size (-1, 0): causal); CUDA only
-mla        kernels                 ``kernels.attention`` with q, k of ``head_dim`` (192) and v
-                                   of ``head_dim_v`` (128): DeepSeek V2 / V3's multi-head
-                                   latent attention as prefill and training compute it
-mla        kernels_padded          ours with v zero-padded to ``head_dim`` (how a kernel that
-                                   needs one head dim runs it; the padding is made outside
-                                   the timed call; the output's padding columns are computed,
-                                   their upstream gradient is 0): ``speedup_vs_padded`` =
-                                   padded ms / mla ms, target >= 1 (the native call's matmuls
-                                   are a subset of the padded call's)
-mla        sdpa_*                  ``F.scaled_dot_product_attention`` with v's own head dim,
-                                   forced to one backend (CPU: math, flash; CUDA: flash,
-                                   efficient, cudnn; a backend that refuses Dv != D says so
-                                   in its ``unsupported: ...`` status); ``speedup_vs_best_sdpa``
-                                   on the kernels row
-=========  ======================  =========================================================
-
-Varlen rows: ``batch`` = number of sequences, ``seq_len`` = the longest, extra ``seqlens``
-and ``total_tokens``; every varlen row counts the same FLOPs, each sequence's own causal work
-(flops.varlen_flops: sum of len^2 / 2-based), so their TFLOP/s compare directly. Likewise every
-chunk row but ``kernels_causal`` counts the chunked problem's visible pairs
-(flops.attention_flops(chunk_size=C)), and every mla row the MLA problem
-(flops.attention_flops(head_dim_v=...); the padded row's padding work is not counted).
-``tflops_vs_dense_each`` (target >= 0.9: varlen within 10 % of the dense kernel at the same
-lengths) and ``tflops_vs_dense_padded`` sit on the kernels_varlen row.
-
-Decode rows (issue 10: split-KV, one query token against a long KV cache) are the last
-feature. Mode ``fwd`` only, one row per (batch, cache length, provider); ``seq_len`` = the cache
-length (the cache is allocated at that length and filled: ``cache_seqlens = seq_len``, no
-k/v appended, so every provider does the same work), ``q_len`` = 1, ``causal`` True (one
-query row sees every key: ours bottom-right causal; SDPA, whose ``is_causal`` is top-left, is
-called with ``is_causal=False``, the same thing).
-
-=========  ======================  =========================================================
-bench      provider                what
-=========  ======================  =========================================================
-decode     kernels                 ``kernels.attention_with_kvcache(q, k_cache, v_cache,
-                                   cache_seqlens, num_splits=N)``, N = the profile's
-                                   ``num_splits`` (GPU: 0, the heuristic; CPU: a forced
-                                   split, since the heuristic gives 1 in the interpreter)
-decode     kernels_unsplit         the same with ``num_splits=1`` (no split)
-decode     kernels_dense           ``kernels.attention(q, k_cache, v_cache, num_splits=N)``
-decode     kernels_paged           ``kernels`` on the same keys in a paged cache (pages of
-                                   ``DECODE_PAGE_SIZE`` rows in a shuffled order,
-                                   ``block_table=``); ``paged_vs_dense`` = kernels ms /
-                                   kernels_paged ms (1: paging costs nothing)
-decode     sdpa_flash / sdpa_*     ``F.scaled_dot_product_attention(q, k_cache[:, :, :len],
-                                   v_cache[:, :, :len], is_causal=False, enable_gqa=True)``
-                                   forced to one backend (flash, efficient; CPU: efficient
-                                   is unsupported)
-=========  ======================  =========================================================
-
-Every decode row: ``heads_kv``, ``q_len``, ``kv_bytes`` (flops.kv_read_bytes: K and V read
-once), ``gbps`` = kv_bytes / median time, ``copy_gbps`` (the card's device-to-device copy
-rate, bytes read + written, measured once in the run by ceilings.copy_gbps; None on CPU)
-and ``bw_fraction`` = gbps / copy_gbps. Ours' rows: ``num_splits`` (the split count the
-launch used), ``num_splits_arg`` (what was passed) and ``num_splits_how`` (``heuristic``:
-kernels.core.configs.num_splits_heuristic of the launch's nominal_tiles, reproduced here as
-forward.py computes it; ``forced``; ``none``). The kernels row: ``speedup_vs_unsplit`` =
-kernels_unsplit ms / kernels ms, ``speedup_vs_best_sdpa``, and the targets where the issue sets
-one (:func:`decode_targets`: batch 1, bw_fraction >= 0.7 at cache >= 32k, >= 0.5 at 8k;
-speedup_vs_unsplit >= 5 at 32k). FLOPs: one query row sees every key, so the exact count is
-the non-causal ``4 * batch * heads * cache_len * head_dim``.
+"""Feature rows: grouped-query heads, a sliding window, chunked attention, packed
+variable-length sequences, a value head dim of its own (MLA), decoding against a KV cache
+(split-KV), a transformers model and SDPA's flash backend with ours installed (``hf``,
+``sdpa_impl``), each against what it should be at least as good as (``TARGETS``).
+``--features`` picks them, ``--no-features`` skips them; they run right after the sweep's
+primary config (cli.py), and rows not started within the time budget say ``skipped: time
+budget``. Modes ``fwd`` and ``fwd_bwd`` (decode: ``fwd``), causal, the sweep's first dtype,
+measured like every other row (measure.py). Every row has ``sweep.ROW_KEYS``; what each
+provider is and the extra columns (``heads_kv``, ``window``, ``chunk_size``, ``head_dim_v``,
+the ratios, ``target`` / ``target_met``, the decode bandwidth fields) are in
+docs/performance.md. ``target_met`` is None on CPU, where the kernel runs in Triton's
+interpreter and the figures say nothing about GPU speed.
 """
 import random
 import time
@@ -130,7 +21,7 @@ from .flops import (attention_flops, gbps, ideal_chunk_speedup, ideal_window_spe
 from .measure import MEASURE_KEYS, classify_failure, measure, mode_maker
 from .providers import Case, SdpaProvider
 from .sweep import add_speedups, new_row
-from .timing import free_memory
+from .measure import free_memory
 
 FEATURES = ("gqa", "window", "chunk", "varlen", "mla", "decode", "hf", "sdpa_impl")
 # The default set per device type: on CPU ``hf`` is left out (its tiny model's rows took ~8 s,
@@ -140,7 +31,7 @@ DEFAULT_FEATURES = {"cuda": FEATURES, "cpu": tuple(f for f in FEATURES if f != "
 FEATURE_MODES = ("fwd", "fwd_bwd")
 CPU_REPS = 1  # timed calls per row on CPU (after the warm-up call)
 
-# Shapes per profile ("cuda", "cpu", "cpu_quick"). GPU: the issue's points; CPU: tiny versions
+# Shapes per profile ("cuda", "cpu", "cpu_quick"). GPU: the points of the targets; CPU: tiny
 # of the same code paths (the kernel runs in Triton's interpreter, 16x16 tiles).
 SHAPES = {
     "cuda": dict(
@@ -174,7 +65,7 @@ TARGETS = {"gqa": ("speedup_vs_mha", 1.0, "GQA at least as fast as MHA with the 
                                           "heads (speedup_vs_mha >= 1)"),
            "window": ("speedup_vs_full", 3.5, "window at least 3.5x faster than full causal "
                                               "(speedup_vs_full >= 3.5)"),
-           # Not the issue's number (it asks for O(q_len * chunk_size) tiles and the ideal):
+           # Not the ideal itself (O(q_len * chunk_size) tiles can reach it only in the limit):
            # 0.8 x the ideal, 4.0 at chunk 8192 / 32k (flops.ideal_chunk_speedup), about the
            # share of its ideal the window's target asks for (3.5 of 4.27 = 0.82). A kernel
            # that visited every causal tile would stay near 1x.
@@ -541,7 +432,7 @@ def feature_rows(device, dtype, features=FEATURES, opts=None, deadline=float("in
             rows += decode_rows(sh, device, dtype, decode_sdpa, opts, deadline, progress,
                                 copy_gbps)
             continue
-        if feature in ("hf", "sdpa_impl"):  # issue 12: their own loops too
+        if feature in ("hf", "sdpa_impl"):  # their own loops too
             own = hf_rows if feature == "hf" else sdpa_impl_rows
             shp = (HF_SHAPES if feature == "hf" else SDPA_IMPL_SHAPES)[prof]
             rows += own(shp, device, dtype, opts, deadline, progress)
@@ -605,30 +496,30 @@ def _compare(feature, rows, device, sh):
     for mode in FEATURE_MODES:
         if feature == "gqa":
             mine, other = by.get(("kernels", mode)), by.get(("kernels_mha", mode))
-            value = _ratio(other, mine, "ms")
+            value = ratio(other, mine, "ms")
         elif feature == "window":
             mine, other = by.get(("kernels", mode)), by.get(("kernels_causal", mode))
-            value = _ratio(other, mine, "ms")
+            value = ratio(other, mine, "ms")
             if mine is not None:
                 mine["ideal_speedup"] = ideal_window_speedup(sh["seq_len"], sh["seq_len"],
                                                              sh["window"])
         elif feature == "chunk":
             mine, other = by.get(("kernels", mode)), by.get(("kernels_causal", mode))
-            value = _ratio(other, mine, "ms")
+            value = ratio(other, mine, "ms")
             if mine is not None:
                 mine["ideal_speedup"] = ideal_chunk_speedup(sh["seq_len"], sh["seq_len"],
                                                             sh["chunk_size"])
-                mine["speedup_vs_batched"] = _ratio(
+                mine["speedup_vs_batched"] = ratio(
                     by.get(("kernels_chunks_batched", mode)), mine, "ms")
         elif feature == "mla":
             mine, other = by.get(("kernels", mode)), by.get(("kernels_padded", mode))
-            value = _ratio(other, mine, "ms")
+            value = ratio(other, mine, "ms")
         else:
             mine = by.get(("kernels_varlen", mode))
             other = by.get(("kernels_dense_each", mode))
-            value = _ratio(mine, other, "tflops")
+            value = ratio(mine, other, "tflops")
             if mine is not None:
-                mine["tflops_vs_dense_padded"] = _ratio(
+                mine["tflops_vs_dense_padded"] = ratio(
                     mine, by.get(("kernels_dense_padded", mode)), "tflops")
         if mine is None:
             continue
@@ -639,7 +530,7 @@ def _compare(feature, rows, device, sh):
         add_speedups(rows)
 
 
-def _ratio(a, b, key):
+def ratio(a, b, key):
     """a[key] / b[key] when both rows are ok, else None."""
     if not a or not b or a["status"] != "ok" or b["status"] != "ok" or not b[key]:
         return None
@@ -647,7 +538,7 @@ def _ratio(a, b, key):
 
 
 # --------------------------------------------------------------------------------------------
-# Decode rows (issue 10)
+# Decode rows
 # --------------------------------------------------------------------------------------------
 DECODE_OURS = ("kernels", "kernels_unsplit", "kernels_dense", "kernels_paged")
 # Rows per page of the paged-cache decode row (FlashAttention's and vLLM's usual size; the
@@ -656,7 +547,7 @@ DECODE_PAGE_SIZE = 256
 
 
 def decode_targets(batch, cache_len):
-    """[(field, threshold)] that issue 10 sets for a decode point on a GPU (empty: none):
+    """[(field, threshold)] the targets of a decode point on a GPU (empty: none):
     batch 1: ``bw_fraction`` >= 0.7 at cache >= 32k and >= 0.5 at 8k; ``speedup_vs_unsplit``
     >= 5 at 32k."""
     out = []
@@ -836,7 +727,7 @@ def decode_rows(sh, device, dtype, sdpa_names=DECODE_SDPA, opts=None, deadline=f
 def decode_compare(rows, gpu, copy_gbps):
     """Bandwidth fields on every row of one decode point, and the comparisons and the target
     on the kernels row (in place; returns ``rows``): ``gbps`` = kv_bytes / ms,
-    ``bw_fraction`` = gbps / copy_gbps, ``speedup_vs_unsplit``, ``speedup_vs_best_sdpa``,
+    ``bw_fraction`` = gbps / copy_gbps, ``speedup_vs_unsplit``, ``best_sdpa_ms_over_ours``,
     ``target``, ``target_met`` (None off a GPU or when a value is missing)."""
     for r in rows:
         r["copy_gbps"] = copy_gbps
@@ -847,9 +738,9 @@ def decode_compare(rows, gpu, copy_gbps):
     mine = by.get("kernels")
     if mine is None:
         return rows
-    mine["speedup_vs_unsplit"] = _ratio(by.get("kernels_unsplit"), mine, "ms")
+    mine["speedup_vs_unsplit"] = ratio(by.get("kernels_unsplit"), mine, "ms")
     if by.get("kernels_paged") is not None:   # the paged cache's cost: paged / dense GB/s
-        by["kernels_paged"]["paged_vs_dense"] = _ratio(mine, by["kernels_paged"], "ms")
+        by["kernels_paged"]["paged_vs_dense"] = ratio(mine, by["kernels_paged"], "ms")
     add_speedups(rows)
     targets = decode_targets(mine["batch"], mine["seq_len"])
     mine["target"] = decode_target_text(targets)
@@ -860,7 +751,7 @@ def decode_compare(rows, gpu, copy_gbps):
 
 
 # --------------------------------------------------------------------------------------------
-# Integration rows (issue 12): a transformers model, and SDPA's flash backend
+# Integration rows: a transformers model, and SDPA's flash backend
 # --------------------------------------------------------------------------------------------
 # hf: a Llama-shaped model from a config (random weights, no download), attn_implementation
 # "sdpa" vs ours ("triton_fused", kernels.hf.register()), the same weights (switched with
@@ -924,7 +815,7 @@ def _integration_compare(rows, gpu, key):
         points.setdefault(key(r), []).append(r)
     for point in points.values():
         base, mine = point[0], point[-1]
-        value = _ratio(base, mine, "ms")
+        value = ratio(base, mine, "ms")
         dropout = mine["dropout_p"] > 0
         mine["speedup_vs_sdpa"] = value
         mine["target"] = INTEGRATION_TARGETS[dropout]
@@ -933,7 +824,7 @@ def _integration_compare(rows, gpu, key):
     return rows
 
 
-def _integration_row(bench, provider, mode, case, extra, static, deadline):
+def integration_row(bench, provider, mode, case, extra, static, deadline):
     row = new_row(provider, mode, case, bench=bench)
     row.update(heads_kv=None, window=None)
     row.update(extra)
@@ -958,7 +849,7 @@ def hf_rows(sh, device, dtype, opts, deadline=float("inf"), progress=None):
         case = Case(batch=sh["batch"], heads=sh["heads"], seq_len=L, head_dim=D, dtype=dtype,
                     dropout_p=p, device=device)
         for name in HF_PROVIDERS:
-            row = _integration_row("hf", name, mode, case, extra, static, deadline)
+            row = integration_row("hf", name, mode, case, extra, static, deadline)
             if mode == "generate":
                 row.update(prompt=sh["prompt"], new_tokens=sh["new_tokens"])
             rows.append(row)
@@ -1044,7 +935,7 @@ def sdpa_impl_rows(sh, device, dtype, opts, deadline=float("inf"), progress=None
                         device=device)
             for mode in FEATURE_MODES:
                 for name in SDPA_IMPL_PROVIDERS:
-                    row = _integration_row("sdpa_impl", name, mode, case, {}, static, deadline)
+                    row = integration_row("sdpa_impl", name, mode, case, {}, static, deadline)
                     rows.append(row)
                     if row["status"] is not None:
                         continue

@@ -1,32 +1,9 @@
-"""The one FLOP count used by every benchmark row (the field's convention, see FIELD_NOTES.md).
-
-forward  = 4 * batch * heads * q_len * k_len * head_dim   (two matmuls, 2 FLOPs per multiply-add)
-causal   = forward / 2                                      (convention; exact as seq -> inf)
-backward = 2.5 * forward                                    (five matmuls instead of two)
-fwd_bwd  = 3.5 * forward
-
-Softmax, masking and dropout are not counted: TFLOP/s numbers are comparable with the
-FlashAttention papers and the Triton tutorial, which use the same count.
-
-Sliding window (``window < k_len``): forward = 4 * batch * heads * head_dim * (visible pairs),
-the exact number of (query, key) pairs the mask keeps (:func:`visible_pairs`), since the
-causal half-convention has no window analogue; a window >= k_len is plain causal (above). The
-two counts differ by less than 1/seq_len (n*(n+1)/2 pairs vs n^2/2), 0.003 % at 32k.
-Chunked attention (Llama 4, ``chunk_size < k_len``): the same, 4 * batch * heads * head_dim *
-(visible pairs), each query seeing the keys of its own chunk up to itself
-(:func:`visible_pairs`: with q_len = k_len = m * chunk + r, m * chunk * (chunk + 1) / 2 +
-r * (r + 1) / 2 pairs); ``chunk_size >= k_len`` is plain causal.
-A value head dim of its own (``head_dim_v``, DeepSeek's MLA: q/k 192, v 128): each visible
-pair costs 2 * head_dim FLOPs in q @ k^T and 2 * head_dim_v in p @ v, so forward =
-2 * batch * heads * (pairs) * (head_dim + head_dim_v), and the backward's five matmuls
-(q @ k^T again, dO @ v^T, p^T @ dO, dS @ k, dS^T @ q) 2 * (pairs) * (3 * head_dim +
-2 * head_dim_v): with head_dim_v = head_dim these are the 4 * ... * head_dim and 2.5x above.
-Grouped-query heads: ``heads`` is the number of query heads (k/v heads change no FLOPs).
-Packed sequences (varlen): the sum of each sequence's own count (:func:`varlen_flops`), i.e.
-sum(len^2)/2-based for causal, never the padded batch's.
-Decoding (one query row against a KV cache of ``k_len`` keys): it sees every key, so the
-exact count is the non-causal one, ``4 * batch * heads * k_len * head_dim``; what limits it
-is memory, so decode rows also report :func:`kv_read_bytes` / time (:func:`gbps`).
+"""The one FLOP count used by every benchmark row: forward = 4 * batch * heads * q_len * k_len *
+head_dim, halved for causal; backward 2.5x, forward + backward 3.5x (softmax, masking and
+dropout not counted: the FlashAttention papers' and the Triton tutorial's count). A window,
+chunks, a value head dim of its own and packed sequences count their visible pairs exactly;
+decoding is memory-bound and also reports bytes read per second. docs/performance.md gives
+every formula.
 """
 
 MODE_FACTORS = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}

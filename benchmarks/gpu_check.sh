@@ -10,39 +10,25 @@
 #   check.log                   everything printed, stage by stage (the table is near the end)
 #   junit.xml                   pytest's report (written only when pytest ends by itself)
 #   outcomes.txt, failures.txt  every test's outcome and each failure's traceback, written as
-#                               the tests end (benchmarks/failure_log.py): there even when the
+#                               the tests end (tools/failure_log.py): there even when the
 #                               stage's timeout cut pytest off
 #   ceilings.json               bf16 8192^3 matmul TFLOP/s and copy GB/s (benchmarks/ceilings.py)
-#   <date>-<gpu>.json / .csv    benchmark results (schema: benchmarks/README.md)
+#   <date>-<gpu>.json / .csv    benchmark results (columns: docs/performance.md)
 #   plots.tar                   the benchmark's PNG plots
 #   book/<date>-<gpu>.json/.csv the book-model rows (stage "book", not in the default stages)
-# Stage "book" (issue 11; `GPU_CHECK_STAGES="versions book"`, a device call of its own):
+# Stage "book" (`GPU_CHECK_STAGES="versions book"`, a device call of its own):
 # `python -m benchmarks --book-models`, llms-from-scratch's Qwen 3 / Llama 3 / GPT-2 KV /
 # batched Qwen 3 original vs fused (generation tokens/s at batch 1 and 8, prompt 512, 256 new
 # tokens; a bf16 training step at seq 2048), saved after each family. It needs
 # llms-from-scratch (pure Python, and tiktoken for Llama 3): where it is not installed, put its
 # wheel's contents on PYTHONPATH (`pip install --no-deps --target DIR <wheel>`), else the rows
-# say "skipped: llms-from-scratch not installed".
-# GPU time, ESTIMATED (not measured yet): ~2-3 min of first calls (compiling and autotuning our
-# kernel's ~10 forward and ~4 backward keys: prefill, decode, varlen and training shapes at
-# head_dim 128 and 64) + ~3 min of timed calls (a generation call is host-bound, ~1-2 s for
-# GPT-2 and Llama, ~4-5 s for the 28-layer Qwen 3, 3 calls per row) = ~5-7 min, inside one
-# 10-minute call (BOOK_TIMEOUT, default 540 s). BOOK_ARGS="--book-layers 8" roughly halves the
-# generation part (recorded on the rows); a run cut by the timeout keeps the families saved.
+# say "skipped: llms-from-scratch not installed". ~5-7 min (estimated, not measured yet):
+# BOOK_TIMEOUT (default 540 s); BOOK_ARGS="--book-layers 8" roughly halves the generation part.
 # Stage "tma_ab" (`GPU_CHECK_STAGES="versions precompile tma_ab"` alone, ~2-3 min; last in the
 # "speed" list): ours and SDPA flash (the drift check), bf16, head_dim 128 and 64, causal, seq
 # 128 / 512 / 1024, fwd / bwd / fwd_bwd, with tensor-descriptor loads (KERNELS_TMA=1) into
-# WORK/tma1/ and without (KERNELS_TMA=0) into WORK/tma0/. Why: the first H200 run (2026-11-26)
-# timed ours at seq 128 (batch 128 x 16 heads, d128) at 30 TFLOP/s forward vs cuDNN's 116, and
-# the static count gives ours' forward program 1.3-1.9x the tutorial's fixed instructions with
-# in-kernel descriptors, 1.07-1.31x without (benchmarks/NOTES.md, issue 30). Stage "probe":
-# benchmarks/hf_grad_probe.py, the per-parameter gradient errors of a tiny transformers Gemma 2
-# (soft-cap 1, window 4) against the float64 oracle, with and without TMA, KERNELS_AUTOTUNE=0
-# (as the GPU test suite whose training-gradient test failed on the H200); WORK/probe_tma*.json.
-# Stage "profile": benchmarks/profile_call.py, torch.profiler's GPU kernel and host times of
-# ours, SDPA flash and cuDNN in fwd / bwd / fwd_bwd at that seq-128 shape, with and without TMA
-# (WORK/profile_tma1.json, profile_tma0.json), then Nsight Compute (--clock-control none) on
-# ours' kernels there (WORK/ncu_seq128.csv) when ncu is on the PATH.
+# WORK/tma1/ and without (KERNELS_TMA=0) into WORK/tma0/: at short lengths the per-program
+# fixed cost weighs most (docs/performance.md).
 # Environment knobs: PYTHON (default python3), GPU_CHECK_BUDGET, TESTS_TIMEOUT (default 240),
 # BENCH_ARGS (extra arguments for `python -m benchmarks`, e.g. "--quick"), BOOK_TIMEOUT and
 # BOOK_ARGS (the same for stage "book", e.g. "--book-models qwen3"), GPU_CHECK_STAGES
@@ -52,23 +38,19 @@
 # 0 = one process; the suite compiles ~500 kernel variants, ~0.5-1 s each, serially per process),
 # TEST_ARGS (extra pytest arguments, default none: every failure is reported; e.g. "-x" to stop
 # at the first, "--timeout 300" to cut a hung test; a per-test timeout under ~90 s fails tests
-# that compile many kernels while 8-16 workers compete for the CPU: seen on an H200 host).
+# that compile many kernels while 8-16 workers compete for the CPU: seen on an H200 host),
+# TUTORIAL (the Triton tutorial's 06-fused-attention.py, not in this repository: the sweep's
+# and precompile's triton_tutorial rows; unset, those rows say "not given").
 #
-# Stage list "speed" (issue 30; `GPU_CHECK_STAGES=speed`, one 9-minute device call, the command
-# line is in benchmarks/README.md): in this order, each stage saving as it ends,
-#   precompile  benchmarks/precompile.py: every kept config of every launch below compiled on
+# Stage list "speed" (`GPU_CHECK_STAGES=speed`, one 9-minute device call): in this order, each
+# stage saving as it ends,
+#   precompile  tools/precompile.py: every kept config of every launch below compiled on
 #               all cores but two into TRITON_CACHE_DIR (and Flex's graphs into inductor's
 #               cache) before anything is timed; precompile.json
-#   probe       (1) run beside precompile, on the two cores left: hf_grad_probe.py with and
-#               without TMA, KERNELS_AUTOTUNE=0 as in the GPU test suite whose Gemma 2 gradient
-#               test failed; probe_tma1.json / probe_tma0.json
-#   sweep       (2) fwd / bwd / fwd_bwd, seq 128 ... 16384, head_dim 128 and 64, causal bf16,
+#   sweep       fwd / bwd / fwd_bwd, seq 128 ... 16384, head_dim 128 and 64, causal bf16,
 #               16k tokens: ours, cuDNN, SDPA flash (FA2), Flex, the Triton tutorial; sweep/
-#   dropout     (3) the same with dropout 0.1: ours and the SDPA backends; dropout/
-#   modules     (4) the module and GPT-124M step rows, dropout 0 and 0.1; modules/
-#   profile     (5) profile_call.py at seq 128 (kernel vs host time; ours, flash, cuDNN) with
-#               and without TMA, then Nsight Compute on ours' kernels; profile_tma*.json,
-#               ncu_seq128.csv
+#   dropout     the same with dropout 0.1: ours and the SDPA backends; dropout/
+#   modules     the module and GPT-124M step rows, dropout 0 and 0.1; modules/
 #   host        benchmarks/host.py: the host's time per call through the public API (ours vs
 #               SDPA and the book's module, a tiny shape), ~40 s; host/
 #   tma_ab      last, when >= 60 s are left: ours and flash at seq 128 / 512 / 1k, d128 and
@@ -81,7 +63,7 @@
 # brings back at most 8 files); TRITON_CACHE_DIR defaults to GPU_CHECK_CACHE (/tmp/gpu_check_cache)
 # so that precompile and the timed stages share it.
 # DRY_RUN=1: the whole script on a CPU machine, every python command replaced by
-# `python -m benchmarks.device_plan MODULE ARGS...` (the same arguments through the module's own
+# `python -m tools.device_plan MODULE ARGS...` (the same arguments through the module's own
 # parser, and what it would run), so that a typo fails there and not on the device
 # (tests/test_device_script.py runs it).
 # Exit status: 0 when every stage passed, else the first failing stage's status.
@@ -106,7 +88,7 @@ TEST_WORKERS=${TEST_WORKERS:-8}
 TEST_ARGS=${TEST_ARGS:-}
 DRY_RUN=${DRY_RUN:-0}
 STAGES=" ${GPU_CHECK_STAGES:-versions ceilings tests bench} "
-STAGES=${STAGES/ speed / versions precompile probe sweep dropout modules profile host tma_ab }
+STAGES=${STAGES/ speed / versions precompile sweep dropout modules host tma_ab }
 if [[ "$STAGES" == *" suite "* ]]; then
     STAGES=${STAGES/ suite / versions tests }
     TESTS_TIMEOUT=${TESTS_TIMEOUT_SUITE:-$(( BUDGET - 15 ))}
@@ -120,7 +102,7 @@ export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-${GPU_CHECK_CACHE:-/tmp/gpu_check_ca
 mkdir -p "$TRITON_CACHE_DIR"
 # The python commands: `$PY -m MODULE ARGS`, or in a dry run their validation.
 if [ "$DRY_RUN" = 1 ]; then
-    PYM=("$PY" -m benchmarks.device_plan)
+    PYM=("$PY" -m tools.device_plan)
 else
     PYM=("$PY" -m)
 fi
@@ -128,6 +110,8 @@ PRECOMPILE_JOBS=${PRECOMPILE_JOBS:-$(( $(nproc) > 3 ? $(nproc) - 2 : 1 ))}
 SEQS=(128 512 1024 2048 4096 8192 16384)
 SPEED_COMMON=(--no-plots --skip-parity --no-features --dtypes bf16 --head-dims 128 64
               --seq-lens "${SEQS[@]}" --modes fwd bwd fwd_bwd)
+TUTORIAL_ARGS=()
+[ -n "${TUTORIAL:-}" ] && TUTORIAL_ARGS=(--tutorial "$TUTORIAL")
 
 main() {
     local start status=0 summary=""
@@ -193,7 +177,7 @@ print(\"device\", torch.cuda.get_device_name() if torch.cuda.is_available() else
         fi
         # shellcheck disable=SC2086
         TEST_LOG_DIR="$WORK" stage "tests (GPU)" "$tests_limit" "${PYM[@]}" pytest tests -q \
-            $TEST_ARGS -p no:cacheprovider -p benchmarks.failure_log -rfE $xdist_args \
+            $TEST_ARGS -p no:cacheprovider -p tools.failure_log -rfE $xdist_args \
             --durations=15 --junitxml "$WORK/junit.xml"
         pack
     fi
@@ -207,56 +191,26 @@ print(\"device\", torch.cuda.get_device_name() if torch.cuda.is_available() else
             --time-budget $(( book_limit - 30 )) --book-models $BOOK_ARGS
     fi
     if wanted precompile; then
-        # (1) The probe runs beside the compiles, on the cores they leave: it is correctness
-        # only, and the first result of the list (a wrong gradient outranks any speed).
-        local probe_pids=() tma
-        if wanted probe; then
-            for tma in 1 0; do
-                KERNELS_TMA=$tma KERNELS_AUTOTUNE=0 timeout -k 10 "${PROBE_TIMEOUT:-170}" \
-                    "${PYM[@]}" benchmarks.hf_grad_probe --json "$WORK/probe_tma$tma.json" \
-                    > "$WORK/probe_tma$tma.log" 2>&1 &
-                probe_pids+=($!)
-            done
-        fi
         local pc_limit
         pc_limit=$(limit_reserving 150 300)
         # shellcheck disable=SC2086
         stage "precompile (${PRECOMPILE_JOBS} processes)" "$pc_limit" \
-            "${PYM[@]}" benchmarks.precompile --jobs "$PRECOMPILE_JOBS" \
+            "${PYM[@]}" tools.precompile --jobs "$PRECOMPILE_JOBS" "${TUTORIAL_ARGS[@]}" \
             --time-limit $(( pc_limit - 10 )) --json "$WORK/precompile.json" ${PRECOMPILE_ARGS:-}
-        pack
-        if wanted probe; then
-            local i=0 rc
-            for tma in 1 0; do
-                wait "${probe_pids[$i]}"; rc=$?
-                i=$(( i + 1 ))
-                echo; echo "=== probe KERNELS_TMA=$tma (beside precompile): exit $rc ==="
-                cat "$WORK/probe_tma$tma.log"
-                summary="${summary}probe KERNELS_TMA=$tma: exit $rc"$'\n'
-                [ $status -eq 0 ] && [ $rc -ne 0 ] && status=$rc
-            done
-            pack
-        fi
-    elif wanted probe; then
-        local tma
-        for tma in 1 0; do
-            KERNELS_TMA=$tma KERNELS_AUTOTUNE=0 stage "probe KERNELS_TMA=$tma" 120 \
-                "${PYM[@]}" benchmarks.hf_grad_probe --json "$WORK/probe_tma$tma.json"
-        done
         pack
     fi
     if wanted sweep; then
-        # (2) Reserve: dropout 60 s, modules 45 s, profile 60 s.
+        # Reserve: dropout 60 s, modules 45 s, host 20 s.
         local sweep_limit
-        sweep_limit=$(limit_reserving 270 165)
+        sweep_limit=$(limit_reserving 270 125)
         stage "sweep (bf16, d128 + d64, dropout 0)" "$sweep_limit" "${PYM[@]}" benchmarks \
             --out-dir "$WORK/sweep" "${SPEED_COMMON[@]}" --no-modules --dropout 0.0 \
-            --providers kernels sdpa_cudnn sdpa_flash flex triton_tutorial \
+            --providers kernels sdpa_cudnn sdpa_flash flex triton_tutorial "${TUTORIAL_ARGS[@]}" \
             --time-budget $(( sweep_limit - 30 ))
         pack
     fi
     if wanted dropout; then
-        # (3) The backends that take dropout (Flex and the tutorial do not); sdpa_math stores
+        # The backends that take dropout (Flex and the tutorial do not); sdpa_math stores
         # seq^2 scores: up to 4k here.
         local dropout_limit
         dropout_limit=$(limit_reserving 150 105)
@@ -267,7 +221,7 @@ print(\"device\", torch.cuda.get_device_name() if torch.cuda.is_available() else
         pack
     fi
     if wanted modules; then
-        # (4) FusedMultiHeadAttention vs the book's module (8 x 1024, 12 x 64) and the
+        # FusedMultiHeadAttention vs the book's module (8 x 1024, 12 x 64) and the
         # GPT-124M training step; their attention launches are the sweep's d64 seq-1024 ones.
         local modules_limit
         modules_limit=$(limit_reserving 90 60)
@@ -276,34 +230,8 @@ print(\"device\", torch.cuda.get_device_name() if torch.cuda.is_available() else
             --dtypes bf16 --dropout 0.0 0.1 --time-budget $(( modules_limit - 20 ))
         pack
     fi
-    if wanted profile; then
-        # (5) torch.profiler: GPU kernel time vs host time per mode at seq 128 (128 x 16 x 128,
-        # d128), with and without TMA; then Nsight Compute on ours' kernels there.
-        local tma
-        for tma in 1 0; do
-            KERNELS_TMA=$tma stage "profile KERNELS_TMA=$tma" "$(limit_reserving 60 30)" \
-                "${PYM[@]}" benchmarks.profile_call --json "$WORK/profile_tma$tma.json"
-        done
-        pack
-        local ncu_args=(--clock-control none --profile-from-start off
-                        --kernel-name "regex:_attn_fwd|_bwd_" --section SpeedOfLight
-                        --section LaunchStats --section Occupancy --csv --page details)
-        local prof_args=(benchmarks.profile_call --ncu --providers ours --reps 1)
-        if [ "$DRY_RUN" = 1 ]; then
-            stage "ncu (dry run: its python command)" 60 "${PYM[@]}" "${prof_args[@]}"
-            echo "would run: ncu ${ncu_args[*]} $PY -m ${prof_args[*]} > $WORK/ncu_seq128.csv"
-        elif command -v ncu >/dev/null 2>&1; then
-            stage "ncu, ours at seq 128" "$(limit_reserving 120 0)" bash -c \
-                'ncu "$@" > "'"$WORK"'/ncu_seq128.csv" 2> "'"$WORK"'/ncu_seq128.log"; rc=$?;
-                 tail -5 "'"$WORK"'/ncu_seq128.log"; exit $rc' _ \
-                "${ncu_args[@]}" "$PY" -m "${prof_args[@]}"
-        else
-            echo "ncu not found: no Nsight Compute profile"
-        fi
-        pack
-    fi
     if wanted host; then
-        # The host's time per call through the public API (issue 29): ours vs SDPA and the
+        # The host's time per call through the public API: ours vs SDPA and the
         # book's module at a tiny shape, where the GPU waits on the host (benchmarks/host.py).
         stage "host cost per call" "$(limit_reserving 60 20)" "${PYM[@]}" benchmarks.host \
             --device cuda --budget 20 --out-dir "$WORK/host"
@@ -311,7 +239,7 @@ print(\"device\", torch.cuda.get_device_name() if torch.cuda.is_available() else
     fi
     if wanted tma_ab; then
         # Ours with and without tensor descriptors at the short lengths where the per-program
-        # fixed cost weighs most (benchmarks/NOTES.md, issue 30), SDPA flash as the drift check.
+        # fixed cost weighs most (docs/performance.md), SDPA flash as the drift check.
         # In the speed list only when a minute is left (the suite call can take it instead).
         local tma tma_limit
         for tma in 1 0; do

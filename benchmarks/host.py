@@ -1,29 +1,18 @@
 """Host cost of one call: the public API's Python per call, ours vs PyTorch's, on a real device.
 
-    python -m benchmarks.host [--device cuda] [--shape 1x1x16x16] [--budget 20]
-    python -m benchmarks --host            (the same, through the benchmark CLI)
+    python -m benchmarks host [--device cuda] [--shape 1x1x16x16] [--budget 20]
 
 At tiny shapes a GPU finishes each kernel long before the host has issued the next call, so the
-wall time of back-to-back calls, divided by their number, is the host's cost per call -- what a
-training step loses per attention call when it is host-bound. Each case runs batches of
-``--inner`` calls (one device synchronisation at the end of each batch); batches of all cases
+wall time of back-to-back calls, divided by their number, is the host's cost per call. Each
+case runs batches of ``--inner`` calls (one synchronisation per batch); batches of all cases
 alternate until ``--budget`` seconds, so load from other processes spreads over every case. Per
-case: min, p20 and median of the batches' per-call times, in microseconds.
+case: min, p20 and median of the batches' per-call times, in microseconds. The cases
+(``kernels.attention`` fwd, fwd+bwd, dropout; SDPA's same calls as the baseline; the modules;
+``flash_attn_func``; decode; varlen) are listed in docs/performance.md.
 
-Cases (bf16 on CUDA, fp32 on CPU; causal): ``kernels.attention`` forward under no_grad, forward
-+ backward (``torch.autograd.grad``), the same with dropout 0.1; SDPA's same calls (the
-baseline); ``kernels.FusedMultiHeadAttention`` vs ``reference.MultiHeadAttention`` forward +
-backward (same constructor arguments); ``kernels.flash_attn_interface.flash_attn_func``
-forward against our own call (the compatibility layer's cost);
-``kernels.attention_with_kvcache`` one-token decode (cache 4x the sequence, one new key
-appended) and ``kernels.attention_varlen`` forward (two packed sequences).
-
-On a machine without CUDA the CPU tensors take the PyTorch fallback (or Triton's interpreter
-with TRITON_INTERPRET=1), not the GPU path: the rows then say what a CPU user's call costs.
-For the GPU path's Python measured without a GPU (a stub driver), use the project's
-``host_overhead.py`` tool (not shipped; benchmarks/NOTES.md quotes its summary lines).
-
-Rows go to ``<out-dir>/<date>-<device>-host.json`` and ``.csv`` with the device and versions.
+Without CUDA the CPU tensors take the PyTorch fallback: the rows say what a CPU user's call
+costs. For the GPU path's Python measured without a GPU (a stub driver), see
+tools/host_overhead.py. Rows go to ``<out-dir>/<date>-<device>-host.json`` and ``.csv``.
 """
 import argparse
 import os
@@ -36,9 +25,8 @@ import torch.nn.functional as F
 import kernels
 import reference
 
-from .report import collect_meta, results_stem, write_csv, write_json
+from .report import DEFAULT_OUT, REPO_DIR, collect_meta, results_stem, write_results
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _cases(device, shape, dtype):
@@ -163,7 +151,7 @@ def build_parser():
     p.add_argument("--shape", type=_shape, default=(1, 1, 16, 16), help="BxHxNxD")
     p.add_argument("--budget", type=_positive(float), default=20.0, help="seconds of timing")
     p.add_argument("--inner", type=_positive(int), default=20, help="calls per timed batch")
-    p.add_argument("--out-dir", default=os.path.join(REPO, "benchmarks", "results"))
+    p.add_argument("--out-dir", default=DEFAULT_OUT)
     return p
 
 
@@ -182,14 +170,13 @@ def main(argv=None):
         os.environ["TRITON_INTERPRET"] = "0"
     torch.set_num_threads(1)
     rows = measure(device, args.shape, dtype, args.budget, args.inner)
-    meta = collect_meta(device, vars(args), REPO)
+    meta = collect_meta(device, vars(args), REPO_DIR)
     meta["what"] = ("host time per call (us): back-to-back calls at a tiny shape, one sync per "
                     "batch" + ("" if device == "cuda" else "; CPU tensors: the PyTorch fallback "
                                "or the interpreter, not the GPU path"))
     os.makedirs(args.out_dir, exist_ok=True)
     stem = os.path.join(args.out_dir, results_stem(device) + "-host")
-    write_json(stem + ".json", meta, rows)
-    write_csv(stem + ".csv", rows)
+    write_results(stem, meta, rows)
     print(f"{'case':40} {'min':>8} {'p20':>8} {'median':>8}  x baseline (p20)")
     for r in rows:
         ratio = f"{r['x_baseline_p20']:.2f}x {r['baseline']}" if r.get("baseline") else ""

@@ -1,22 +1,8 @@
-"""Module-level benchmarks: the attention module and a GPT training step, reference vs ours.
-
-Rows (same keys as the attention sweep, plus the extras named here):
-
-* ``bench="module"``, provider ``module_reference`` (``reference.MultiHeadAttention``) or
-  ``module_kernels`` (``kernels.FusedMultiHeadAttention``, loaded with the reference's weights;
-  on CPU its attention is the PyTorch fallback, ``backend: pytorch_fallback``), and on CPU
-  also ``module_reference_wrapper`` (``reference.MultiHeadAttentionWrapper``: the book's
-  ``CausalAttention`` heads side by side, each ``emb_dim // heads`` wide, its own weights),
-  modes ``fwd`` and ``fwd_bwd``, in training mode (dropout active), input x of shape
-  (batch, seq_len, emb_dim) requiring grad. Extra keys: ``emb_dim``, ``same_weights``.
-  TFLOP/s count the four projections and the attention core (:func:`flops.mha_flops`; the
-  wrapper has no output projection, counted alike).
-* ``bench="gpt_step"``, provider ``gpt_step_reference`` (``reference.GPTModel``) or
-  ``gpt_step_kernels`` (a deep copy passed through ``kernels.fuse_attention``), mode
-  ``train_step``: zero_grad, forward, cross-entropy, backward, AdamW step. On CUDA the model is
-  fp32 under ``torch.autocast`` in the sweep's first dtype; on CPU plain fp32. Extra keys:
-  ``n_layers``, ``emb_dim``, ``vocab_size``, ``autocast``, ``fused_modules`` (the count
-  fuse_attention returned), ``tokens_per_s``. TFLOP/s from :func:`flops.gpt_step_flops`.
+"""Module-level benchmarks, reference vs ours: ``bench="module"`` (reference.MultiHeadAttention
+vs kernels.FusedMultiHeadAttention with the same weights, ``fwd`` / ``fwd_bwd``, training mode)
+and ``bench="gpt_step"`` (reference.GPTModel vs a copy through kernels.fuse_attention, one
+AdamW training step); on CPU also the interleaved ratio rows of ``python -m benchmarks
+modules`` (:func:`main`). Columns: docs/performance.md.
 """
 import contextlib
 import copy
@@ -29,7 +15,7 @@ from .flops import gpt_step_flops, mha_flops, tflops
 from .measure import MEASURE_KEYS, classify_failure, measure, mode_maker
 from .providers import Case
 from .sweep import new_row
-from .timing import free_memory
+from .measure import free_memory
 
 # Sizes per profile ("cuda", "cpu", "cpu_quick"): (batch, seq_len, emb_dim, heads) of the
 # module benchmark; overrides of GPT_CONFIG_124M and the batch of the GPT step. CPU: PyTorch
@@ -213,7 +199,7 @@ def gpt_rows(device, dtype, opts, deadline=float("inf"), progress=None, quick=Fa
 
 # --------------------------------------------------------------------------------------------
 # CPU: the fused module against the book's class, one row per size (``python -m
-# benchmarks.modules``). Not a timed test: a measurement, written to benchmarks/results/.
+# benchmarks modules``). Not a timed test: a measurement, written to benchmarks/results/.
 # --------------------------------------------------------------------------------------------
 # (batch, tokens, d_model): the book's small sizes up to GPT-2's width at 1k tokens; heads of
 # 64 as in GPT-2 (d_model // 64).
@@ -306,17 +292,14 @@ def _size(text):
 
 
 def main(argv=None):
-    """``python -m benchmarks.modules``: the CPU rows above, written to
+    """``python -m benchmarks modules``: the CPU rows above, written to
     ``benchmarks/results/<date>-modules-cpu.json`` and ``.csv`` (git-ignored: CPU results),
     with versions, commit and the machine's load average before and after."""
     import argparse
-    import csv
-    import json
 
-    from .cli import DEFAULT_OUT, REPO_DIR
-    from .report import collect_meta
+    from .report import DEFAULT_OUT, REPO_DIR, collect_meta, write_results
 
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.modules", description=main.__doc__,
+    ap = argparse.ArgumentParser(prog="python -m benchmarks modules", description=main.__doc__,
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--sizes", type=_size, nargs="+", default=list(CPU_RATIO_SIZES),
                     metavar="BxTxD", help="batch x tokens x d_model, e.g. 8x64x128")
@@ -341,13 +324,7 @@ def main(argv=None):
                 timing="wall clock, book and fused interleaved, medians (p20/p80 beside)")
     os.makedirs(args.out_dir, exist_ok=True)
     stem = os.path.join(args.out_dir, f"{meta['date'][:10]}-modules-cpu")
-    with open(stem + ".json", "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    with open(stem + ".csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]) + ["commit", "torch", "date"])
-        w.writeheader()
-        for r in rows:
-            w.writerow(dict(r, commit=meta["commit"], torch=meta["torch"], date=meta["date"]))
+    write_results(stem, meta, rows)
     print(f"wrote {stem}.json, {stem}.csv (commit {meta['commit']}, torch {meta['torch']}, "
           f"load average {load_before[0]:.1f} -> {os.getloadavg()[0]:.1f})")
     return 0

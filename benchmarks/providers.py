@@ -1,37 +1,16 @@
-"""The attention implementations being compared ("providers"), all on identical inputs.
-
-Every provider computes the same function: causal attention (square, so PyTorch's top-left and
-our bottom-right alignment coincide), scale 1/sqrt(head_dim), dropout ``p`` on the weights.
-
-=====================  ===========================================================================
-kernels                ``kernels.attention`` (ours): the Triton kernel on a GPU; on CPU the PyTorch
-                       fallback a CPU user runs (TRITON_INTERPRET unset for the call), labelled
-                       "kernels (PyTorch fallback)"
-reference              ``reference.attention(upcast=False)``: the reference MultiHeadAttention's
-                       math in eager PyTorch, in the input dtype (stores seq^2 scores)
-reference_compiled     the same under ``torch.compile`` (compiled once per shape)
-sdpa_math              ``F.scaled_dot_product_attention`` forced to the MATH backend
-sdpa_efficient         ... EFFICIENT_ATTENTION (memory-efficient / xFormers kernel)
-sdpa_flash             ... FLASH_ATTENTION (FlashAttention-2 on CUDA)
-sdpa_cudnn             ... CUDNN_ATTENTION
-flex                   FlexAttention with a causal BlockMask, compiled (no dropout)
-triton_tutorial        the Triton 3.6 tutorial's fused attention (benchmarks/anchors/), CUDA only:
-                       its kernel is fp16-only, so it runs on fp16 copies of the inputs (made
-                       outside the timed call; the row's ``run_dtype`` says so), causal, host
-                       descriptors (warp specialisation off, as its own causal benchmark)
-kernels_interpreter    CPU only, opt-in (``--interpreter``, benchmarks/interpreter.py): our
-                       Triton kernel in Triton's interpreter, "kernels (Triton interpreter)",
-                       1,000-4,000x slower than PyTorch: a correctness row, not a speed one
-=====================  ===========================================================================
+"""The attention implementations being compared ("providers"), all on identical inputs: causal
+attention (square, so PyTorch's top-left and our bottom-right alignment coincide), scale
+1/sqrt(head_dim), dropout ``p`` on the weights. ``kernels`` is ours (on CPU: the PyTorch
+fallback, or Triton's interpreter as ``kernels_interpreter``); ``reference`` the book's math in
+eager PyTorch (``reference_compiled`` under torch.compile); ``sdpa_*`` one SDPA backend each;
+``flex`` FlexAttention; ``triton_tutorial`` the Triton tutorial's kernel from ``--tutorial
+PATH`` (not in this repository). Each is described in docs/performance.md.
 
 On CPU, which implementation ``kernels.attention`` runs is decided at each call by
-TRITON_INTERPRET (kernels/ops.py); the benchmark package sets it before importing ``kernels``
-so that the interpreter stays available, and :func:`cpu_backend` picks one for a block of
-calls.
-
-A provider that cannot run a case gets the status ``unsupported: <reason>``: either known up
-front (:meth:`Provider.static_reason`) or from the error its first call raises
-(:meth:`Provider.unsupported_reason`).
+TRITON_INTERPRET; the command sets it before importing ``kernels`` so that the interpreter
+stays available, and :func:`cpu_backend` picks one for a block of calls. A provider that cannot
+run a case gets the status ``unsupported: <reason>``: known up front
+(:meth:`Provider.static_reason`) or from the error its first call raises.
 """
 import contextlib
 import os
@@ -337,14 +316,20 @@ class FlexProvider(Provider):
         return lambda q, k, v: fn(q, k, v, block_mask=mask)
 
 
-TUTORIAL_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "anchors",
-                             "tutorial_fused_attention_triton36.py")
+# The Triton tutorial's file (python/tutorials/06-fused-attention.py of Triton 3.6): written
+# elsewhere, so not in this repository; ``--tutorial PATH`` (cli) sets it.
+TUTORIAL = {"path": None}
 
 
-def load_tutorial():
-    """The Triton tutorial's module (benchmarks/anchors/), imported once per process. It imports
-    pytest for its test decorators (a stand-in is used where pytest is missing) and asks the
-    active Triton driver for its device at import."""
+def set_tutorial_path(path):
+    """Where the Triton tutorial's fused attention is (None: the rows say "not given")."""
+    TUTORIAL["path"] = os.path.abspath(path) if path else None
+
+
+def load_tutorial(path=None):
+    """The Triton tutorial's module from ``path`` (default: the one given by ``--tutorial``),
+    imported once per process. It imports pytest for its test decorators (a stand-in is used
+    where pytest is missing) and asks the active Triton driver for its device at import."""
     import importlib.util
     import sys
 
@@ -359,7 +344,10 @@ def load_tutorial():
                 def __getattr__(self, name):
                     return lambda *a, **k: (lambda f: f)
             sys.modules["pytest"] = types.SimpleNamespace(mark=_Mark())
-        spec = importlib.util.spec_from_file_location("tutorial_fused_attention", TUTORIAL_PATH)
+        path = path or TUTORIAL["path"]
+        if not path:
+            raise FileNotFoundError("the Triton tutorial's file: not given (--tutorial PATH)")
+        spec = importlib.util.spec_from_file_location("tutorial_fused_attention", path)
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
         sys.modules["tutorial_fused_attention"] = mod
@@ -382,8 +370,10 @@ class TutorialProvider(Provider):
             return "the Triton tutorial takes head_dim 16, 32, 64, 128 or 256"
         if case.seq_len % 128:
             return "the Triton tutorial's backward needs seq_len % 128 == 0"
-        if not os.path.exists(TUTORIAL_PATH):
-            return f"{TUTORIAL_PATH} missing"
+        if not TUTORIAL["path"]:
+            return "not given (--tutorial PATH: Triton 3.6's tutorials/06-fused-attention.py)"
+        if not os.path.exists(TUTORIAL["path"]):
+            return f"{TUTORIAL['path']} missing"
         return None
 
     def prepare_inputs(self, q, k, v, do):

@@ -3,7 +3,7 @@
 JSON: ``{"meta": {...}, "rows": [...]}``. ``meta`` always has device, torch, triton, cuda,
 commit, date, plus how things were measured (timing, peak_mem, flops) and the run's arguments.
 Every row has the keys of ``sweep.ROW_KEYS``; module rows add the extras in ``modules.py``,
-feature rows those in ``features.py``, fallback rows those in ``cpu_fallback.py``.
+feature rows those in ``features.py`` (every column: docs/performance.md).
 CSV: one line per row, columns = the union of the rows' keys (extras empty where absent, lists
 such as ``seqlens`` as JSON text).
 """
@@ -17,6 +17,12 @@ import subprocess
 import sys
 
 import torch
+
+REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# benchmarks/results/ of the checkout the command runs from.
+DEFAULT_OUT = os.path.join(REPO_DIR, "benchmarks", "results")
+# Columns every CSV line carries, so that a CSV read alone says where it was measured.
+META_COLUMNS = ("device", "torch", "triton", "cuda", "commit", "date")
 
 SHORT_NAMES = {"kernels": "kernels", "reference": "ref", "reference_compiled": "ref_comp",
                "sdpa_math": "math", "sdpa_efficient": "effic", "sdpa_flash": "flash",
@@ -61,39 +67,10 @@ def collect_meta(device, args_dict, repo_dir, interpreter=None):
         "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
         "python": platform.python_version(),
         "interpreter": bool(interpreter) and not cuda,
-        "timing": ("triton.testing.do_bench: CUDA events, L2 flushed before each call, "
-                   "median and 20/80th percentiles after warm-up" if cuda else
-                   "wall clock (time.perf_counter), median/p20/p80 of a few runs after one "
-                   "warm-up; kernels = the PyTorch fallback CPU tensors run (TRITON_INTERPRET "
-                   "unset for our calls), except rows with backend triton_interpreter "
-                   "(--interpreter, the feature rows)"),
-        "peak_mem": ("peak_mem_bytes = torch.cuda.max_memory_allocated() during building the "
-                     "timed function (bwd: its forward) + one call, minus memory_allocated() "
-                     "just before (inputs q, k, v, do excluded)" if cuda else
-                     "peak_mem_bytes = peak bytes held by PyTorch's CPU allocator during "
-                     "building the timed function (bwd: its forward) + one call (the warm-up "
-                     "call, on one thread), above what it held before (inputs excluded), from "
-                     "torch.profiler's memory records (benchmarks/timing.CpuPeakMemory); "
-                     "fallback* rows: resident memory of a fresh process (cpu_fallback.py)"),
-        "flops": ("forward = 4*batch*heads*q_len*k_len*head_dim, halved for causal; "
-                  "bwd = 2.5x forward; fwd_bwd = 3.5x forward (benchmarks/flops.py); heads = "
-                  "query heads; window or chunk_size < k_len: 4*batch*heads*head_dim*(visible "
-                  "pairs); v head dim Dv != D: forward 2*batch*heads*pairs*(D + Dv), backward "
-                  "2*batch*heads*pairs*(3*D + 2*Dv); packed sequences: the sum of each "
-                  "sequence's own count"),
-        "features": ("bench gqa / window / chunk / varlen / mla / decode "
-                     "(benchmarks/features.py): targets "
-                     "on ours' rows (target, target_met; target_met null on CPU, where the "
-                     "kernel runs in Triton's interpreter)"),
-        "decode": ("bench decode: q_len 1 against a filled KV cache of seq_len keys; gbps = "
-                   "kv_bytes (2*batch*heads_kv*seq_len*head_dim*itemsize, K and V read once) / "
-                   "median time; bw_fraction = gbps / copy_gbps, the device-to-device copy rate "
-                   "(bytes read + written) measured once in this run by "
-                   "benchmarks.ceilings.copy_gbps (null on CPU); FLOPs 4*batch*heads*seq_len*"
-                   "head_dim (one query row sees every key)"),
-        "speedup": "speedup_vs_best_sdpa = fastest ok sdpa_* ms / kernels ms at the same point",
-        "compile": ("reference_compiled and flex: torch.compile(dynamic=False), recompiled per "
-                    "shape, AOTAutograd donated buffers off (bwd mode needs retain_graph)"),
+        # How each column was measured and counted: docs/performance.md ("Columns").
+        "timing": ("CUDA events (triton.testing.do_bench), L2 flushed before each call" if cuda
+                   else "wall clock; kernels = the PyTorch fallback, except rows with backend "
+                        "triton_interpreter"),
         "args": args_dict,
     }
     if cuda:
@@ -153,6 +130,14 @@ def write_csv(path, rows):
     os.replace(tmp, path)
 
 
+def write_results(stem, meta, rows):
+    """The one writer of every command: ``<stem>.json`` (meta and rows) and ``<stem>.csv`` (the
+    rows, each with the meta's device and versions); returns the two paths."""
+    write_json(stem + ".json", meta, rows)
+    write_csv(stem + ".csv", [dict(r, **{k: meta.get(k) for k in META_COLUMNS}) for r in rows])
+    return [stem + ".json", stem + ".csv"]
+
+
 def _cell(row, metric):
     """A table cell: ``metric``'s value (``"mem"``: peak_mem_bytes in MiB) or the status."""
     status = row["status"]
@@ -195,7 +180,7 @@ def format_tables(rows, metric="tflops", memory=False):
             out.append(f"\n{mode}  {dtype}  head_dim={hd}  dropout={p}  causal  [{cell_unit}]")
             head = f"{'seq':>6} {'BxH':>6} " + " ".join(f"{SHORT_NAMES.get(n, n)[:8]:>8}"
                                                          for n in providers)
-            out.append(head + ("  ours/best-sdpa" if what != "mem" else ""))
+            out.append(head + ("  best_sdpa_ms_over_ours" if what != "mem" else ""))
             for seq in dict.fromkeys(r["seq_len"] for r in sel):
                 cells = {r["provider"]: r for r in sel if r["seq_len"] == seq}
                 any_row = next(iter(cells.values()))
@@ -203,8 +188,8 @@ def format_tables(rows, metric="tflops", memory=False):
                 line += " ".join(f"{_cell(cells[n], what) if n in cells else '':>8}"
                                  for n in providers)
                 k = cells.get("kernels")
-                if what != "mem" and k and k.get("speedup_vs_best_sdpa"):
-                    line += (f"  {k['speedup_vs_best_sdpa']:.3g}x "
+                if what != "mem" and k and k.get("best_sdpa_ms_over_ours"):
+                    line += (f"  {k['best_sdpa_ms_over_ours']:.3g}x "
                              f"({SHORT_NAMES[k['best_sdpa']]})")
                 out.append(line)
     other = [r for r in rows if r["bench"] in ("module", "gpt_step")]
@@ -222,16 +207,18 @@ def format_tables(rows, metric="tflops", memory=False):
             out.append(f"{name:<28} {r['mode']:<10} {r['dtype']:<9} "
                        f"{r['dropout_p']:>4} {shape:>16} {ms:>9} {tf:>8} {mem:>9}  "
                        f"{r['status'][:60]}")
-    out.append("\ncells: number = ok; oom; n/a = unsupported; '-' = skipped (quadratic limit, "
+    short = {SHORT_NAMES[n]: n for n in providers if SHORT_NAMES.get(n, n) != n}
+    if short:
+        out.append("\ncolumns: " + ", ".join(f"{k} = {v}" for k, v in short.items()))
+    out.append("best_sdpa_ms_over_ours = the fastest SDPA backend's ms / ours (above 1: ours is "
+               "faster; the backend in brackets)")
+    out.append("cells: number = ok; oom; n/a = unsupported; '-' = skipped (quadratic limit, "
                "earlier OOM, compile provider on CPU); time = time budget ran out; ERR = error "
                "(see status in the JSON)")
     return "\n".join(out)
 
 
-FEATURE_BENCHES = ("gqa", "window", "chunk", "varlen", "mla", "hf", "sdpa_impl", "fallback",
-                   "fallback_dropout", "fallback_memory", "interpreter")
-# Benches whose targets are CPU targets (judged on any machine).
-CPU_BENCHES = ("fallback", "fallback_dropout", "fallback_memory")
+FEATURE_BENCHES = ("gqa", "window", "chunk", "varlen", "mla", "hf", "sdpa_impl")
 # (field, format) of the comparison shown on ours' rows, per bench.
 _COMPARISONS = {"gqa": ("speedup_vs_mha", "{:.3g}x MHA"), "window": ("speedup_vs_full",
                                                                      "{:.3g}x full"),
@@ -239,11 +226,7 @@ _COMPARISONS = {"gqa": ("speedup_vs_mha", "{:.3g}x MHA"), "window": ("speedup_vs
                 "varlen": ("tflops_vs_dense_each", "{:.3g}x dense"),
                 "mla": ("speedup_vs_padded", "{:.3g}x padded v"),
                 "hf": ("speedup_vs_sdpa", "{:.3g}x sdpa"),
-                "sdpa_impl": ("speedup_vs_sdpa", "{:.3g}x flash"),
-                "fallback": ("time_vs_sdpa", "{:.3g}x SDPA time"),
-                "fallback_dropout": ("time_vs_sdpa", "{:.3g}x SDPA time"),
-                "fallback_memory": ("mem_bound_bytes", "peak bound {:.0f} B"),
-                "interpreter": ("diff_over_budget", "vs fallback: diff {:.2g}x its budget")}
+                "sdpa_impl": ("speedup_vs_sdpa", "{:.3g}x flash")}
 
 
 def _feature_shape(r):
@@ -258,14 +241,12 @@ def _feature_shape(r):
 
 
 def format_features(rows):
-    """The feature rows (gqa, window, chunk, varlen, mla, hf, sdpa_impl), the interpreter and
-    CPU fallback rows, with each target."""
+    """The feature rows (gqa, window, chunk, varlen, mla, hf, sdpa_impl), with each target."""
     sel = [r for r in rows if r["bench"] in FEATURE_BENCHES]
     if not sel:
         return ""
     out = ["\nfeatures (shape: batch x heads[/kv heads] x seq, d = head dim[/v = v's], w = "
-           "window, c = chunk; varlen: sequences/tokens; fallback*: CPU, no interpreter, t = "
-           "PyTorch threads)",
+           "window, c = chunk; varlen: sequences/tokens)",
            f"{'bench':<8} {'provider':<26} {'mode':<8} {'dtype':<9} {'shape':<28} {'ms':>10} "
            f"{'TFLOP/s':>8} {'peak MiB':>8}  compared / status"]
     for r in sel:
@@ -280,24 +261,14 @@ def format_features(rows):
                 note += f" (ideal {r['ideal_speedup']:.3g}x)"
             if r["bench"] == "chunk" and r.get("speedup_vs_batched") is not None:
                 note += f", {r['speedup_vs_batched']:.3g}x batched"
-            if r["bench"] == "mla" and r.get("speedup_vs_best_sdpa") is not None:
-                note += f", {r['speedup_vs_best_sdpa']:.3g}x sdpa"
+            if r["bench"] == "mla" and r.get("best_sdpa_ms_over_ours") is not None:
+                note += f", {r['best_sdpa_ms_over_ours']:.3g}x sdpa"
             if r["bench"] == "varlen" and r.get("tflops_vs_dense_padded") is not None:
                 note += f", {r['tflops_vs_dense_padded']:.3g}x padded"
-            if r["bench"] == "fallback_dropout" and r.get("run_spread") is not None:
-                note += f", spread {r['run_spread']:.2f}"
-            if r["bench"] == "fallback_memory":
-                note = f"peak bound {r['mem_bound_bytes'] / 2**20:.0f} MiB"
             met = r.get("target_met")
-            if r["bench"] == "interpreter":
-                note += "; agrees" if r.get("agrees") else "; DISAGREES"
-            else:
-                note += ("; target met" if met else "; TARGET MISSED" if met is False
-                         else "; target not judged" + (" (CPU interpreter)"
-                                                        if r["bench"] not in CPU_BENCHES
-                                                        else ""))
-        provider = (r.get("label") or r["provider"]) + (f" t{r['threads']}" if r.get("threads")
-                                                        else "")
+            note += ("; target met" if met else "; TARGET MISSED" if met is False
+                     else "; target not judged (CPU interpreter)")
+        provider = r.get("label") or r["provider"]
         out.append(f"{r['bench']:<8} {provider:<26} {r['mode']:<8} {r['dtype']:<9} "
                    f"{_feature_shape(r):<28} {ms:>10} {tf:>8} {mem:>8}  {note[:70]}")
     targets = list(dict.fromkeys(r["target"] for r in sel if r.get("target")))
@@ -311,7 +282,7 @@ DECODE_SHORT = {"kernels": "split", "kernels_unsplit": "unsplit", "kernels_dense
 
 
 def format_decode(rows, metric="gbps"):
-    """The decode rows (issue 10): one line per (batch, cache length), a cell per provider
+    """The decode rows: one line per (batch, cache length), a cell per provider
     (GB/s of K and V read, or ``metric="ms"``), then on ours' split row: its split count,
     fraction of the copy bandwidth, speed-up over unsplit and over the fastest SDPA, target."""
     sel = [r for r in rows if r["bench"] == "decode"]
@@ -335,7 +306,7 @@ def format_decode(rows, metric="gbps"):
         line = f"{key[0]:>5} {key[1]:>7} {splits:>9} " + " ".join(
             f"{_cell(cells[n], metric) if n in cells else '':>8}" for n in providers)
         frac, unspl, sdpa = (mine.get(k) for k in ("bw_fraction", "speedup_vs_unsplit",
-                                                  "speedup_vs_best_sdpa"))
+                                                  "best_sdpa_ms_over_ours"))
         line += f" {f'{100 * frac:.0f}%' if frac is not None else '':>6}"
         line += f" {f'{unspl:.3g}x' if unspl is not None else '':>7}"
         line += f" {f'{sdpa:.3g}x' if sdpa is not None else '':>6}"
@@ -363,7 +334,7 @@ def format_headline(rows):
             if (r["dtype"], r["head_dim"], r["dropout_p"]) == conf}
     modes = list(dict.fromkeys(m for _, m in ours))
     out = [f"\nheadline: {conf[0]} head_dim={conf[1]} dropout={conf[2]} causal; TFLOP/s "
-           "ours / fastest SDPA backend (ours over it)",
+           "ours / fastest SDPA backend (its name), then (best_sdpa_ms_over_ours)",
            f"{'seq':>6}  " + "".join(f"{m:<30}" for m in modes).rstrip()]
     for seq in dict.fromkeys(s for s, _ in ours):
         line = f"{seq:>6}  "
@@ -374,9 +345,9 @@ def format_headline(rows):
             elif r["status"] != "ok":
                 cell = _cell(r, "tflops")
             elif r.get("best_sdpa"):
-                best = r["tflops"] / r["speedup_vs_best_sdpa"]  # same FLOPs over its time
+                best = r["tflops"] / r["best_sdpa_ms_over_ours"]  # same FLOPs over its time
                 cell = (f"{r['tflops']:.3g} / {best:.3g} {SHORT_NAMES[r['best_sdpa']]} "
-                        f"({r['speedup_vs_best_sdpa']:.3g}x)")
+                        f"({r['best_sdpa_ms_over_ours']:.3g}x)")
             else:
                 cell = f"{r['tflops']:.3g} / -"
             line += f"{cell:<28}  "

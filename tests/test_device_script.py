@@ -47,23 +47,31 @@ def test_a_bad_argument_fails_the_dry_run(tmp_path):
 
 
 def test_device_plan_rejects_unknown_provider_and_module():
-    bad = subprocess.run([sys.executable, "-m", "benchmarks.device_plan", "benchmarks",
+    bad = subprocess.run([sys.executable, "-m", "tools.device_plan", "benchmarks",
                           "--providers", "kernels", "sdpa_flashh"], cwd=REPO,
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "invalid choice: 'sdpa_flashh'" in bad.stderr
-    missing = subprocess.run([sys.executable, "-m", "benchmarks.device_plan",
-                              "benchmarks.profile_cal"], cwd=REPO, capture_output=True,
+    missing = subprocess.run([sys.executable, "-m", "tools.device_plan",
+                              "benchmarks.hostt"], cwd=REPO, capture_output=True,
                              text=True, timeout=60)
     assert missing.returncode == 1 and "no module named" in missing.stderr
 
 
-def test_precompile_plan_lists_the_run():
-    r = subprocess.run([sys.executable, "-m", "benchmarks.precompile", "--dry-run",
-                        "--kinds", "tutorial", "flex"], cwd=REPO, capture_output=True,
+def test_precompile_plan_lists_the_run(tmp_path):
+    # The tutorial is not in the repository: a stand-in file (the dry run only compiles it as
+    # Python), and without one the tutorial is left out and said so.
+    tutorial = tmp_path / "06-fused-attention.py"
+    tutorial.write_text("def attention(*args):\n    pass\n")
+    cmd = [sys.executable, "-m", "tools.precompile", "--dry-run", "--kinds", "tutorial", "flex"]
+    r = subprocess.run(cmd + ["--tutorial", str(tutorial)], cwd=REPO, capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 0, r.stderr[-2000:]
     # 7 lengths x 2 head dims: one tutorial workload each, Flex's two graphs each.
     assert "42 workloads ({'ours': 0, 'tutorial': 14, 'flex': 28})" in r.stdout
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "not given (--tutorial PATH)" in r.stdout
+    assert "28 workloads ({'ours': 0, 'tutorial': 0, 'flex': 28})" in r.stdout
 
 
 @pytest.mark.skipif(not os.path.exists("/bin/bash") and not os.path.exists("/usr/bin/bash"),

@@ -2,7 +2,7 @@
 points outside it (paths of other checkouts or machines, notes kept elsewhere, numbers of a
 private issue tracker), so that whoever clones it can run and follow everything in it."""
 import os
-
+import re
 import shutil
 import subprocess
 import sys
@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
 
 def _copy_sources(dst):
     """The files a build reads, plus benchmarks/ and tools/ (to see that they stay out); a
@@ -21,6 +22,7 @@ def _copy_sources(dst):
         if (ROOT / name).is_dir():
             shutil.copytree(ROOT / name, dst / name,
                             ignore=shutil.ignore_patterns("__pycache__", "results"))
+
 
 def test_plain_install_holds_kernels_and_reference_only(tmp_path):
     src, target, elsewhere = tmp_path / "src", tmp_path / "site", tmp_path / "elsewhere"
@@ -41,3 +43,58 @@ def test_plain_install_holds_kernels_and_reference_only(tmp_path):
                          capture_output=True, text=True, timeout=300).stdout.split()
     # The installed copy was imported, not the checkout, and the short paths are real modules.
     assert out == [str(target / "kernels" / "__init__.py"), str(target / "kernels" / "book.py")]
+
+
+# What may not appear in the repository's text: a sibling checkout's folder, a machine's home
+# or scratch path, notes that are not in the repository, and references to this project's own
+# tracker ("issue 12", "#31", "issues 9 and 10"). Another project's numbers, written with the
+# project's name ("FlashAttention #1895"), are fine: a reader can look them up.
+OUTSIDE = [
+    (re.compile(r"\.\./shared|shared/tools"), "a path outside the repository"),
+    (re.compile(r"/(?:home|work|root|Users|tmp/bash_jobs)/\w"), "a machine path"),
+    (re.compile(r"FIELD_NOTES"), "notes that are not in the repository"),
+    (re.compile(r"\bissues? #?\d+(?:\s*(?:,|and)\s*#?\d+)*\b", re.I), "a tracker issue number"),
+    (re.compile(r"(?<![\w/&])#\d{1,3}\b"), "a tracker issue number"),
+]
+# Another project's issue / PR, named with the project, e.g. "FlashAttention #1895",
+# "triton-lang/triton#5567", "PyTorch issue 12345" (four digits or more: not ours).
+OTHERS = re.compile(r"(?:[A-Za-z][\w.-]*[/ ]|PR |pull |issues? )#?\d{4,}|[\w-]+/[\w-]+#\d+")
+TEXT_SUFFIXES = {".py", ".md", ".sh", ".toml", ".txt", ".cfg", ".yml", ".yaml", ""}
+
+
+def _tracked_files():
+    try:
+        out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT,
+                             capture_output=True, text=True, check=True).stdout.split("\n")
+        files = [ROOT / f for f in out if f]
+    except (OSError, subprocess.CalledProcessError):   # not a git checkout: every file
+        files = [p for p in ROOT.rglob("*") if ".git" not in p.parts]
+    return [p for p in files if p.is_file() and p.suffix in TEXT_SUFFIXES
+            and p.name != "test_repository.py"]
+
+
+def test_nothing_points_outside_the_repository():
+    found = []
+    for path in _tracked_files():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        for lineno, line in enumerate(text.splitlines(), 1):
+            line_wo_others = OTHERS.sub("", line)
+            for pattern, what in OUTSIDE:
+                m = pattern.search(line_wo_others)
+                if m:
+                    found.append(f"{path.relative_to(ROOT)}:{lineno}: {what}: {m.group(0)!r}")
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("line, bad", [
+    ("see ../shared/tools/x.py", True), ("(issue 12)", True), ("issues 9 and 10", True),
+    ("fixed in #31", True), ("FlashAttention #1895", False), ("triton-lang/triton#5567", False),
+    ("color #fff", False), ("row #1 of 3", True), ("PyTorch issue 123456", False),
+    ("/home/user/x", True), ("FIELD_NOTES.md", True), ("a plain sentence", False),
+])
+def test_the_grep_catches_what_it_should(line, bad):
+    line = OTHERS.sub("", line)
+    assert any(p.search(line) for p, _ in OUTSIDE) == bad

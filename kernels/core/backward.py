@@ -218,7 +218,7 @@ def _bwd_dkdv(Q, K, V, DO, STATS, DK, DV,
     # The first query tiles run before the pipelined loop: the causal diagonal, or without a
     # causal mask (no diagonal) the first unmasked tile, peeled off. A pipelined loop that
     # starts from the zeroed accumulators makes ptxas serialize this kernel's wgmma on sm_90
-    # (C7515; seen with dropout, benchmarks/NOTES.md).
+    # (C7515; seen with dropout, docs/gpu.md).
     if CAUSAL:
         diag_hi = full_lo
     else:
@@ -231,7 +231,7 @@ def _bwd_dkdv(Q, K, V, DO, STATS, DK, DV,
     if TMA:
         # The row statistics as a (2, plane) matrix, read (2, BLOCK_M) at a time: one copy
         # for lse2 and delta (two copies were 144 more instructions per 128² tile at head_dim
-        # 64, per-thread cp.async 416 more; benchmarks/NOTES.md). int32 coordinates:
+        # 64, per-thread cp.async 416 more; docs/gpu.md). int32 coordinates:
         # ``bwd_tma_modes`` checks the size.
         stats_desc = tl.make_tensor_descriptor(STATS, shape=[2, stride_stats[2]],
                                                strides=[stride_stats[2], 1],
@@ -397,7 +397,7 @@ def _bwd_dq(Q, K, V, DO, STATS, DQ,
     # The forward's three ranges of key tiles (kernels/core/tiles.py): RANGE 0 the window's /
     # chunk's edge (masked; only with an edge), RANGE 1 unmasked, RANGE 2 the diagonal / k_len edge
     # (masked). As in the forward, the diagonal loop after the unmasked one runs unpipelined:
-    # pipelined, ptxas serializes the kernel's wgmma on sm_90 (C7515; benchmarks/NOTES.md).
+    # pipelined, ptxas serializes the kernel's wgmma on sm_90 (C7515; docs/gpu.md).
     lo, full_lo, full_hi, hi = key_range(start_m, start_m + BLOCK_M, q_len, k_len, score.window,
                                          SPEC.causal, SPEC.edge, BLOCK_N)
     if SPEC.mask_ranges is not None:

@@ -78,7 +78,7 @@ def gpu_of(device=None) -> Gpu:
 # Generations whose forward reads K / V (and Q) tiles with the tensor memory accelerator (TMA:
 # tensor descriptors, cp.async.bulk.tensor / UTMALDG) instead of per-thread cp.async: Hopper
 # (sm_90), where the static compile check keeps every config spill-free with it (fewer registers
-# in all of them; benchmarks/NOTES.md). Ampere-class GPUs (sm_80/86/89) have no TMA. Blackwell
+# in all of them; docs/gpu.md). Ampere-class GPUs (sm_80/86/89) have no TMA. Blackwell
 # (sm_100, sm_120) has the unit, but its tables were chosen with cp.async: with TMA three sm_100
 # head_dim-128 causal configs, the default among them, compile to 128 registers and spill 4-8 B,
 # so both keep per-thread loads until their tables are re-checked with it.
@@ -127,7 +127,7 @@ BWD_ROW_PAD = 128
 # Entries are (BLOCK_M, BLOCK_N, num_warps, num_stages). The first entry a launch's pruning keeps
 # is also its fixed choice under KERNELS_AUTOTUNE=0 (the default config). Every table was chosen
 # from what ptxas makes of each entry for that generation (the static compile check of
-# benchmarks/NOTES.md, triton 3.6): fits the GPU's shared memory, no register spills, no
+# docs/gpu.md, triton 3.6): fits the GPU's shared memory, no register spills, no
 # serialized wgmma (C7515) on sm_90, at head_dim 64 and 128 for bf16/fp16, causal or not, with
 # or without dropout.
 class Family(NamedTuple):
@@ -152,7 +152,7 @@ class Family(NamedTuple):
 # every kernel here all warps along the resident rows (warpsPerCTA [num_warps, 1]), 16 rows per
 # warp: with fewer resident rows than 16 x num_warps the two warpgroups compute the same rows
 # (64 rows on 8 warps: 1.5-1.67x the tile's tensor work, the softmax twice). ``distinct_rows``
-# drops such forward and dQ tiles wherever one with distinct rows fits (benchmarks/NOTES.md,
+# drops such forward and dQ tiles wherever one with distinct rows fits (docs/gpu.md,
 # "Per-tile speed"). Forward: 128 x 128 on 8 warps first (the accumulator rescale and the row
 # bookkeeping once per 128 keys; 3 stages take 224 KiB at head_dim 128, hence the higher cap),
 # 128 x 64 with dropout or a window / chunk edge at 128 (the register model), 64 x 64 on
@@ -206,7 +206,7 @@ BLACKWELL = Family(
 # tiles instead of its family's. At width 512 no wgmma tile compiled spill-free on sm_90
 # (the 64-row forward needs 128 fp32 accumulator registers per thread at 8 warps, and Triton
 # caps 16-warp kernels at 128 registers: every 64-row config spilled 136 B - 7 KB; triton 3.6,
-# benchmarks/NOTES.md), so these are mma.sync tiles: the forward 32 x 32 (210 registers) and
+# docs/gpu.md), so these are mma.sync tiles: the forward 32 x 32 (210 registers) and
 # 32 x 16 (173), dK/dV 16 x 32 (245) and 16 x 16 (167), dQ 16 x 16 (250), all spill-free; on
 # sm_86 (99 KiB per block) the dK/dV 16 x 32 does not fit and 16 x 16 (81920 B) is taken.
 WIDE_MIN_WIDTH = 512
@@ -323,7 +323,7 @@ def _launch_gpu(args) -> Gpu:
 
 
 # Per-thread register budgets of the forward's wgmma tiles (fp32 values), from the sm_90 compile
-# check (benchmarks/NOTES.md): every config over them spilled, every kept one compiles
+# check (docs/gpu.md): every config over them spilled, every kept one compiles
 # spill-free at head_dim 64 and 128, bf16/fp16, causal or not, with or without dropout. The
 # accumulator is BLOCK_M x BLOCK_D, the score tile BLOCK_M x BLOCK_N; dropout's Philox words and
 # keep mask live beside the score tile, halving its room.
@@ -421,7 +421,7 @@ def prune_configs(configs, named_args, **kwargs):
 _BWD_ACC_REGS = 128      # fp32 accumulator values per thread (dK+dV, or dQ)
 _BWD_TILE_REGS = 64      # fp32 values per thread of one (BLOCK_M, BLOCK_N) score tile
 # dK/dV streams (BLOCK_M, head_dim) tiles of Q and dO: at 64 x 128 every config spilled on sm_90,
-# at 32 x 128 and 64 x 64 none did (benchmarks/NOTES.md).
+# at 32 x 128 and 64 x 64 none did (docs/gpu.md).
 _DKDV_STREAM_ELEMS = 64 * 64
 # dK/dV with dropout or grouped-query heads (the runtime loop over the group's query heads
 # around the tile loops): the score tile per thread. 64 x 128 on 8 warps (32) spilled at head_dim 64

@@ -194,7 +194,7 @@ def lookup(name: str, kind):
 # score, with the constants folded on the host (aux = (cap, 2 log2(e) / cap)) and an
 # approximate division (div.full.f32, 2 ulp: no IEEE range fix-ups). Exact at +-inf scores
 # (exp2 -> inf or 0). A first version, 1 - 2 / (exp2(2 x log2 e) + 1) with IEEE divisions,
-# cost ~13 instructions per score (benchmarks/NOTES.md, "Per-tile cost of the score mods").
+# cost ~13 instructions per score (docs/gpu.md, "Per-tile cost of the score mods").
 @triton.jit
 def _softcap_recip(s, aux):
     """1 / (exp(2 s / cap) + 1)."""

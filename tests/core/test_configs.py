@@ -83,7 +83,7 @@ def test_fixed_config_fits_shared_memory(d):
 
 
 def test_config_lists_keep_hopper_tiles():
-    """What the sm_90 compile check found (benchmarks/NOTES.md), kept true by the lists: the
+    """What the sm_90 compile check found (docs/gpu.md), kept true by the lists: the
     resident side of each wgmma backward kernel is >= 64 rows (32 compiles to Ampere
     mma.sync), and the forward's register pruning drops the tiles that spilled (128-row blocks
     on 4 warps at head_dim 128; 64-wide score tiles per thread with dropout)."""

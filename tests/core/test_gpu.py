@@ -145,7 +145,7 @@ def test_autocast_modules(dtype):
 def test_one_key_causal(q_len, hkv, autotune, monkeypatch):
     """k_len == 1, causal (the first step of generation from a one-token prompt; with 3 queries
     the first two see no key): triton 3.6's ptxas crashes on some kept dQ and packed-GQA forward
-    tiles there (sm_90, benchmarks/NOTES.md); with and without autotuning the launches take a
+    tiles there (sm_90, docs/gpu.md); with and without autotuning the launches take a
     config that compiles, and forward and gradients keep the parity rule."""
     monkeypatch.setenv("KERNELS_AUTOTUNE", autotune)
     q = randn(2, 4, q_len, 64, dtype=torch.float16)

@@ -5,7 +5,7 @@ per block; here those answers are mocked for each generation, so every family's 
 checked without its GPU: the kept configs fit that GPU's shared memory, no launch is left
 without one, and GPUs the kernels do not serve are routed to the PyTorch path with a warning
 that names them. (What ptxas makes of each config is the static compile check's job,
-benchmarks/NOTES.md.)
+docs/gpu.md.)
 """
 import warnings
 from types import SimpleNamespace
@@ -75,7 +75,7 @@ def test_every_launch_keeps_a_config_that_fits(gpu, capability, smem, card, dtyp
 
 
 def test_hopper_defaults_unchanged(gpu):
-    """sm_90's choices are the ones its static check was run on (benchmarks/NOTES.md,
+    """sm_90's choices are the ones its static check was run on (docs/gpu.md,
     "Per-tile speed"): 128-key forward tiles without dropout, 128-row dQ tiles on 8 warps."""
     gpu((9, 0), 227)
     assert _key(_fwd_kept(64)[0]) == (128, 128, 8, 3)

@@ -2,9 +2,9 @@
 device's CPU cores, into the shared Triton and inductor caches; the timed stages then load
 them (their autotuner still times each kept config on the GPU, but compiles nothing).
 
-Why: on the first GPU run (benchmarks/NOTES.md "First GPU run") each shape's first call
-compiled and autotuned serially, ~6 s forward + ~4 s backward, and the 166 s sweep reached
-seq 128 only. Compilation is CPU work; the device has 16 cores.
+Why: on the first GPU run each shape's first call compiled and autotuned serially, ~6 s
+forward + ~4 s backward, and the 166 s sweep reached seq 128 only. Compilation is CPU work; the
+device has 16 cores.
 
 How:
 1. **Plan** (this process): the launches of the run (``workloads``): our forward and backward
@@ -34,16 +34,20 @@ d64 seq-1024 point, so they need no unit of their own.
 
 A cache built on another machine is not used: Triton's on-disk key starts with
 ``triton_key()``, a hash of libtriton's bytes, which differ between a Python 3.11 build (the
-static tools' venv here) and the device's 3.12 one, and the cache's group files hold absolute
+static tools' venv) and the device's 3.12 one, and the cache's group files hold absolute
 paths (runtime/cache.py ``get_group``). The fingerprint in the report lets a later session
 compare installs.
 
 ``--dry-run``: the plan without any compile or GPU (works on a CPU-only machine with any
 Triton: the launches are enumerated from the project's own config lists and pruning).
-``--stub-target 90``: compile here, for sm_90, with a stand-in driver (the static tools'
-method; triton 3.6 venv): the rehearsal of the compile path on a CPU-only machine.
+``--stub-target 90``: compile here, for sm_90, with a stand-in driver (tools/sm90_static.py's
+method; Triton 3.6): the rehearsal of the compile path on a CPU-only machine. The tutorial's
+kernels only with ``--tutorial PATH`` (Triton 3.6's tutorials/06-fused-attention.py, not part of
+this repository); without it the tutorial is left out, and said so.
 
-    python -m benchmarks.precompile --jobs 16 --json OUT.json [--seq-lens ...] [--head-dims ...]
+    python -m tools.precompile --jobs 16 --json OUT.json [--tutorial PATH] [--seq-lens ...]
+
+(from the repository's root; benchmarks/gpu_check.sh runs it as its "precompile" stage).
 """
 import argparse
 import concurrent.futures as cf
@@ -60,19 +64,17 @@ DROPOUTS = (0.0, 0.1)
 # TMA off too at these lengths: the profile and tma_ab stages time ours without descriptors.
 TMA_OFF_MAX_SEQ = 1024
 TOKENS, HIDDEN = 16384, 2048
-ANCHOR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "anchors",
-                      "tutorial_fused_attention_triton36.py")   # = providers.TUTORIAL_PATH
 KINDS = ("ours", "tutorial", "flex")
 
-# benchmarks/__init__ sets TRITON_INTERPRET=1 on a machine without CUDA; here the kernels must be
-# compiled ones (never interpreted: the interpreter would run them on the sweep's shapes).
+# The kernels must be compiled ones here (never interpreted: the interpreter would run them on
+# the sweep's shapes), whatever the calling environment set.
 if "kernels" not in sys.modules:
     os.environ.pop("TRITON_INTERPRET", None)
 
 
 def build_parser():
-    """The command line (also used by benchmarks.device_plan to validate a device script)."""
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.precompile", allow_abbrev=False,
+    """The command line (also used by tools.device_plan to validate a device script)."""
+    ap = argparse.ArgumentParser(prog="python -m tools.precompile", allow_abbrev=False,
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                     help="compile processes (default: every core)")
@@ -85,13 +87,16 @@ def build_parser():
     ap.add_argument("--hidden", type=int, default=HIDDEN)
     ap.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS),
                     help="what to compile: ours, the Triton tutorial, FlexAttention")
+    ap.add_argument("--tutorial", metavar="PATH",
+                    help="the Triton tutorial's fused attention (06-fused-attention.py); "
+                         "without it the tutorial's kernels are not compiled")
     ap.add_argument("--json", help="write the report here")
     ap.add_argument("--dry-run", action="store_true",
                     help="list the workloads (and, where Triton can enumerate them here, the "
                          "unique compile units); compile nothing")
     ap.add_argument("--stub-target", type=int, metavar="CC",
                     help="no GPU: compile for compute capability CC with a stand-in driver "
-                         "(triton 3.6; the static tools' method), Flex skipped")
+                         "(triton 3.6; tools/sm90_static.py's method), Flex skipped")
     ap.add_argument("--time-limit", type=float, default=0,
                     help="stop after this many seconds (0: none), keeping what is compiled")
     ap.add_argument("--limit", type=int, default=0,
@@ -113,8 +118,9 @@ def workloads(args):
                     tmas = (1, 0) if seq <= args.tma_off_max_seq else (1,)
                     for tma in tmas:
                         out.append(dict(kind="ours", dropout=p, tma=tma, **shape))
-            if "tutorial" in args.kinds:
-                out.append(dict(kind="tutorial", dropout=0.0, tma=1, **shape))
+            if "tutorial" in args.kinds and args.tutorial:
+                out.append(dict(kind="tutorial", dropout=0.0, tma=1, path=args.tutorial,
+                                **shape))
             if "flex" in args.kinds and 0.0 in args.dropout:
                 for graph in ("inference", "training"):
                     out.append(dict(kind="flex", dropout=0.0, tma=1, graph=graph, **shape))
@@ -127,11 +133,11 @@ def _label(w):
     return f"{w['kind']} {w['batch']}x{w['heads']}x{w['seq']} d{w['head_dim']}{extra}"
 
 
-def _load_anchor():
-    """The Triton 3.6 tutorial (benchmarks/anchors/), as the sweep's provider loads it."""
+def _load_anchor(path):
+    """The Triton tutorial's module at ``path``, as the sweep's provider loads it."""
     from benchmarks.providers import load_tutorial
 
-    return load_tutorial()
+    return load_tutorial(path)
 
 
 def run_attention_workload(w):
@@ -154,7 +160,7 @@ def run_attention_workload(w):
         return
     import types
 
-    mod = _load_anchor()
+    mod = _load_anchor(w["path"])
     q, k, v, do = (torch.empty(shape, dtype=torch.float16) for _ in range(4))
     saved = {}
     ctx = types.SimpleNamespace(save_for_backward=lambda *t: saved.setdefault("t", t))
@@ -285,7 +291,7 @@ _STUB = {"cc": None}
 
 def install_stub_driver(cc):
     """No GPU: a stand-in Triton driver answering target ``cuda:cc`` (compile only; the static
-    tools' method, /work/shared/tools/sm90_static.py)."""
+    tools' method, tools/sm90_static.py)."""
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -408,8 +414,11 @@ def fingerprint():
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    if not os.path.exists(ANCHOR) and "tutorial" in args.kinds:
-        raise SystemExit(f"precompile: the tutorial is missing: {ANCHOR}")
+    if "tutorial" in args.kinds:
+        if not args.tutorial:
+            print("precompile: the Triton tutorial: not given (--tutorial PATH); not compiled")
+        elif not os.path.exists(args.tutorial):
+            raise SystemExit(f"precompile: the tutorial is missing: {args.tutorial}")
     import torch
 
     if args.stub_target:
@@ -502,11 +511,11 @@ def dry_run(args):
         except SystemExit as exc:
             print(f"  ours: not enumerable here ({exc})")
             return 1
-    if "tutorial" in args.kinds:
+    if "tutorial" in args.kinds and args.tutorial:
         import py_compile
 
-        py_compile.compile(ANCHOR, doraise=True)
-        print(f"  tutorial: {os.path.relpath(ANCHOR)} compiles as Python")
+        py_compile.compile(args.tutorial, doraise=True)
+        print(f"  tutorial: {args.tutorial} compiles as Python")
     return 0
 
 
@@ -517,7 +526,7 @@ def dict_to_args(args, **changes):
 
 if __name__ == "__main__":
     # Through the package's module, so that the pool's workers unpickle
-    # benchmarks.precompile's functions, not a second copy of __main__.
-    from benchmarks.precompile import main as _main
+    # tools.precompile's functions, not a second copy of __main__.
+    from tools.precompile import main as _main
 
     sys.exit(_main())

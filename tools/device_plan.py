@@ -1,7 +1,7 @@
 """The dry run of a device script: validate one command of benchmarks/gpu_check.sh and say what
 it would do, without a GPU and without running it.
 
-    python -m benchmarks.device_plan MODULE [ARGS...]
+    python -m tools.device_plan MODULE [ARGS...]     (from the repository's root)
 
 stands in for ``python -m MODULE ARGS...`` when gpu_check.sh runs with ``DRY_RUN=1``: the same
 argument list goes through the module's own parser, so a misspelt flag, provider, mode or
@@ -10,9 +10,9 @@ stage fails here, on the CPU, instead of in a lent device call. Per module:
 * ``benchmarks`` (the CLI): parse, fill the GPU defaults (``resolve_args(args, "cuda")``),
   check every provider's ``static_reason`` on a CUDA case of each point, and print the plan
   (rows, providers, lengths, configs, the time budget).
-* ``benchmarks.precompile``: its ``--dry-run`` (the workloads, and the unique compile units
+* ``tools.precompile``: its ``--dry-run`` (the workloads, and the unique compile units
   as the project's own config lists and pruning give them here).
-* ``benchmarks.hf_grad_probe``, ``benchmarks.profile_call``: parse; print the settings.
+* ``benchmarks.host``, ``benchmarks.ceilings``: parse; print the settings.
 * ``pytest``: collect the tests (``--collect-only -q``; ``-n`` and ``--junitxml`` dropped).
 
 Any other module must at least be importable (``importlib.util.find_spec``). Exit status 0
@@ -98,8 +98,8 @@ def main(argv=None):
     if importlib.util.find_spec(module) is None:
         print(f"device_plan: no module named {module!r}", file=sys.stderr)
         return 1
-    if module == "benchmarks.precompile":
-        from benchmarks.precompile import main as precompile_main
+    if module == "tools.precompile":
+        from tools.precompile import main as precompile_main
 
         return precompile_main(rest + ["--dry-run"])
     mod = importlib.import_module(module)
