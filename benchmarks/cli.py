@@ -250,27 +250,19 @@ def resolve_args(args, device_type):
 
 
 class Progress:
-    """A one-line progress display on stderr (redrawn in place on a terminal; in a log, one
-    line every few seconds)."""
+    """A one-line progress display on stderr: redrawn in place on a terminal, a line every
+    ``every_s`` seconds in a log."""
 
     def __init__(self, start, every_s=5.0):
-        self.start = start
-        self.tty = sys.stderr.isatty()
-        self.every_s = every_s
-        self._last = -1e9
+        self.start, self.every_s, self.tty, self._last = start, every_s, sys.stderr.isatty(), -1e9
 
     def __call__(self, done, total, text):
         now = time.monotonic()
-        elapsed = now - self.start
-        if done is None:
-            msg = f"[{elapsed:6.1f}s] {text}"
-        else:
-            frac = done / total if total else 1.0
-            bar = "#" * int(24 * frac)
-            msg = f"[{bar:<24}] {done}/{total} {elapsed:6.1f}s  {text}"
+        msg = f"[{now - self.start:6.1f}s] {text}"
+        if done is not None:
+            msg = f"[{'#' * int(24 * (done / total if total else 1.0)):<24}] {done}/{total} {msg}"
         if self.tty:
-            sys.stderr.write("\r" + msg[:118].ljust(118))
-            sys.stderr.flush()
+            print("\r" + msg[:118].ljust(118), end="", file=sys.stderr, flush=True)
         elif now - self._last >= self.every_s or text == "done":
             print(msg, file=sys.stderr, flush=True)
             self._last = now
@@ -278,8 +270,7 @@ class Progress:
     def close(self):
         """End the in-place line."""
         if self.tty:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
+            print(file=sys.stderr, flush=True)
 
 
 def use_interpreter_if_no_cuda(force_cpu: bool = False) -> bool:
@@ -509,7 +500,6 @@ def _run(args, device_type, start):
         from .book_models import format_book
 
         print(format_book(rows))
-    print(report.format_headline(rows))
     if device_type == "cpu":
         print("\nNOTE: " + meta["note"])
     summary = report.status_summary(rows)

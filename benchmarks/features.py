@@ -1,7 +1,6 @@
 """Feature rows: grouped-query heads, a sliding window, chunked attention, packed
 variable-length sequences, a value head dim of its own (MLA), decoding against a KV cache
-(split-KV), a transformers model and SDPA's flash backend with ours installed (``hf``,
-``sdpa_impl``), each against what it should be at least as good as (``TARGETS``).
+(split-KV) and a transformers model (``hf``), each against what it should at least match.
 ``--features`` picks them, ``--no-features`` skips them; they run right after the sweep's
 primary config (cli.py), and rows not started within the time budget say ``skipped: time
 budget``. Modes ``fwd`` and ``fwd_bwd`` (decode: ``fwd``), causal, the sweep's first dtype,
@@ -23,7 +22,7 @@ from .providers import Case, SdpaProvider
 from .sweep import add_speedups, new_row
 from .measure import free_memory
 
-FEATURES = ("gqa", "window", "chunk", "varlen", "mla", "decode", "hf", "sdpa_impl")
+FEATURES = ("gqa", "window", "chunk", "varlen", "mla", "decode", "hf")
 # The default set per device type: on CPU ``hf`` is left out (its tiny model's rows took ~8 s,
 # mostly our attention in the interpreter, against ~5 s allowed in the default run);
 # ``--features hf`` selects it.
@@ -432,10 +431,8 @@ def feature_rows(device, dtype, features=FEATURES, opts=None, deadline=float("in
             rows += decode_rows(sh, device, dtype, decode_sdpa, opts, deadline, progress,
                                 copy_gbps)
             continue
-        if feature in ("hf", "sdpa_impl"):  # their own loops too
-            own = hf_rows if feature == "hf" else sdpa_impl_rows
-            shp = (HF_SHAPES if feature == "hf" else SDPA_IMPL_SHAPES)[prof]
-            rows += own(shp, device, dtype, opts, deadline, progress)
+        if feature == "hf":  # its own loop too
+            rows += hf_rows(HF_SHAPES[prof], device, dtype, opts, deadline, progress)
             continue
         try:
             case, specs, flops = build[feature](sh)
@@ -751,22 +748,11 @@ def decode_compare(rows, gpu, copy_gbps):
 
 
 # --------------------------------------------------------------------------------------------
-# Integration rows: a transformers model, and SDPA's flash backend
+# hf: a Llama-shaped transformers model from a config (random weights, no download),
+# attn_implementation "sdpa" vs ours ("triton_fused"), the same weights (switched with
+# set_attn_implementation): one training forward + backward of the LM loss (``fwd_bwd``) and
+# greedy generation (``generate``). ``speedup_vs_sdpa`` = sdpa ms / ours ms on ours' rows.
 # --------------------------------------------------------------------------------------------
-# hf: a Llama-shaped model from a config (random weights, no download), attn_implementation
-# "sdpa" vs ours ("triton_fused", kernels.hf.register()), the same weights (switched with
-# set_attn_implementation). Modes: ``fwd_bwd`` = one training forward + backward of the LM loss
-# (model.train(), the config's attention_dropout at each dropout_p) and ``generate`` = greedy
-# generation of ``new_tokens`` tokens after a ``prompt``-token prompt (model.eval(), no dropout;
-# ``tokens_per_s`` = batch * new_tokens / median time). ``seq_len`` = the training length
-# (generate rows: the prompt length).
-# sdpa_impl: F.scaled_dot_product_attention(is_causal=True) under
-# sdpa_kernel(SDPBackend.FLASH_ATTENTION), PyTorch's default flash (``sdpa_flash``) vs ours
-# installed as the flash implementation (``sdpa_flash_triton_fused``: kernels.sdpa.register(),
-# activate_flash_attention_impl("triton_fused") around the row, restored in a finally). The
-# override is a CUDA kernel: on CPU the rows are written as skipped with the reason.
-# On both, ``speedup_vs_sdpa`` (= sdpa ms / ours ms) on ours' rows; target >= 1 without dropout
-# and > 1 with it (:data:`INTEGRATION_TARGETS`), judged on a GPU only.
 HF_SHAPES = {
     # Llama 3.2 1B's shapes (tied embeddings): ~1.2B parameters.
     "cuda": dict(hidden=2048, layers=16, heads=32, heads_kv=8, intermediate=8192,
@@ -775,13 +761,7 @@ HF_SHAPES = {
     "cpu": dict(hidden=64, layers=1, heads=4, heads_kv=2, intermediate=128, vocab=256,
                 batch=1, seq_len=32, prompt=8, new_tokens=4, dropouts=(0.0, 0.1)),
 }
-SDPA_IMPL_SHAPES = {
-    "cuda": dict(tokens=16384, heads=16, head_dim=128, seq_lens=(1024, 4096),
-                 dropouts=(0.0, 0.1)),
-    "cpu": dict(tokens=64, heads=2, head_dim=32, seq_lens=(32,), dropouts=(0.0, 0.1)),
-}
 HF_PROVIDERS = ("hf_sdpa", "hf_triton_fused")
-SDPA_IMPL_PROVIDERS = ("sdpa_flash", "sdpa_flash_triton_fused")
 INTEGRATION_TARGETS = {False: "not slower than sdpa (speedup_vs_sdpa >= 1)",
                        True: "faster than sdpa with dropout (speedup_vs_sdpa > 1)"}
 
@@ -792,18 +772,6 @@ def hf_reason():
         import transformers  # noqa: F401
     except ImportError:
         return "transformers not installed (pip install .[hf])"
-    return None
-
-
-def sdpa_impl_reason(device):
-    """Why the sdpa_impl rows cannot run here (None: they can)."""
-    try:
-        from torch.nn.attention import activate_flash_attention_impl  # noqa: F401
-    except ImportError:
-        return (f"torch {torch.__version__} has no flash-attention impl registry "
-                "(torch.nn.attention.register_flash_attention_impl, torch >= 2.10)")
-    if torch.device(device).type != "cuda":
-        return "CUDA-only (ours overrides SDPA's CUDA flash kernel)"
     return None
 
 
@@ -836,7 +804,7 @@ def integration_row(bench, provider, mode, case, extra, static, deadline):
 
 
 def hf_rows(sh, device, dtype, opts, deadline=float("inf"), progress=None):
-    """The hf rows (see the comment above HF_SHAPES)."""
+    """The hf rows (the comment above HF_SHAPES)."""
     gpu = torch.device(device).type == "cuda"
     static = hf_reason()
     D = sh["hidden"] // sh["heads"]
@@ -919,71 +887,3 @@ def _hf_measure(model, ids, mode, sh, device, opts):
     finally:
         for t in params:
             t.grad = None
-
-
-def sdpa_impl_rows(sh, device, dtype, opts, deadline=float("inf"), progress=None):
-    """The sdpa_impl rows (see the comment above HF_SHAPES)."""
-    gpu = torch.device(device).type == "cuda"
-    static = sdpa_impl_reason(device)
-    H, D = sh["heads"], sh["head_dim"]
-    rows = []
-    for L in sh["seq_lens"]:
-        B = max(1, sh["tokens"] // L)
-        inputs = None
-        for p in sh["dropouts"]:
-            case = Case(batch=B, heads=H, seq_len=L, head_dim=D, dtype=dtype, dropout_p=p,
-                        device=device)
-            for mode in FEATURE_MODES:
-                for name in SDPA_IMPL_PROVIDERS:
-                    row = integration_row("sdpa_impl", name, mode, case, {}, static, deadline)
-                    rows.append(row)
-                    if row["status"] is not None:
-                        continue
-                    if progress:
-                        progress(None, None, f"sdpa_impl {name} {mode} seq {L} p{p}")
-                    if inputs is None:
-                        try:
-                            g = torch.Generator(device=device).manual_seed(L)
-                            inputs = [_randn(g, (B, H, L, D), device, dtype) for _ in range(4)]
-                        except Exception as exc:
-                            inputs = classify_failure(exc)
-                    if isinstance(inputs, str):
-                        row["status"] = inputs
-                        continue
-                    row.update(_sdpa_impl_measure(name, inputs, p, mode, device, opts))
-                    if row["status"] == "ok":
-                        row["tflops"] = tflops(attention_flops(B, H, L, L, D, causal=True,
-                                                               mode=mode), row["ms"])
-        inputs = None
-        free_memory(device)
-    return _integration_compare(rows, gpu, lambda r: (r["mode"], r["seq_len"], r["dropout_p"]))
-
-
-def _sdpa_impl_measure(name, inputs, p, mode, device, opts):
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    q, k, v, do = inputs
-
-    def build():
-        qq, kk, vv = _leaf(q), _leaf(k), _leaf(v)
-
-        def f():
-            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                return [F.scaled_dot_product_attention(qq, kk, vv, dropout_p=p,
-                                                       is_causal=True)]
-        return f, (qq, kk, vv)
-
-    ours = name.endswith("triton_fused")
-    if ours:
-        import kernels.sdpa
-        from torch.nn.attention import (activate_flash_attention_impl,
-                                        restore_flash_attention_impl)
-
-        kernels.sdpa.register()
-        activate_flash_attention_impl(kernels.sdpa.NAME)
-    try:
-        return _measure_spec(_Spec(name, build, [do]), mode, device, opts)
-    finally:
-        if ours:
-            restore_flash_attention_impl()

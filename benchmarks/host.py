@@ -17,7 +17,6 @@ tools/host_overhead.py. Rows go to ``<out-dir>/<date>-<device>-host.json`` and `
 import argparse
 import os
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +24,7 @@ import torch.nn.functional as F
 import kernels
 import reference
 
+from .measure import time_interleaved
 from .report import DEFAULT_OUT, REPO_DIR, collect_meta, results_stem, write_results
 
 
@@ -91,26 +91,13 @@ def _cases(device, shape, dtype):
 def measure(device, shape, dtype, budget_s, inner):
     """Rows of per-call host time (us) per case; see the module docstring."""
     cases = _cases(device, shape, dtype)
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
-    for fn, _ in cases.values():   # compile, autotune, build launch plans
-        for _ in range(3):
-            fn()
-    sync()
-    samples = {name: [] for name in cases}
-    names = list(cases)
-    start, rnd = time.perf_counter(), 0
-    while rnd < 5 or time.perf_counter() - start < budget_s:
-        for name in names[rnd % len(names):] + names[:rnd % len(names)]:
-            fn = cases[name][0]
-            t0 = time.perf_counter()
-            for _ in range(inner):
-                fn()
-            sync()
-            samples[name].append((time.perf_counter() - t0) / inner * 1e6)
-        rnd += 1
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else None
+    # warmup 3: compile, autotune, build launch plans; the first case of a round rotates.
+    samples = time_interleaved({name: fn for name, (fn, _) in cases.items()}, min_rounds=5,
+                               min_s=budget_s, inner=inner, warmup=3, sync=sync, rotate=True)
     rows = []
     for name, (_, base) in cases.items():
-        s = sorted(samples[name])
+        s = sorted(t * 1e6 for t in samples[name])
         rows.append(dict(bench="host", case=name, shape="x".join(map(str, shape)),
                          dtype=str(dtype).replace("torch.", ""), min_us=s[0],
                          p20_us=s[len(s) // 5], median_us=s[len(s) // 2], batches=len(s),
@@ -145,7 +132,7 @@ def _positive(kind):
 
 
 def build_parser():
-    p = argparse.ArgumentParser(prog="python -m benchmarks.host", description=__doc__.split(
+    p = argparse.ArgumentParser(prog="python -m benchmarks host", description=__doc__.split(
         "\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     p.add_argument("--shape", type=_shape, default=(1, 1, 16, 16), help="BxHxNxD")
@@ -164,9 +151,7 @@ def main(argv=None):
     elif device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: this machine has no CUDA device")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    if device == "cpu":
-        # What a CPU user's call runs: the PyTorch fallback (importing benchmarks set
-        # TRITON_INTERPRET=1 for the interpreter rows of the other benchmarks).
+    if device == "cpu":   # what a CPU user's call runs: the PyTorch fallback
         os.environ["TRITON_INTERPRET"] = "0"
     torch.set_num_threads(1)
     rows = measure(device, args.shape, dtype, args.budget, args.inner)

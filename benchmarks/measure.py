@@ -1,29 +1,18 @@
 """The one timing method of every benchmark: measure one callable in one mode (status, time
-quantiles, peak memory, first-call time). GPU: CUDA events (``triton.testing.do_bench``); CPU:
-the wall clock, with peak memory from the CPU allocator's records in torch.profiler.
+quantiles, peak memory, first-call time), and :func:`time_interleaved` for ratios of several
+callables on a loaded machine.
 
-Protocol for every row (same for all providers):
-
-1. ``make()`` builds the timed function (for ``bwd`` it runs the forward once, outside timing)
-   and the function is called once: warm-up, torch.compile / autotuning / JIT compilation.
-   Its wall time is reported as ``first_call_s``. Failures here classify the row as ``oom``,
-   ``unsupported: <reason>`` or ``error: <message>``.
-2. GPU: the function is rebuilt and called once more between
-   ``torch.cuda.reset_peak_memory_stats()`` and ``max_memory_allocated()``: ``peak_mem_bytes`` is
-   the peak allocated during ``make()`` + one call, minus what was allocated before (the inputs
-   q, k, v, do and anything else alive). So for ``bwd`` it includes the forward's saved
-   activations, and for every mode the gradients / output written. CPU: the same quantity for
-   the warm-up call (``make()`` + one call) itself, from the CPU allocator's records in
-   torch.profiler (CpuPeakMemory: on one PyTorch thread, so ``first_call_s`` on CPU is
-   that call, with the profiler's cost).
-3. Timing: ``triton.testing.do_bench`` (CUDA events, L2 flushed before each call, gradients set
-   to None before each call) on GPU; a few wall-clock runs on CPU: at most ``cpu_reps``, and
-   none starts once ``cpu_max_s`` seconds have passed since the warm-up call began (at least
-   one), so a call that takes seconds in Triton's interpreter is run twice in all, not 4 times.
-   ``gpu_wall_reps=N`` (calls that take seconds on a GPU, e.g. a whole generation loop, where
-   do_bench's 5 estimate + warm-up + timed calls would cost 8 or more calls): after the warm-up,
-   N wall-clock runs, each ended by a synchronize, and ``peak_mem_bytes`` taken over those runs
-   instead of in a call of its own (no L2 flush: it is negligible at that length).
+Protocol for every row: (1) ``make()`` builds the timed function (for ``bwd`` it runs the
+forward once, outside timing) and it is called once (warm-up: compilation, autotuning), its
+wall time ``first_call_s``; a failure there makes the row ``oom``, ``unsupported: <reason>``
+or ``error: <message>``. (2) Peak memory: on a GPU the function is rebuilt and called once
+more between ``reset_peak_memory_stats()`` and ``max_memory_allocated()``, minus what was
+allocated before (the inputs); on CPU the warm-up call's, from torch.profiler's allocator
+records on one thread (:class:`CpuPeakMemory`). (3) Timing: ``triton.testing.do_bench`` on a
+GPU (CUDA events, L2 flushed and ``.grad`` cleared before each call); on CPU at most
+``cpu_reps`` wall-clock runs, none started ``cpu_max_s`` seconds after the warm-up began.
+``gpu_wall_reps=N`` (calls of seconds, e.g. a generation loop): N wall-clock runs after the
+warm-up, each ended by a synchronize, the peak memory taken over them.
 """
 import contextlib
 import gc
@@ -171,6 +160,35 @@ class CpuPeakMemory:
             self.extra_bytes = int(peak)
         self._prof = None
         return False
+
+
+def time_interleaved(fns, *, min_rounds=1, min_s=0.0, max_s=float("inf"), inner=1, warmup=1,
+                     sync=None, rotate=False):
+    """{name: [seconds per call, one sample a round]} of the callables ``fns`` run in turn,
+    round after round, after ``warmup`` calls each, until ``min_rounds`` rounds and ``min_s``
+    seconds are done, or ``max_s`` seconds have passed: on a loaded machine every callable sees
+    the same load, so their ratios hold where their absolute times do not. A sample is
+    ``inner`` calls and ``sync()`` (a CUDA synchronize) over ``inner``; ``rotate``: each round
+    starts one callable later."""
+    sync = sync or (lambda: None)
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    sync()
+    names, times = list(fns), {name: [] for name in fns}
+    start, rnd = time.perf_counter(), 0
+    while True:
+        first = rnd % len(names) if rotate else 0
+        for name in names[first:] + names[:first]:
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                fns[name]()
+            sync()
+            times[name].append((time.perf_counter() - t0) / inner)
+        rnd += 1
+        elapsed = time.perf_counter() - start
+        if elapsed > max_s or (rnd >= min_rounds and elapsed >= min_s):
+            return times
 
 
 MEASURE_KEYS = ("status", "ms", "ms_p20", "ms_p80", "peak_mem_bytes", "first_call_s")

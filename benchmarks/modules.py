@@ -12,7 +12,7 @@ import time
 import torch
 
 from .flops import gpt_step_flops, mha_flops, tflops
-from .measure import MEASURE_KEYS, classify_failure, measure, mode_maker
+from .measure import MEASURE_KEYS, classify_failure, measure, mode_maker, time_interleaved
 from .providers import Case
 from .sweep import new_row
 from .measure import free_memory
@@ -207,29 +207,6 @@ CPU_RATIO_SIZES = ((8, 64, 128), (4, 256, 256), (2, 512, 256), (2, 1024, 768))
 CPU_RATIO_DROPOUTS = (0.0, 0.1)
 
 
-def _interleaved_ms(fns, reps, max_s, min_s=0.0):
-    """{name: [ms, ...]} of the callables ``fns`` run in turn (one warm-up each, then rounds
-    until ``reps`` of them and ``min_s`` seconds are done, stopping after ``max_s`` seconds
-    whatever the count): on a loaded machine both sides see the same load, so their ratio
-    holds where their absolute times do not. ``min_s`` gives short rows (a few ms a round)
-    hundreds of rounds: with 15 rounds, the 8 x 64 x 128 forward row without dropout (a path
-    no commit between the runs changed) read 1.02x, 3.21x, 1.04x and 0.97x in four runs on
-    2026-11-26 (load average 1-4 on 2 cores)."""
-    for fn in fns.values():
-        fn()
-    times = {name: [] for name in fns}
-    start = time.perf_counter()
-    while True:
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append((time.perf_counter() - t0) * 1e3)
-        elapsed = time.perf_counter() - start
-        if elapsed > max_s or (len(times[name]) >= reps and elapsed >= min_s):
-            break
-    return times
-
-
 def cpu_ratio_rows(sizes=CPU_RATIO_SIZES, dropouts=CPU_RATIO_DROPOUTS, reps=15, max_s=20.0,
                    threads=1, min_s=1.0):
     """Rows ``bench="module_cpu_ratio"``: ``reference.MultiHeadAttention`` (the book's class)
@@ -261,8 +238,13 @@ def cpu_ratio_rows(sizes=CPU_RATIO_SIZES, dropouts=CPU_RATIO_DROPOUTS, reps=15, 
                     y = m(x)
                     if mode == "fwd_bwd":
                         y.sum().backward()
-                times = _interleaved_ms({"book": lambda: call(book), "fused": lambda: call(fused)},
-                                        reps, max_s, min_s)
+                # min_s gives short rows (a few ms a round) hundreds of rounds: with 15, the
+                # 8 x 64 x 128 forward read 1.02x, 3.21x, 1.04x and 0.97x in four runs of one
+                # commit on a loaded 2-core machine.
+                times = time_interleaved(
+                    {"book": lambda: call(book), "fused": lambda: call(fused)},
+                    min_rounds=reps, min_s=min_s, max_s=max_s)
+                times = {k: [t * 1e3 for t in v] for k, v in times.items()}
                 med = {k: statistics.median(v) for k, v in times.items()}
                 q = {k: statistics.quantiles(v, n=5) if len(v) > 1 else [v[0]] * 4
                      for k, v in times.items()}

@@ -218,15 +218,14 @@ def format_tables(rows, metric="tflops", memory=False):
     return "\n".join(out)
 
 
-FEATURE_BENCHES = ("gqa", "window", "chunk", "varlen", "mla", "hf", "sdpa_impl")
+FEATURE_BENCHES = ("gqa", "window", "chunk", "varlen", "mla", "hf")
 # (field, format) of the comparison shown on ours' rows, per bench.
 _COMPARISONS = {"gqa": ("speedup_vs_mha", "{:.3g}x MHA"), "window": ("speedup_vs_full",
                                                                      "{:.3g}x full"),
                 "chunk": ("speedup_vs_full", "{:.3g}x full"),
                 "varlen": ("tflops_vs_dense_each", "{:.3g}x dense"),
                 "mla": ("speedup_vs_padded", "{:.3g}x padded v"),
-                "hf": ("speedup_vs_sdpa", "{:.3g}x sdpa"),
-                "sdpa_impl": ("speedup_vs_sdpa", "{:.3g}x flash")}
+                "hf": ("speedup_vs_sdpa", "{:.3g}x sdpa")}
 
 
 def _feature_shape(r):
@@ -241,7 +240,7 @@ def _feature_shape(r):
 
 
 def format_features(rows):
-    """The feature rows (gqa, window, chunk, varlen, mla, hf, sdpa_impl), with each target."""
+    """The feature rows (gqa, window, chunk, varlen, mla, hf), with each target."""
     sel = [r for r in rows if r["bench"] in FEATURE_BENCHES]
     if not sel:
         return ""
@@ -319,39 +318,6 @@ def format_decode(rows, metric="gbps"):
                "kernels.core.configs.num_splits_heuristic, forced = passed); %copy, x unspl, "
                "x sdpa and the target are on that row" + ("" if copy else
                                                    "; target not judged without a GPU"))
-    return "\n".join(out)
-
-
-def format_headline(rows):
-    """Compact summary of the primary config (the first attention row's dtype, head_dim and
-    dropout): per seq_len and mode, ours vs the fastest SDPA backend in TFLOP/s."""
-    attn = [r for r in rows if r["bench"] == "attention"]
-    ours = [r for r in attn if r["provider"] == "kernels"]
-    if not ours:
-        return ""
-    conf = (attn[0]["dtype"], attn[0]["head_dim"], attn[0]["dropout_p"])
-    ours = {(r["seq_len"], r["mode"]): r for r in ours
-            if (r["dtype"], r["head_dim"], r["dropout_p"]) == conf}
-    modes = list(dict.fromkeys(m for _, m in ours))
-    out = [f"\nheadline: {conf[0]} head_dim={conf[1]} dropout={conf[2]} causal; TFLOP/s "
-           "ours / fastest SDPA backend (its name), then (best_sdpa_ms_over_ours)",
-           f"{'seq':>6}  " + "".join(f"{m:<30}" for m in modes).rstrip()]
-    for seq in dict.fromkeys(s for s, _ in ours):
-        line = f"{seq:>6}  "
-        for m in modes:
-            r = ours.get((seq, m))
-            if r is None:
-                cell = ""
-            elif r["status"] != "ok":
-                cell = _cell(r, "tflops")
-            elif r.get("best_sdpa"):
-                best = r["tflops"] / r["best_sdpa_ms_over_ours"]  # same FLOPs over its time
-                cell = (f"{r['tflops']:.3g} / {best:.3g} {SHORT_NAMES[r['best_sdpa']]} "
-                        f"({r['best_sdpa_ms_over_ours']:.3g}x)")
-            else:
-                cell = f"{r['tflops']:.3g} / -"
-            line += f"{cell:<28}  "
-        out.append(line.rstrip())
     return "\n".join(out)
 
 

@@ -26,9 +26,9 @@ from helpers import interpreter_unusable_reason
 
 from benchmarks.book_models import (BOOK_SHAPES, FAMILIES, book_rows, family_config,
                                     format_book, package_reason)
-from benchmarks.features import (HF_SHAPES, SDPA_IMPL_SHAPES, SHAPES, decode_compare,
+from benchmarks.features import (HF_SHAPES, SHAPES, decode_compare,
                                  decode_targets, feature_rows, hf_reason, mixed_lengths,
-                                 sdpa_impl_reason, splits_used)
+                                 splits_used)
 from benchmarks.cli import DEFAULTS, build_parser, parity_shapes, resolve_args
 from benchmarks.flops import (attention_flops, gbps, gpt_step_flops, ideal_chunk_speedup,
                               ideal_window_speedup, kv_read_bytes, mha_flops, tflops,
@@ -174,20 +174,18 @@ def test_cli_interpreter_cpu(tmp_path):
     ours = [r for r in rows if r["bench"] in ("gqa", "window", "chunk", "varlen", "mla",
                                               "decode") and r["provider"].startswith("kernels")]
     assert ours and all(r["backend"] == "triton_interpreter" for r in ours)
-    # sdpa_impl (CUDA-only) is written with its reason; hf is not in the CPU default.
-    impl = [r for r in rows if r["bench"] == "sdpa_impl"]
-    assert impl and all(r["status"].startswith("skipped: ") and r["ms"] is None for r in impl)
+    # hf is not in the CPU default.
     assert not [r for r in rows if r["bench"] == "hf"]
 
 
 def test_integration_rows_cpu():
     """On CPU: the hf rows run a tiny Llama (sdpa vs ours; training with and without
-    dropout, greedy generation) with speed-ups from their own medians and no target judged;
-    sdpa_impl records why it is skipped. No assertion on speed."""
+    dropout, greedy generation) with speed-ups from their own medians and no target judged.
+    No assertion on speed."""
     reason = interpreter_unusable_reason()
     if reason:
         pytest.skip(reason)
-    rows = feature_rows("cpu", torch.bfloat16, ["hf", "sdpa_impl"])
+    rows = feature_rows("cpu", torch.bfloat16, ["hf"])
     hf = [r for r in rows if r["bench"] == "hf"]
     sh = HF_SHAPES["cpu"]
     assert [(r["provider"], r["mode"], r["dropout_p"]) for r in hf] == [
@@ -205,11 +203,6 @@ def test_integration_rows_cpu():
         gen = [r for r in hf if r["mode"] == "generate"]
         assert all(r["tokens_per_s"] == pytest.approx(sh["new_tokens"] / (r["ms"] * 1e-3))
                    for r in gen)
-    impl = [r for r in rows if r["bench"] == "sdpa_impl"]
-    assert len(impl) == 2 * 2 * 2 * len(SDPA_IMPL_SHAPES["cpu"]["seq_lens"])
-    assert all(r["status"] == f"skipped: {sdpa_impl_reason('cpu')}" and r["ms"] is None
-               and r.get("target_met") is None for r in impl)
-    assert "CUDA-only" in sdpa_impl_reason("cpu") or "registry" in sdpa_impl_reason("cpu")
     assert "x sdpa" in format_features(rows) or hf_reason()
 
 
@@ -672,10 +665,10 @@ def test_feature_rows_respect_the_time_budget():
     runs), each says why."""
     rows = feature_rows("cpu", torch.bfloat16, deadline=float("-inf"))
     assert {r["bench"] for r in rows} == {"gqa", "window", "chunk", "varlen", "mla", "decode",
-                                          "hf", "sdpa_impl"}
+                                          "hf"}
     assert all(r["ms"] is None for r in rows)
     assert all(r["status"] == "skipped: time budget" or r["status"].startswith(
-        ("unsupported: ", "skipped: CUDA-only", "skipped: transformers")) for r in rows), {
+        ("unsupported: ", "skipped: transformers")) for r in rows), {
         r["status"] for r in rows}
     assert {r["provider"] for r in rows if r["status"] == "skipped: time budget"} >= {
         "kernels", "kernels_mha", "kernels_causal", "kernels_chunks_batched", "kernels_varlen",
@@ -684,10 +677,10 @@ def test_feature_rows_respect_the_time_budget():
     assert all(r.get("target_met") is None for r in rows)
     assert "features (shape:" in format_features(rows)
     # decode, then the integration rows last: every point written
-    assert [r["bench"] for r in rows][-1] == "sdpa_impl"
+    assert [r["bench"] for r in rows][-1] == "hf"
     dec = [r for r in rows if r["bench"] == "decode"]
     assert len(dec) == 6 * 4 and rows.index(dec[-1]) < min(
-        i for i, r in enumerate(rows) if r["bench"] in ("hf", "sdpa_impl"))
+        i for i, r in enumerate(rows) if r["bench"] == "hf")
     assert all(r["copy_gbps"] is None and r["gbps"] is None for r in dec)
     assert "decode: q_len 1" in format_decode(dec)
 

@@ -1,6 +1,7 @@
 """The repository as a whole: what a plain (non-editable) install holds, and that nothing in it
 points outside it (paths of other checkouts or machines, notes kept elsewhere, numbers of a
 private issue tracker), so that whoever clones it can run and follow everything in it."""
+import importlib.util
 import os
 import re
 import shutil
@@ -29,10 +30,12 @@ def test_plain_install_holds_kernels_and_reference_only(tmp_path):
     for d in (src, elsewhere):
         d.mkdir()
     _copy_sources(src)
-    # --no-build-isolation: the build uses this environment's setuptools (no download).
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
-                    "--no-build-isolation", "--target", str(target), str(src)],
-                   check=True, cwd=elsewhere, timeout=300)
+    # --no-build-isolation: the build uses this environment's setuptools (no download); a venv
+    # without it (Python >= 3.12 makes none) lets pip fetch it, as a user's install does.
+    isolation = [] if importlib.util.find_spec("setuptools") is None else [
+        "--no-build-isolation"]
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", *isolation,
+                    "--target", str(target), str(src)], check=True, cwd=elsewhere, timeout=300)
     installed = {p.name for p in target.iterdir()
                  if p.is_dir() and not p.name.endswith((".dist-info", ".egg-info"))}
     assert installed - {"__pycache__"} == {"kernels", "reference"}, installed
