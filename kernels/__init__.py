@@ -15,6 +15,7 @@ Note: the import name ``kernels`` clashes with the unrelated ``kernels`` package
 not install both in one environment.
 """
 from .ops import attention, attention_varlen, attention_with_kvcache
+from .pipeline import PlanCache, plans
 from .core.mods import ALIBI, SOFTCAP, MaskMod, ScoreMod
 from . import book, distributed, fuse, hf, modules, sdpa
 from .integrations.fuse import fuse_attention

@@ -21,6 +21,8 @@ Both layouts reach the kernels as 4-D (batch, heads, seq, head_dim) views:
 In both, the lse entry of (batch or sequence b, head h, row i) sits at
 ``b * lse_strides[0] + h * lse_strides[1] + row_start + i``.
 """
+import ast
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
@@ -30,7 +32,7 @@ import triton
 
 from .common import LOG2E
 from .dropout import dropout_threshold
-from .mods import NO_MODS, CallMods, ModFns
+from .mods import NO_MODS, CallMods, MaskMod, ModFns, ScoreMod, lookup
 
 # The left edge of what a causal query sees (the kernels' EDGE constexpr, kernels/core/tiles.py):
 # none, a sliding window of ``window`` keys, or the query's chunk of ``chunk_size`` positions.
@@ -107,6 +109,10 @@ class AttentionCall:
                    tuple(drop_layout) if drop_layout is not None else None,
                    chunk_size if chunk_size and chunk_size > 0 else None, mods)
 
+    def with_seed(self, seed) -> "AttentionCall":
+        """This call with its dropout ``seed`` (an int, or a 0-d int64 tensor)."""
+        return dataclasses.replace(self, seed=seed)
+
     @property
     def edge(self) -> int:
         """The kernels' EDGE constexpr: EDGE_NONE, EDGE_WINDOW or EDGE_CHUNK."""
@@ -146,6 +152,55 @@ class AttentionCall:
     def drop_threshold(self) -> int:
         """The 24-bit Philox draw keeps an element iff it is >= this (kernels/core/dropout.py)."""
         return dropout_threshold(self.dropout_p) if self.dropout else 0
+
+
+def call_spec(call: AttentionCall, num_splits: int = 0) -> str:
+    """The one string that carries ``call``'s non-tensor fields (mods by name) and
+    ``num_splits`` through the custom ops (kernels/pipeline.py): op arguments generated from
+    the call's fields and read back by ``parse_spec``, not kept in parallel by hand. The seed
+    and the mods' tensors travel as tensor arguments."""
+    mods = call.mods
+    return repr((call.causal, call.softmax_scale, call.dropout_p, call.window,
+                 call.drop_layout, call.chunk_size, mods.softcap,
+                 mods.score_mod.name if mods.score_mod is not None else "",
+                 mods.mask_mod.name if mods.mask_mod is not None else "", int(num_splits)))
+
+
+_SPECS = {}   # spec -> (call without tensors, num_splits): parsed once per spec
+_MAX_SPECS = 1024
+
+
+def parse_spec(spec: str):
+    """(``AttentionCall`` without tensors or seed, num_splits) of a ``call_spec`` string."""
+    hit = _SPECS.get(spec)
+    if hit is None:
+        (causal, scale, dropout_p, window, drop_layout, chunk_size, softcap, score_mod,
+         mask_mod, num_splits) = ast.literal_eval(spec)
+        mods = CallMods(softcap=softcap, score_mod=lookup(score_mod, ScoreMod),
+                        mask_mod=lookup(mask_mod, MaskMod))
+        if len(_SPECS) >= _MAX_SPECS:
+            _SPECS.clear()
+        hit = _SPECS[spec] = (AttentionCall(causal, scale, dropout_p, 0, window, drop_layout,
+                                            chunk_size, mods), num_splits)
+    return hit
+
+
+def without_tensors(call: AttentionCall) -> AttentionCall:
+    """``call`` less its per-call tensors (seed, ALiBi slopes, sinks, aux): what a plan keeps."""
+    mods = call.mods
+    if mods.has_tensors:
+        mods = dataclasses.replace(mods, alibi_slopes=None, sinks=None, aux=())
+    return dataclasses.replace(call, seed=0, mods=mods)
+
+
+def with_tensors(call: AttentionCall, sinks, alibi_slopes, aux) -> AttentionCall:
+    """A plan's ``call`` with this call's mods' tensors (sinks fp32, slopes fp32 contiguous,
+    as ``validation.check_mods`` converts them: no-ops on converted ones)."""
+    if sinks is None and alibi_slopes is None and not aux:
+        return call
+    return dataclasses.replace(call, mods=dataclasses.replace(
+        call.mods, sinks=None if sinks is None else sinks.float(), aux=tuple(aux),
+        alibi_slopes=None if alibi_slopes is None else alibi_slopes.float().contiguous()))
 
 
 # ------------------------------------------------------------------ the kernels' grouped args
@@ -233,7 +288,7 @@ class Problem(NamedTuple):
     q_len: int                    # dense length, or the longest packed sequence (grid extent)
     k_len: int
     cu_q: Optional[torch.Tensor]  # int32 (batch + 1,) for packed sequences, else None
-    cu_k: Optional[torch.Tensor]
+    cu_k: Optional[torch.Tensor]  # None also for packed queries over a paged cache
     lse_shape: tuple
     lse_strides: tuple            # (batch stride, head stride) of lse
     drop_groups: int              # Philox counters per row id (kernels/core/dropout.py)
@@ -253,9 +308,12 @@ class Problem(NamedTuple):
 
     def seq_args(self, dummy, k_lens=None, block_table=None) -> SeqArgs:
         """The kernels' ``seq``; ``dummy`` stands in for pointers this launch never reads.
-        ``block_table``: int32 (B, max_blocks) with unit column stride, for a paged cache
-        whose k, v are viewed (num_blocks, heads_kv, page_size, D) (``paged.paged_problem``)."""
+        ``block_table``: int32 (B or num_seqs, max_blocks) with unit column stride, for a
+        paged cache whose k, v are viewed (num_blocks, heads_kv, page_size, D)
+        (``paged.paged_problem``, ``paged.paged_varlen_problem``)."""
         cu_q, cu_k = (self.cu_q, self.cu_k) if self.varlen else (dummy, dummy)
+        if cu_k is None:   # packed queries over a paged cache (paged.paged_varlen_problem)
+            cu_k = dummy
         # Constant stand-ins when not paged: no new specialization of the unpaged kernels.
         bt_stride = 0
         if block_table is None:

@@ -36,7 +36,6 @@ import torch
 import torch.distributed as dist  # imported by ``import torch`` already: costs nothing here
 
 from .. import ops
-from ..validation import validate_attention
 
 __all__ = ["ring_attention", "shard", "unshard"]
 
@@ -381,7 +380,7 @@ class _RingAttention(torch.autograd.Function):
 def _local_checks(q, k, v, causal, dropout_p, softmax_scale, seed, layout, world, backend):
     """This rank's own verdict (raises); returns causal as a bool."""
     _check_layout(layout)
-    causal = validate_attention(q, k, v, causal, dropout_p, softmax_scale, seed, None)
+    causal = ops.check_arguments(q, k, v, causal, dropout_p, softmax_scale, seed)
     if v.shape[-1] != q.shape[-1]:
         raise NotImplementedError(f"ring attention needs v's head_dim to be q's, got q "
                                   f"{tuple(q.shape)} and v {tuple(v.shape)}")

@@ -215,7 +215,7 @@ def _fallback_on(monkeypatch):
     """The PyTorch fallback, on its blockwise path (per-block masks, worker threads) even for
     the small problems here: the small-problem route has tests/core/test_fallback_small.py."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setattr(ops, "_warned_fallback", True)
+    monkeypatch.setattr("kernels.core.backend._warned_fallback", True)
     monkeypatch.setattr(fallback, "_SAVED_ELEMS", 0)
 
 

@@ -36,7 +36,7 @@ IDS = ["gqa-causal-rect", "mqa-square-dv", "full"]
 @pytest.fixture(autouse=True)
 def no_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setattr(ops, "_warned_fallback", True)
+    monkeypatch.setattr("kernels.core.backend._warned_fallback", True)
 
 
 def _inputs(B, hq, hkv, q_len, k_len, dv, dtype=torch.float32):

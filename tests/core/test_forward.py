@@ -295,7 +295,7 @@ def test_cpu_fallback_same_semantics(monkeypatch):
     q, k, v = (t.cpu() for t in make_qkv(2, 2, 21, 30, 16, torch.float32))
     expected = kernels.attention(q, k, v, dropout_p=0.3, seed=11)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setattr(ops, "_warned_fallback", False)
+    monkeypatch.setattr("kernels.core.backend._warned_fallback", False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = kernels.attention(q, k, v, dropout_p=0.3, seed=11)
@@ -309,7 +309,7 @@ def test_cpu_fallback_gradients(monkeypatch, q_len, k_len, causal, p):
     """The fallback's backward (explicit formulas: custom-op bodies run without autograd)
     matches float64 autograd through the oracle with the same dropout mask."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setattr(ops, "_warned_fallback", True)
+    monkeypatch.setattr("kernels.core.backend._warned_fallback", True)
     q, k, v = (t.cpu().requires_grad_() for t in make_qkv(2, 3, q_len, k_len, 8, torch.float32))
     out = kernels.attention(q, k, v, causal=causal, dropout_p=p, seed=5)
     grad = torch.randn_like(out)

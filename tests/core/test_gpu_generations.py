@@ -149,7 +149,7 @@ def test_pre_ampere_gpus_take_the_pytorch_path(gpu, monkeypatch, capability, rou
     gpu(capability, 64, name="Tesla T4")
     reason = configs.unsupported_gpu_reason(torch.device("cuda", 0))
     assert (reason is not None) == routed
-    monkeypatch.setattr(ops, "_warned_gpu", False)
+    monkeypatch.setattr("kernels.core.backend._warned_gpu", False)
     fake_cuda_tensor = SimpleNamespace(device=torch.device("cuda", 0))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -355,7 +355,7 @@ def test_fallback_gqa_window_varlen(monkeypatch):
         expected = call()
         exp_grads = _grads(expected, (q, k, v), do) if expected.dim() == 3 else None
         monkeypatch.setenv("TRITON_INTERPRET", "0")
-        monkeypatch.setattr(ops, "_warned_fallback", True)
+        monkeypatch.setattr("kernels.core.backend._warned_fallback", True)
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             got = call()

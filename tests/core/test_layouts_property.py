@@ -37,6 +37,7 @@ from hypothesis import strategies as st
 import kernels
 import reference
 from kernels import ops
+from kernels.core import backend
 from kernels.core import fallback
 from kernels.core.call import AttentionCall
 from reference.parity import parity_budget
@@ -118,13 +119,13 @@ def _backend(name):
     if name == "kernel":
         yield
         return
-    saved_env, saved_warned = os.environ.get("TRITON_INTERPRET"), ops._warned_fallback
+    saved_env, saved_warned = os.environ.get("TRITON_INTERPRET"), backend._warned_fallback
     os.environ["TRITON_INTERPRET"] = "0"
-    ops._warned_fallback = True
+    backend._warned_fallback = True
     try:
         yield
     finally:
-        ops._warned_fallback = saved_warned
+        backend._warned_fallback = saved_warned
         if saved_env is None:
             del os.environ["TRITON_INTERPRET"]
         else:
@@ -630,7 +631,7 @@ def test_kvcache_backward_says_forward_only(needs_grad, compiled):
 def test_fallback_warning_points_at_the_caller(via, monkeypatch):
     """It pointed at torch/_library/custom_ops.py (it is raised inside the custom op)."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setattr(ops, "_warned_fallback", False)
+    monkeypatch.setattr("kernels.core.backend._warned_fallback", False)
     q = _randn((1, 2, 5, 8), F32)
     with pytest.warns(RuntimeWarning, match="PyTorch fallback") as record:
         if via == "attention":

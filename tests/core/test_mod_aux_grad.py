@@ -195,7 +195,7 @@ def test_compiled_fullgraph():
 def _fallback(monkeypatch):
     from kernels import ops
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setattr(ops, "_warned_fallback", True)
+    monkeypatch.setattr("kernels.core.backend._warned_fallback", True)
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the fallback serves CPU tensors")

@@ -224,7 +224,7 @@ def test_paged_fallback(monkeypatch, page_size):
     """CPU tensors without the interpreter: the same semantics (pages written in place, the
     oracle's result)."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setattr(ops, "_warned_fallback", True)
+    monkeypatch.setattr("kernels.core.backend._warned_fallback", True)
     B, hq, hkv, d, q_len = 2, 4, 2, 16, 2
     max_blocks = 48 // page_size
     k_pages, v_pages, table = _paged(B, hkv, d, d, page_size, max_blocks, F32)

@@ -73,3 +73,61 @@ def test_core_does_not_import_upward():
                 names = [a.name for a in node.names]
                 assert not any(n.split(".")[0] in ("kernels", "reference") for n in names), \
                     f"{path.name}: import {names}"
+
+
+def _package_imports(path):
+    """The ``kernels`` modules ``path`` imports, as dotted names (relative imports resolved)."""
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            if module.startswith("kernels"):
+                found.add(module)
+                found.update(f"{module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("kernels"))
+    return found
+
+
+def _product_files():
+    return sorted((ROOT / "kernels").rglob("*.py"))
+
+
+def test_only_the_resolve_step_imports_validation():
+    """The pipeline (docs/layout.md): validation runs in one step, kernels/pipeline.py's
+    resolve; everything else reaches it through the public functions."""
+    importers = {str(p.relative_to(ROOT)) for p in _product_files()
+                 if "kernels.validation" in _package_imports(p)}
+    assert importers == {"kernels/pipeline.py"}, importers
+
+
+def test_only_the_core_chooses_the_backend():
+    """The Triton-or-fallback decision (``_use_fallback``) is called in kernels/core/backend.py
+    only, and only the core runs the fallback (the public layer may read its visibility rule)."""
+    for path in _product_files():
+        rel = str(path.relative_to(ROOT))
+        calls = [n for n in ast.walk(ast.parse(path.read_text()))
+                 if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "_use_fallback"]
+        assert not calls or rel == "kernels/core/backend.py", f"{rel} decides the backend"
+        if not rel.startswith("kernels/core/") and rel != "kernels/ops.py":
+            assert "kernels.core.fallback" not in _package_imports(path), rel
+
+
+def test_integrations_call_the_public_pipeline():
+    """Integrations use the public functions (kernels/ops.py) and the mods' public types: no
+    launcher, plan, backend or validation of their own."""
+    allowed = {"kernels.ops", "kernels.core.common", "kernels.core.mods"}
+    for path in sorted((ROOT / "kernels" / "integrations").rglob("*.py")) + [
+            ROOT / "kernels" / "flash_attn_interface.py"]:
+        used = {m for m in _package_imports(path)
+                if not m.startswith("kernels.integrations")
+                and m.rsplit(".", 1)[0] not in allowed | {"kernels.integrations", "kernels"}}
+        used -= allowed
+        used = {m for m in used if m not in ("kernels",) and not any(
+            m.startswith(a + ".") for a in allowed)}
+        assert not used, f"{path.relative_to(ROOT)} imports {sorted(used)}"

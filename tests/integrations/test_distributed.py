@@ -424,7 +424,7 @@ def test_group_of_one_is_plain_attention(tmp_path, monkeypatch):
     import kernels.distributed as kd
     from kernels import ops
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setattr(ops, "_warned_fallback", True)
+    monkeypatch.setattr("kernels.core.backend._warned_fallback", True)
     dist = _single_process_group(tmp_path)
     try:
         q, k, v, do = (torch.randn(1, 2, 12, 8) for _ in range(4))

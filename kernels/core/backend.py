@@ -1,0 +1,194 @@
+"""The one place that chooses how a call runs: the Triton kernels (their launch plans) or the
+PyTorch fallback, behind one interface -- a plan per call signature.
+
+* ``_use_fallback(t)``: the backend decision, made per call (CPU tensors run Triton's
+  interpreter or the fallback as TRITON_INTERPRET says at that moment; GPUs the kernels do not
+  serve take the fallback).
+* ``AttentionPlan``: how ``attention`` / ``attention_varlen`` (and the integrations' entries)
+  run for one validated signature -- its ``AttentionCall`` without the per-call tensors and,
+  once launched, its ``ForwardPlan`` and one ``BackwardPlan`` per gradient layout
+  (kernels/core/forward.py, backward.py). ``forward`` / ``backward`` take the per-call tensors.
+* ``KVCachePlan``'s twin for ``attention_with_kvcache``: ``KVCacheRunner``.
+
+Plans are built by kernels/pipeline.py (after validation) and kept in its plan cache; this
+module validates nothing.
+"""
+import os
+import sys
+import warnings
+
+import torch
+
+from . import fallback
+from .backward import BackwardPlan
+from .call import lse_shape, new_like, new_out
+from .common import check_interpreter_setting, interpreter_active
+from .configs import unsupported_gpu_reason
+from .forward import ForwardPlan
+from .kvcache import KVCachePlan
+
+_warned_fallback = False
+_warned_gpu = False
+# Frames of these files are ours or PyTorch's (custom-op dispatch, nn.Module calls, compiled
+# graphs): a warning skips them to land on the caller's own line.
+_INTERNAL = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+             os.path.dirname(os.path.abspath(torch.__file__)) + os.sep, "<eval_with_key")
+
+
+def _caller_stacklevel():
+    """``stacklevel`` for a ``warnings.warn`` in the function calling this one: the first frame
+    outside this package and torch (the user's line, however deep the dispatch)."""
+    level, frame = 1, sys._getframe(1)
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _use_fallback(t):
+    """Whether a call on ``t``'s device takes the PyTorch fallback: CPU tensors without
+    Triton's interpreter, and CUDA tensors on GPUs the Triton kernels do not serve (before
+    sm_80: ``configs.unsupported_gpu_reason``); warned once, at the caller's line."""
+    global _warned_fallback, _warned_gpu
+    device = t.device
+    if device.type == "cuda":
+        reason = unsupported_gpu_reason(device)   # from configs' per-device cache
+        if reason is not None and not _warned_gpu:
+            warnings.warn(f"kernels.attention: {reason}; CUDA tensors on this GPU run a PyTorch "
+                          f"path with the same semantics (dropout mask included) in O(seq) "
+                          f"memory, at PyTorch's speed", RuntimeWarning,
+                          stacklevel=_caller_stacklevel())
+            _warned_gpu = True
+        return reason is not None
+    if device.type == "cpu":
+        check_interpreter_setting()
+    if device.type == "cpu" and not interpreter_active():
+        if not _warned_fallback:
+            warnings.warn("kernels.attention: CPU tensors run a PyTorch fallback with the same "
+                          "semantics; the fused Triton kernel needs CUDA (or TRITON_INTERPRET=1 "
+                          "to run it in Triton's interpreter)", RuntimeWarning,
+                          stacklevel=_caller_stacklevel())
+            _warned_fallback = True
+        return True
+    return False
+
+
+def unit_last(t):
+    """Kernels need a unit stride in the last dim; any other layout is read in place.
+    (``.contiguous()`` is a no-op, keeping that stride, on an empty tensor or a size-1 last
+    dim: PyTorch calls those contiguous whatever their strides.)"""
+    if t.stride(-1) == 1:
+        return t
+    if t.numel() == 0:
+        return t.new_empty(t.shape)
+    if t.shape[-1] == 1:  # one element per row: its stride is never used, restride the view
+        return t.as_strided(t.shape, (*t.stride()[:-1], 1), t.storage_offset())
+    return t.contiguous()
+
+
+def _longest(cu, hint):
+    """max_seqlen to launch with: the hint, or (None / -1) the longest sequence of ``cu``
+    (a sync; only a compiled graph given no hint gets here)."""
+    if cu is None or (hint is not None and hint >= 0):
+        return hint
+    return int((cu[1:] - cu[:-1]).max().item()) if cu.numel() > 1 else 0
+
+
+class AttentionPlan:
+    """How one validated signature of ``attention`` (dense) or ``attention_varlen`` (packed:
+    ``max_seqlens`` given) runs: ``call`` (an ``AttentionCall`` without seed or mods' tensors,
+    which come per call) and ``num_splits``; the Triton plans are built at the first launch.
+    The backend is chosen per call (``_use_fallback``); a backward follows its forward's."""
+
+    def __init__(self, call, num_splits=0, max_seqlens=(None, None)):
+        self.call, self.num_splits = call, int(num_splits)
+        self.max_seqlens = max_seqlens
+        self.dropout_p = call.dropout_p
+        self.fwd = None
+        self.bwd = {}
+
+    def forward(self, q, k, v, seed_t, call, cu_q=None, cu_k=None, route=None):
+        """(out, lse) for this call's tensors; ``call``: the plan's with this call's mods'
+        tensors; ``route``: the ``_use_fallback`` decision when the caller made it."""
+        if q.shape[1] == 0:  # no query heads: an empty problem, like batch = 0
+            return new_out(q, v.shape[-1]), q.new_empty(lse_shape(q, cu_q is not None),
+                                                         dtype=torch.float32)
+        if _use_fallback(q) if route is None else route:
+            # o None: the fallback's own buffer when its layout is new_out's (no copy)
+            return fallback.forward(q, k, v, cu_q, cu_k, call.with_seed(seed_t), None)
+        q, k, v = unit_last(q), unit_last(k), unit_last(v)
+        plan = self.fwd
+        if plan is None:
+            max_q, max_k = self.max_seqlens
+            plan = self.fwd = ForwardPlan(q, k, v, call, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                          max_seqlen_q=_longest(cu_q, max_q),
+                                          max_seqlen_k=_longest(cu_k, max_k),
+                                          num_splits=self.num_splits)
+        return plan(q, k, v, call, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seed=seed_t)
+
+    def recorded_forward(self, q, k, v, seed_t, call, packed, need_lse):
+        """(route, (out, lse) or None) for a call that wants gradients: the route
+        (``_use_fallback``) its backward follows, and, where the fallback serves the call with
+        a few differentiable aten ops (``fallback.forward_recorded``), their result, whose
+        backward autograd records (lse None unless ``need_lse``)."""
+        route = _use_fallback(q)
+        if route and not packed:
+            return route, fallback.forward_recorded(unit_last(q), unit_last(k), unit_last(v),
+                                                    call.with_seed(seed_t), need_lse=need_lse)
+        return route, None
+
+    def backward(self, do, q, k, v, o, lse, seed_t, call, cu_q=None, cu_k=None, daux=None,
+                 own_output=False, route=None, into=None):
+        """(dq, dk, dv). ``daux``: d(mod_aux) buffers added into (``attention_backward``);
+        ``own_output``: o is this plan's forward's output (its layout is the plan's);
+        ``route``: the forward's ``_use_fallback``; ``into``: (dq, dk, dv) for the fallback
+        to write (the custom op's, in ``new_like``'s layouts), else its own buffers."""
+        if q.shape[1] == 0:  # no query heads: nothing reads k or v, whose gradients are 0
+            return new_like(q), new_like(k).zero_(), new_like(v).zero_()
+        do = unit_last(do)
+        if _use_fallback(q) if route is None else route:
+            return fallback.backward(do, q, k, v, o, lse, cu_q, cu_k, call.with_seed(seed_t),
+                                     *(into or (None, None, None)), daux=daux)
+        q, k, v = unit_last(q), unit_last(k), unit_last(v)
+        if own_output:   # the forward's own output: one layout for the signature
+            key = (do.stride(), do.data_ptr() % 16 == 0, daux is not None)
+        else:            # an integration's (out, lse) may come from elsewhere
+            o = unit_last(o)
+            key = (do.stride(), do.data_ptr() % 16 == 0, o.stride(), o.data_ptr() % 16 == 0,
+                   daux is not None)
+        plan = self.bwd.get(key)
+        if plan is None:
+            max_q, max_k = self.max_seqlens
+            plan = self.bwd[key] = BackwardPlan(
+                do, q, k, v, o, lse, call, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                max_seqlen_q=_longest(cu_q, max_q), max_seqlen_k=_longest(cu_k, max_k),
+                aux_grad=daux is not None)
+        # (the kernels' gradients are in ``new_like``'s layouts already: ``into`` is not needed)
+        return plan(do, q, k, v, o, lse, call, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                    seed=seed_t, daux=daux)
+
+
+class KVCacheRunner:
+    """How one validated signature of ``attention_with_kvcache`` runs (forward only):
+    ``call`` without the mods' tensors, ``num_splits``; the ``KVCachePlan``
+    (kernels/core/kvcache.py) is built at the first launch."""
+
+    def __init__(self, call, num_splits=0):
+        self.call, self.num_splits = call, int(num_splits)
+        self.plan = None
+
+    def __call__(self, q, k_cache, v_cache, cache_seqlens, k, v, call, block_table=None):
+        """(out, lse); ``call``: the runner's with this call's mods' tensors."""
+        if q.shape[1] == 0:  # no query heads (and so no kv heads: no cache entry to append)
+            return (new_out(q, v_cache.shape[-1]),
+                    q.new_empty(tuple(q.shape[:3]), dtype=torch.float32))
+        if _use_fallback(q):
+            return fallback.kvcache_forward(q, k_cache, v_cache, cache_seqlens, k, v, call,
+                                            new_out(q, v_cache.shape[-1]),
+                                            block_table=block_table)
+        q = unit_last(q)
+        k = None if k is None else unit_last(k)
+        v = None if v is None else unit_last(v)
+        if self.plan is None:
+            self.plan = KVCachePlan(q, k_cache, v_cache, cache_seqlens, k, v, call,
+                                    num_splits=self.num_splits, block_table=block_table)
+        return self.plan(q, k_cache, v_cache, cache_seqlens, k, v, call, block_table=block_table)

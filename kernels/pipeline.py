@@ -1,0 +1,705 @@
+"""The call pipeline every entry point goes through: resolve → cached plan → run.
+
+* **Resolve** (``resolve_attention``, ``resolve_kvcache``; the only callers of
+  kernels/validation.py): check the arguments once, fill in the defaults, and describe the
+  call as one ``AttentionCall`` (kernels/core/call.py) without its per-call tensors.
+* **Plan cache** (``plans``, a ``PlanCache``): the ``AttentionPlan`` / ``KVCacheRunner``
+  (kernels/core/backend.py, where the Triton-or-fallback choice is made) of each call
+  signature -- class, shape, strides, dtype, device and 16-byte alignment of every tensor, plus
+  the options with their types. A hit skips the validation (every checked property is in the
+  key). Bounded, least recently used first out, thread-safe, with ``stats()`` and ``clear()``.
+* **Run**: eager calls run the plan directly (an ``autograd.Function`` when a gradient is
+  wanted); calls that cannot be keyed -- inside ``torch.compile``, tensor subclasses,
+  ``torch.func`` transforms -- go through the custom ops ``fused_attention::fwd`` / ``bwd`` /
+  ``kvcache``, whose arguments are the call's tensors and one string generated from its
+  ``AttentionCall`` (``call_spec``); the ops' bodies look their plan up in the same cache, so
+  a compiled graph pays the eager path's host cost. Both autograd routes share one backward
+  (``_gradients``).
+"""
+import collections
+import threading
+from typing import Optional
+
+import torch
+
+from .core.backend import AttentionPlan, KVCacheRunner
+from .core.call import (AttentionCall, call_spec, default_softmax_scale, lse_shape, new_like,
+                        new_out, parse_spec, with_tensors, without_tensors)
+from .core.mods import NO_MODS, aux_grad_buffers, aux_grad_mask, sinks_grad
+from .validation import (SEED_LIMIT, check_cache_lengths, check_cu_seqlens, check_drop_layout,
+                         check_kvcache, check_mods, check_num_splits, check_seed,
+                         validate_attention)
+
+PACKED_LAYOUT = "(total_rows, heads, head_dim) (packed sequences)"
+# Options of an attention call, in the order the public functions pass them.
+OPTIONS = ("causal", "dropout_p", "softmax_scale", "window", "num_splits", "softcap",
+           "chunk_size", "score_mod", "mask_mod", "drop_layout")
+KV_OPTIONS = ("causal", "softmax_scale", "window", "num_splits", "softcap", "chunk_size",
+              "score_mod", "mask_mod")
+
+
+# --------------------------------------------------------------------------------------------
+# The plan cache
+# --------------------------------------------------------------------------------------------
+class PlanCache:
+    """Launch plans by call signature: at most ``maxsize``, the least recently used dropped
+    first; safe to use from several threads (one lock around the dict; a plan itself may be
+    built twice by two threads at once, which only costs time). ``stats()``: hits, misses,
+    evictions, size, maxsize; ``clear()`` drops every plan (the next calls rebuild them)."""
+
+    def __init__(self, maxsize=512):
+        self._plans = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.maxsize = maxsize
+        self.hits = self.misses = self.evictions = 0
+
+    def get(self, key):
+        with self._lock:
+            plan = self._plans.get(key)
+            if plan is None:
+                self.misses += 1
+            else:
+                self.hits += 1
+                self._plans.move_to_end(key)
+            return plan
+
+    def put(self, key, plan):
+        with self._lock:
+            self._plans[key] = plan
+            self._plans.move_to_end(key)
+            while len(self._plans) > max(self.maxsize, 0):
+                self._plans.popitem(last=False)
+                self.evictions += 1
+        return plan
+
+    def clear(self):
+        with self._lock:
+            self._plans.clear()
+
+    def values(self):
+        with self._lock:
+            return list(self._plans.values())
+
+    def __len__(self):
+        return len(self._plans)
+
+    def stats(self) -> dict:
+        with self._lock:
+            return dict(hits=self.hits, misses=self.misses, evictions=self.evictions,
+                        size=len(self._plans), maxsize=self.maxsize)
+
+
+plans = PlanCache()
+
+
+def _signature(t):
+    """What a plan fixes about a tensor: class, shape, strides, dtype, device and whether its
+    data pointer is 16-byte aligned (Triton specialises pointers on it). Raises for tensors
+    without storage (``torch.func`` wrappers) and non-tensors: such calls are not keyed."""
+    return (t.__class__, t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
+
+
+def _opt_sig(t):
+    return None if t is None else _signature(t)
+
+
+def _options_key(options, sinks, alibi_slopes, mod_aux):
+    """The part of a key after its tensors: the options with their types (1 == True, but
+    causal=1 is an error, causal=True is not) and the mods' tensors' signatures."""
+    return (options, tuple(x.__class__ for x in options), _opt_sig(sinks),
+            # (ALiBi slopes requiring grad are an error: checked when the plan is built)
+            None if alibi_slopes is None else (*_signature(alibi_slopes),
+                                               alibi_slopes.requires_grad),
+            tuple(_signature(t) for t in mod_aux))
+
+
+def _keyable(*tensors):
+    """Whether a call on these tensors can use a cached plan outside the custom ops: plain
+    tensors on CPU or CUDA, outside torch.compile tracing."""
+    for t in tensors:
+        if t is not None and t.__class__ is not torch.Tensor:
+            return False
+    return not torch.compiler.is_compiling()
+
+
+# --------------------------------------------------------------------------------------------
+# Resolve: validation, defaults, the call's description
+# --------------------------------------------------------------------------------------------
+def resolve_attention(q, k, v, options, sinks, alibi_slopes, mod_aux, packed=None, seed=None):
+    """Validate an ``attention`` (``packed`` None) or ``attention_varlen`` call (``packed`` =
+    (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) as ``check_cu_seqlens`` returns
+    them). Returns (its ``AttentionPlan``, its ``CallMods`` with the converted tensors)."""
+    (causal, dropout_p, softmax_scale, window, num_splits, softcap, chunk_size, score_mod,
+     mask_mod, drop_layout) = options
+    if packed is None:
+        causal = validate_attention(q, k, v, causal, dropout_p, softmax_scale, seed, window)
+        batch = q.shape[0]
+    else:
+        causal = validate_attention(q, k, v, causal, dropout_p, softmax_scale, seed, window,
+                                    dims=3, layout=PACKED_LAYOUT)
+        batch = packed[0].numel() - 1
+    mods, chunk_size = check_mods(q, causal, window, softcap, sinks, chunk_size, alibi_slopes,
+                                  score_mod, mask_mod, mod_aux, batch=batch)
+    check_num_splits(num_splits)
+    drop_layout = check_drop_layout(drop_layout, q, k, packed is not None)
+    if softmax_scale is None:
+        softmax_scale = default_softmax_scale(q.shape[-1])
+    call = AttentionCall(causal, float(softmax_scale), float(dropout_p), 0,
+                         int(window) if window is not None else None,
+                         None if drop_layout is None else tuple(drop_layout), chunk_size, mods)
+    max_seqlens = (None, None) if packed is None else tuple(packed[2:])
+    return AttentionPlan(without_tensors(call), num_splits, max_seqlens), mods
+
+
+def check_arguments(q, k, v, causal, dropout_p, softmax_scale, seed):
+    """Validate a dense call as ``attention`` would (raises the same errors) without running
+    it; returns causal as a bool. For integrations that check before a collective."""
+    if seed is not None:
+        check_seed(seed)
+    plan, _ = resolve_attention(q, k, v, (causal, dropout_p, softmax_scale, None, 0, None, None,
+                                          None, None, None), None, None, ())
+    return plan.call.causal
+
+
+def _packed(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k):
+    """(cu_q, cu_k, max_q, max_k) of a packed call, checked (the lengths are read on the host
+    once per cu_seqlens tensor: they size the plan's grid, which is part of its key)."""
+    if cu_seqlens_q is None:
+        return None
+    return (cu_seqlens_q, cu_seqlens_k,
+            *check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k))
+
+
+def attention_plan(q, k, v, options, sinks=None, alibi_slopes=None, mod_aux=(), packed=None):
+    """(plan, mods) of a call: the cached plan (mods None: the call's own tensors are used as
+    they come) when the call can be keyed, else a resolved uncached one (it runs through the
+    custom ops, whose bodies look up their own)."""
+    if _keyable(q, k, v):
+        try:
+            key = (_signature(q), _signature(k), _signature(v),
+                   *_options_key(options, sinks, alibi_slopes, mod_aux),
+                   None if packed is None else (_signature(packed[0]), _signature(packed[1]),
+                                                *packed[2:]))
+        except (TypeError, AttributeError, RuntimeError):   # not tensors, or no storage
+            key = None
+        if key is not None:
+            plan = plans.get(key)
+            if plan is None:
+                plan, _ = resolve_attention(q, k, v, options, sinks, alibi_slopes, mod_aux,
+                                            packed)
+                plans.put(key, plan)
+            return plan, None
+    return resolve_attention(q, k, v, options, sinks, alibi_slopes, mod_aux, packed)
+
+
+# --------------------------------------------------------------------------------------------
+# Seeds
+# --------------------------------------------------------------------------------------------
+# The seed of every call without dropout: one shared CPU tensor (the ops never read it). Under
+# torch.compile it enters the graph as an input, so Inductor emits no CPU C++ kernel to build it.
+with torch.inference_mode(False):  # a normal tensor even if first imported in inference mode
+    _NO_SEED = torch.zeros((), dtype=torch.int64, device="cpu")
+_SEEDS = {}       # (seed, device) -> its tensor there: a fixed seed costs no copy per call
+_MAX_SEEDS = 64
+
+
+def seed_tensor(dropout_p, seed, device):
+    """The call's Philox seed, a 0-d int64 tensor on the inputs' device: drawn there from
+    PyTorch's generator of that device when ``seed`` is None (no copy, no sync; inside a CUDA
+    graph each replay draws anew), else the given int (checked; one host-to-device copy per
+    (seed, device)), or a one-element int64 tensor (the integrations': kept on the device)."""
+    if isinstance(seed, torch.Tensor):
+        if dropout_p == 0.0:
+            return _NO_SEED
+        if seed.dtype != torch.int64 or seed.numel() != 1:
+            raise TypeError(f"seed as a tensor must be one int64 element, got "
+                            f"{seed.dtype} {tuple(seed.shape)}")
+        return seed.reshape(()).to(device)
+    if seed is not None:
+        check_seed(seed)
+    if dropout_p == 0.0:
+        return _NO_SEED
+    if seed is None:
+        return torch.randint(0, SEED_LIMIT - 1, (), dtype=torch.int64, device=device)
+    key = (int(seed), device)
+    t = _SEEDS.get(key)
+    if t is None:
+        if len(_SEEDS) >= _MAX_SEEDS:
+            _SEEDS.clear()
+        with torch.inference_mode(False):   # usable later outside inference mode too
+            t = _SEEDS[key] = torch.tensor(key[0], dtype=torch.int64, device=device)
+    return t
+
+
+# --------------------------------------------------------------------------------------------
+# Run: the eager route and the custom ops, one backward
+# --------------------------------------------------------------------------------------------
+def run_attention(plan, mods, q, k, v, seed, sinks, alibi_slopes, mod_aux, packed=None,
+                  need_lse=True):
+    """(out, lse) of a planned call (``attention_plan``'s): eager (``mods`` None: a cached
+    plan), with autograd when a gradient is wanted, else through the custom ops. lse may be
+    None unless ``need_lse``."""
+    cu = (None, None) if packed is None else packed[:2]
+    seed_t = seed_tensor(plan.dropout_p, seed, q.device)
+    if mods is not None:   # not keyable: the custom ops (torch.compile, subclasses, torch.func)
+        args = (q, k, v, *cu, *((-1, -1) if packed is None else packed[2:]), seed_t,
+                mods.alibi_slopes, mods.sinks)
+        spec = call_spec(plan.call, plan.num_splits)
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                           for t in (q, k, v, mods.sinks, *mods.aux)):
+            aux_grad = aux_grad_mask(mods.score_mod, mods.aux) if mods.aux else ()
+            return _OpAttention.apply(*args, spec, aux_grad, *mods.aux)
+        return _fwd_op(*args, list(mods.aux), spec)   # (Dynamo cannot trace the Function
+        #                                               under no_grad)
+    call = with_tensors(plan.call, sinks, alibi_slopes, mod_aux)
+    if torch.is_grad_enabled() and (
+            q.requires_grad or k.requires_grad or v.requires_grad
+            or sinks is not None and sinks.requires_grad
+            or mod_aux and any(t.requires_grad for t in mod_aux)):
+        route, recorded = plan.recorded_forward(q, k, v, seed_t, call, packed is not None,
+                                                need_lse)
+        if recorded is not None:   # the fallback's few-aten-op routes: autograd's own
+            return recorded
+        aux_grad = aux_grad_mask(plan.call.mods.score_mod, mod_aux) if mod_aux else ()
+        return _PlannedAttention.apply(q, k, v, call.mods.sinks, seed_t, plan, call, route,
+                                       aux_grad, *cu, *mod_aux)
+    return plan.forward(q, k, v, seed_t, call, *cu)
+
+
+class _NoDoubleBackward(torch.autograd.Function):
+    """Passes the first-order gradients through, attached to the graph of the inputs (q, k, v),
+    with a backward that raises a clear error: the attention backward is a fused kernel with no
+    derivative of its own."""
+
+    generate_vmap_rule = True   # (torch.func.grad runs backward with grad mode on)
+
+    @staticmethod
+    def forward(grads, *inputs):
+        return tuple(g.view_as(g) for g in grads)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError(
+            "double backward (a gradient of a gradient) of kernels.attention is not supported: "
+            "its backward is a fused kernel with no derivative of its own. Use "
+            "reference.attention (plain PyTorch) or torch.nn.functional."
+            "scaled_dot_product_attention where second derivatives are needed.")
+
+
+def _gradients(run_backward, do, q, k, v, out, lse, sinks, packed, want_sinks):
+    """The one backward of both autograd routes: ``run_backward(do)`` -> ((dq, dk, dv),
+    daux) (the plan's backward, directly or through the backward op), the sinks' gradient,
+    and the double-backward guard. Returns (grads, dsinks, daux)."""
+    create_graph = torch.is_grad_enabled()   # on here only for create_graph=True
+    with torch.no_grad():
+        grads, daux = run_backward(do)
+        dsinks = None
+        if sinks is not None and want_sinks:
+            dsinks = sinks_grad(sinks, lse, do, out, packed=packed)
+    if create_graph:  # a later grad of these gradients must fail with a clear message
+        grads = _NoDoubleBackward.apply(tuple(grads), q, k, v, do)
+    return tuple(grads), dsinks, daux
+
+
+class _PlannedAttention(torch.autograd.Function):
+    """Autograd of the eager route: the plan's forward and backward with no custom-op
+    dispatch in between."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, seed_t, plan, call, route, aux_grad, cu_q=None, cu_k=None,
+                *aux):
+        # aux: the call's mod_aux (inputs here so that their gradients have a place).
+        ctx.route, ctx.plan, ctx.call, ctx.aux_grad = route, plan, call, aux_grad
+        out, lse = plan.forward(q, k, v, seed_t, call, cu_q, cu_k, route=route)
+        ctx.save_for_backward(q, k, v, out, lse, seed_t, sinks, cu_q, cu_k, *aux)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        q, k, v, out, lse, seed_t, sinks, cu_q, cu_k, *aux = ctx.saved_tensors
+
+        def run_backward(do):
+            daux = (aux_grad_buffers(ctx.call.mods.score_mod, aux) if any(ctx.aux_grad)
+                    else None)
+            return ctx.plan.backward(do, q, k, v, out, lse, seed_t, ctx.call, cu_q, cu_k,
+                                     daux=daux, own_output=True, route=ctx.route), daux
+
+        grads, dsinks, daux = _gradients(run_backward, do, q, k, v, out, lse, sinks,
+                                         cu_q is not None, ctx.needs_input_grad[3])
+        return (*grads, dsinks, None, None, None, None, None, None, None,
+                *(d if w else None for d, w in zip(daux or [None] * len(aux), ctx.aux_grad)))
+
+
+def _op_plan(q, k, v, cu_q, cu_k, max_q, max_k, alibi_slopes, sinks, mod_aux, spec):
+    """The plan of a custom op's call (validated when the public function traced or called
+    it), from the plan cache; (plan, its call with this call's tensors)."""
+    key = ("op", spec, _signature(q), _signature(k), _signature(v), _opt_sig(cu_q),
+           _opt_sig(cu_k), max_q, max_k, _opt_sig(alibi_slopes), _opt_sig(sinks),
+           tuple(_signature(t) for t in mod_aux))
+    plan = plans.get(key)
+    if plan is None:
+        call, num_splits = parse_spec(spec)
+        plan = plans.put(key, AttentionPlan(call, num_splits, (max_q, max_k)))
+    return plan, with_tensors(plan.call, sinks, alibi_slopes, mod_aux)
+
+
+# The ops are defined with ``torch.library.Library`` (CPU and CUDA kernels, fakes for tracing)
+# rather than ``custom_op``: an op of ``custom_op`` always runs a Python autograd kernel that
+# dispatches again (~25 us a call, the larger part of what a compiled graph paid for each of
+# ours), and its autograd formula does not work under ``torch.func``. The autograd formula is
+# ``_OpAttention``, an ``autograd.Function`` around the op, which torch.compile traces into the
+# graph (its forward and backward are the ops) and torch.func transforms (with the ops' vmap
+# rules below).
+_LIB = torch.library.Library("fused_attention", "DEF")
+_LIB.define("fwd(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
+            "SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor seed, Tensor? alibi_slopes, "
+            "Tensor? sinks, Tensor[] mod_aux, str spec) -> (Tensor, Tensor)")
+_LIB.define("bwd(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, "
+            "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, SymInt max_seqlen_q, "
+            "SymInt max_seqlen_k, Tensor seed, Tensor? alibi_slopes, Tensor? sinks, "
+            "Tensor[] mod_aux, str spec, bool[] aux_grad, bool own_output) -> Tensor[]")
+
+
+def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seed,
+              alibi_slopes, sinks, mod_aux, spec):
+    """``fused_attention::fwd``: (out, lse) of the call ``spec`` (``call_spec``) describes."""
+    plan, call = _op_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                          alibi_slopes, sinks, mod_aux, spec)
+    out, lse = plan.forward(q, k, v, seed, call, cu_seqlens_q, cu_seqlens_k)
+    if q.stride(-1) != 1:   # the fake's layout (the kernels' output has it for such a q)
+        expected = new_out(q, v.shape[-1])
+        if out.stride() != expected.stride():
+            out = expected.copy_(out)
+    return out, lse
+
+
+def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seed,
+              alibi_slopes, sinks, mod_aux, spec):
+    return new_out(q, v.shape[-1]), q.new_empty(lse_shape(q, cu_seqlens_q is not None),
+                                                 dtype=torch.float32)
+
+
+def _bwd_impl(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+              seed, alibi_slopes, sinks, mod_aux, spec, aux_grad, own_output):
+    """``fused_attention::bwd``: [dq, dk, dv, d(mod_aux[0]), ...] of ``fwd``'s call, the aux
+    gradients fp32 where ``aux_grad`` is set, empty elsewhere. ``own_output``: o and lse are
+    the forward's (an integration may pass another call's)."""
+    plan, call = _op_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                          alibi_slopes, sinks, mod_aux, spec)
+    daux = aux_grad_buffers(call.mods.score_mod, mod_aux) if any(aux_grad) else None
+    grads = plan.backward(do, q, k, v, o, lse, seed, call, cu_seqlens_q, cu_seqlens_k,
+                          daux=daux, own_output=own_output,
+                          into=(new_like(q), new_like(k), new_like(v)))
+    return [*grads, *(d if g else q.new_empty(0, dtype=torch.float32)
+                      for d, g in zip(daux or [None] * len(mod_aux), aux_grad))]
+
+
+def _bwd_fake(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+              seed, alibi_slopes, sinks, mod_aux, spec, aux_grad, own_output):
+    return [new_like(q), new_like(k), new_like(v),
+            *(torch.empty_like(t, dtype=torch.float32) if g
+              else q.new_empty(0, dtype=torch.float32) for t, g in zip(mod_aux, aux_grad))]
+
+
+for _name, _impl, _fake in (("fwd", _fwd_impl, _fwd_fake), ("bwd", _bwd_impl, _bwd_fake)):
+    for _key in ("CPU", "CUDA"):
+        _LIB.impl(_name, _impl, _key)
+    torch.library.register_fake(f"fused_attention::{_name}", _fake, lib=_LIB)
+_fwd_op = torch.ops.fused_attention.fwd.default
+_bwd_op = torch.ops.fused_attention.bwd.default
+
+
+class _OpAttention(torch.autograd.Function):
+    """Autograd of the op route (torch.compile, tensor subclasses, torch.func): the forward
+    is ``fused_attention::fwd``, the backward ``fused_attention::bwd`` (both traced into a
+    compiled graph); vmap goes through the ops' rules."""
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(q, k, v, cu_q, cu_k, max_q, max_k, seed, alibi_slopes, sinks, spec, aux_grad,
+                *aux):
+        return _fwd_op(q, k, v, cu_q, cu_k, max_q, max_k, seed, alibi_slopes, sinks,
+                       list(aux), spec)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, cu_q, cu_k, max_q, max_k, seed, alibi_slopes, sinks, spec, aux_grad, *aux = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, out, lse, seed, cu_q, cu_k, alibi_slopes, sinks, *aux)
+        ctx.mark_non_differentiable(lse)
+        ctx.max_seqlens, ctx.spec = (max_q, max_k), spec
+        # Which mod_aux entries get a gradient (``aux_grad_mask``, checked by the caller).
+        ctx.aux_grad = aux_grad
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        q, k, v, out, lse, seed, cu_q, cu_k, alibi_slopes, sinks, *aux = ctx.saved_tensors
+
+        def run_backward(do):
+            res = _bwd_op(do, q, k, v, out, lse, cu_q, cu_k, *ctx.max_seqlens, seed,
+                          alibi_slopes, sinks, aux, ctx.spec, list(ctx.aux_grad), True)
+            return res[:3], [d if g else None for d, g in zip(res[3:], ctx.aux_grad)]
+
+        grads, dsinks, daux = _gradients(run_backward, do, q, k, v, out, lse, sinks,
+                                         cu_q is not None, ctx.needs_input_grad[9])
+        return (*grads, None, None, None, None, None, None, dsinks, None, None,
+                *(daux or ()))
+
+
+# --------------------------------------------------------------------------------------------
+# torch.func.vmap: the mapped dim folds into the batch (dense calls)
+# --------------------------------------------------------------------------------------------
+def _fold(x, dim, size):
+    """``x`` with its vmapped dim ``dim`` (None: unmapped, expanded) folded into dim 0."""
+    x = x.unsqueeze(0).expand(size, *x.shape) if dim is None else x.movedim(dim, 0)
+    return x.reshape(size * x.shape[1], *x.shape[2:])
+
+
+def _unfold(x, size):
+    return x.reshape(size, x.shape[0] // size, *x.shape[1:])
+
+
+def _vmap_refusal(what):
+    return NotImplementedError(
+        f"torch.func.vmap over kernels.attention maps q, k, v, do, out and lse of dense calls "
+        f"only (folded into the batch); {what} cannot be mapped. Loop over the mapped dim, or "
+        f"concatenate along the batch and call kernels.attention once")
+
+
+def _check_vmappable(named_dims):
+    for name, dim in named_dims:
+        if dim is not None:
+            raise _vmap_refusal(f"a mapped {name}")
+
+
+@torch.library.register_vmap("fused_attention::fwd")
+def _fwd_vmap(info, in_dims, q, k, v, cu_q, cu_k, max_q, max_k, seed, alibi_slopes, sinks,
+              mod_aux, spec):
+    q_d, k_d, v_d, cu_q_d, cu_k_d, _, _, seed_d, alibi_d, sinks_d, aux_d, _ = in_dims
+    _check_vmappable((("cu_seqlens", cu_q_d), ("cu_seqlens", cu_k_d), ("seed", seed_d),
+                      ("alibi_slopes", alibi_d), ("sinks", sinks_d)))
+    if cu_q is not None:
+        raise _vmap_refusal("a packed (varlen) call")
+    if any(d is not None for d in aux_d or ()):
+        raise _vmap_refusal("a mapped mod_aux")
+    if alibi_slopes is not None and alibi_slopes.dim() == 2:
+        alibi_slopes = alibi_slopes.repeat(info.batch_size, 1)   # per-batch slopes
+    n = info.batch_size
+    out, lse = _fwd_op(_fold(q, q_d, n), _fold(k, k_d, n), _fold(v, v_d, n), None, None,
+                       max_q, max_k, seed, alibi_slopes, sinks, mod_aux, spec)
+    return (_unfold(out, n), _unfold(lse, n)), (0, 0)
+
+
+@torch.library.register_vmap("fused_attention::bwd")
+def _bwd_vmap(info, in_dims, do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, seed, alibi_slopes,
+              sinks, mod_aux, spec, aux_grad, own_output):
+    (do_d, q_d, k_d, v_d, o_d, lse_d, cu_q_d, cu_k_d, _, _, seed_d, alibi_d, sinks_d, aux_d,
+     *_) = in_dims
+    _check_vmappable((("cu_seqlens", cu_q_d), ("cu_seqlens", cu_k_d), ("seed", seed_d),
+                      ("alibi_slopes", alibi_d), ("sinks", sinks_d)))
+    if cu_q is not None or any(aux_grad) or any(d is not None for d in aux_d or ()):
+        raise _vmap_refusal("a packed call or mod_aux gradients")
+    if alibi_slopes is not None and alibi_slopes.dim() == 2:
+        alibi_slopes = alibi_slopes.repeat(info.batch_size, 1)
+    n = info.batch_size
+    res = _bwd_op(*(_fold(x, d, n) for x, d in ((do, do_d), (q, q_d), (k, k_d), (v, v_d),
+                                                (o, o_d), (lse, lse_d))),
+                  None, None, max_q, max_k, seed, alibi_slopes, sinks, mod_aux, spec, aux_grad,
+                  own_output)
+    grads = [_unfold(g, n) for g in res[:3]]
+    return [*grads, *res[3:]], [0, 0, 0, *([None] * len(res[3:]))]
+
+
+# --------------------------------------------------------------------------------------------
+# The KV cache (forward only)
+# --------------------------------------------------------------------------------------------
+def resolve_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, options, sinks,
+                    alibi_slopes, mod_aux):
+    """Validate an ``attention_with_kvcache`` call; (its ``KVCacheRunner``, its ``CallMods``
+    with the converted tensors)."""
+    (causal, softmax_scale, window, num_splits, softcap, chunk_size, score_mod,
+     mask_mod) = options
+    causal = check_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale,
+                           window, num_splits, block_table)
+    mods, chunk_size = check_mods(q, causal, window, softcap, sinks, chunk_size, alibi_slopes,
+                                  score_mod, mask_mod, mod_aux, batch=q.shape[0])
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a unit stride in head_dim (it is written in "
+                             f"place), got strides {t.stride()}")
+    if softmax_scale is None:
+        softmax_scale = default_softmax_scale(q.shape[-1])
+    call = AttentionCall(causal, float(softmax_scale), 0.0, 0,
+                         int(window) if window is not None else None, None, chunk_size, mods)
+    runner = KVCacheRunner(without_tensors(call), num_splits)
+    new = 0 if k is None else q.shape[2]
+    if block_table is None:
+        runner.lengths = (new, k_cache.shape[2], None, 0, 1)
+    else:
+        num_blocks, page_size = k_cache.shape[:2]
+        runner.lengths = (new, block_table.shape[1] * page_size, block_table, num_blocks,
+                          page_size)
+    return runner, mods
+
+
+def kvcache_runner(q, k_cache, v_cache, cache_seqlens, k, v, block_table, options, sinks,
+                   alibi_slopes, mod_aux):
+    """(runner, mods) as ``attention_plan``: cached (mods None) when the call can be keyed."""
+    tensors = (q, k_cache, v_cache, cache_seqlens, k, v, block_table)
+    if _keyable(*tensors):
+        try:
+            key = ("kvcache", *(_opt_sig(t) for t in tensors),
+                   *_options_key(options, sinks, alibi_slopes, mod_aux))
+        except (TypeError, AttributeError, RuntimeError):
+            key = None
+        if key is not None:
+            runner = plans.get(key)
+            if runner is None:
+                runner, _ = resolve_kvcache(q, k_cache, v_cache, cache_seqlens, k, v,
+                                            block_table, options, sinks, alibi_slopes, mod_aux)
+                plans.put(key, runner)
+            return runner, None
+    return resolve_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, options,
+                           sinks, alibi_slopes, mod_aux)
+
+
+def run_kvcache(runner, mods, q, k_cache, v_cache, cache_seqlens, k, v, block_table, sinks,
+                alibi_slopes, mod_aux):
+    """(out, lse) of a planned KV-cache call (the cache lengths checked where on the host)."""
+    new, max_len, _, num_blocks, page_size = runner.lengths
+    check_cache_lengths(cache_seqlens, new, max_len, block_table, num_blocks, page_size)
+    inputs = [t for t in (q, k_cache, v_cache, k, v) if t is not None]
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+    if mods is None and not needs_grad:
+        call = with_tensors(runner.call, sinks, alibi_slopes, mod_aux)
+        return runner(q, k_cache, v_cache, cache_seqlens, k, v, call, block_table)
+    if mods is None:
+        mods = with_tensors(runner.call, sinks, alibi_slopes, mod_aux).mods
+    args = (q, k_cache, v_cache, cache_seqlens, k, v, block_table, mods.alibi_slopes,
+            mods.sinks, list(mods.aux), call_spec(runner.call, runner.num_splits))
+    if needs_grad:
+        with torch.no_grad():
+            out, lse = _kvcache_op(*args)
+        return _KVCacheForwardOnly.apply(out, lse, *inputs)
+    return _kvcache_op(*args)
+
+
+@torch.library.custom_op("fused_attention::kvcache", mutates_args=("k_cache", "v_cache"))
+def _kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                cache_seqlens: torch.Tensor, k: Optional[torch.Tensor],
+                v: Optional[torch.Tensor], block_table: Optional[torch.Tensor],
+                alibi_slopes: Optional[torch.Tensor], sinks: Optional[torch.Tensor],
+                mod_aux: list[torch.Tensor], spec: str) -> tuple[torch.Tensor, torch.Tensor]:
+    key = ("kvcache-op", spec, *(_opt_sig(t) for t in (q, k_cache, v_cache, cache_seqlens, k,
+                                                        v, block_table, alibi_slopes, sinks)),
+           tuple(_signature(t) for t in mod_aux))
+    runner = plans.get(key)
+    if runner is None:
+        call, num_splits = parse_spec(spec)
+        runner = plans.put(key, KVCacheRunner(call, num_splits))
+    call = with_tensors(runner.call, sinks, alibi_slopes, mod_aux)
+    return runner(q, k_cache, v_cache, cache_seqlens, k, v, call, block_table)
+
+
+@_kvcache_op.register_fake
+def _(q, k_cache, v_cache, cache_seqlens, k, v, block_table, alibi_slopes, sinks, mod_aux,
+      spec):
+    return new_out(q, v_cache.shape[-1]), q.new_empty(tuple(q.shape[:3]), dtype=torch.float32)
+
+
+_KVCACHE_NO_BACKWARD = (
+    "kernels.attention_with_kvcache is forward-only (generation against a KV cache): it has no "
+    "backward, and gradients cannot flow through it. For training use kernels.attention (dense "
+    "batches) or kernels.attention_varlen (packed sequences), which are differentiable; to "
+    "generate with parameters that require grad, wrap the step in torch.no_grad() or "
+    "torch.inference_mode().")
+
+
+@torch.library.custom_op("fused_attention::kvcache_no_backward", mutates_args=())
+def _kvcache_no_backward(grad: torch.Tensor, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The backward of ``attention_with_kvcache``: raises when it runs. An op, not a plain
+    ``raise``, so that torch.compile can trace the graph (a forward that is never
+    differentiated compiles and runs) while a real backward still fails."""
+    raise RuntimeError(_KVCACHE_NO_BACKWARD)
+
+
+@_kvcache_no_backward.register_fake
+def _(grad, inputs):
+    return [torch.empty_like(x) for x in inputs]
+
+
+class _KVCacheForwardOnly(torch.autograd.Function):
+    """Attaches (out, lse) of the KV-cache op to the inputs that require grad, with a backward
+    that says the op is forward-only (a mutating custom op cannot register an autograd formula;
+    PyTorch's own error would only say that none was registered)."""
+
+    @staticmethod
+    def forward(ctx, out, lse, *inputs):
+        ctx.mark_non_differentiable(lse)
+        ctx.shapes = [x.shape for x in inputs]  # not the tensors: the caches change later
+        return out.view_as(out), lse.view_as(lse)
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        wanted = [i for i, need in enumerate(ctx.needs_input_grad[2:]) if need]
+        grads = [None] * len(ctx.shapes)
+        placeholders = [dout.new_zeros(ctx.shapes[i]) for i in wanted]
+        for i, g in zip(wanted, _kvcache_no_backward(dout, placeholders)):
+            grads[i] = g
+        return (None, None, *grads)
+
+
+# --------------------------------------------------------------------------------------------
+# Entry points for integrations that own their autograd formula (kernels.sdpa, distributed)
+# --------------------------------------------------------------------------------------------
+def integration_plan(q, k, v, causal, dropout_p, softmax_scale, window, cu_seqlens_q,
+                     cu_seqlens_k, max_seqlen_q, max_seqlen_k, drop_layout, seed):
+    """(plan, mods, packed, seed tensor) of a ``forward_with_lse`` / ``backward`` call, as
+    ``attention_plan`` (``seed``: an int, or a one-element int64 tensor on the device)."""
+    options = (causal, dropout_p, softmax_scale, window, 0, None, None, None, None,
+               None if drop_layout is None else tuple(drop_layout))
+    packed = None
+    if cu_seqlens_q is not None:
+        if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+                and q.dim() == k.dim() == 3):   # the checks say what is wrong
+            resolve_attention(q, k, v, options, None, None, (),
+                              (cu_seqlens_q, cu_seqlens_k, -1, -1))
+        packed = _packed(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k)
+    plan, mods = attention_plan(q, k, v, options, packed=packed)
+    return plan, mods, packed, seed_tensor(plan.dropout_p, seed, q.device)
+
+
+def check_grad_shapes(do, q, out, lse, packed):
+    if do.shape != q.shape[:-1] + out.shape[-1:] or out.shape[:-1] != q.shape[:-1] \
+            or lse.shape != lse_shape(q, packed):
+        raise ValueError(f"do and out must have q's shape {tuple(q.shape)} (with v's head_dim) "
+                         f"and lse {lse_shape(q, packed)}, got do {tuple(do.shape)}, out "
+                         f"{tuple(out.shape)}, lse {tuple(lse.shape)}")
+
+
+def integration_forward(plan, mods, packed, seed_t, q, k, v):
+    cu = (None, None) if packed is None else packed[:2]
+    with torch.no_grad():
+        if mods is not None:
+            return _fwd_op(q, k, v, *cu, *(packed[2:] if packed else (-1, -1)), seed_t, None,
+                           None, [], call_spec(plan.call, plan.num_splits))
+        return plan.forward(q, k, v, seed_t, plan.call, *cu)
+
+
+def integration_backward(plan, mods, packed, seed_t, do, q, k, v, out, lse):
+    cu = (None, None) if packed is None else packed[:2]
+    lse = lse.float().contiguous()
+    with torch.no_grad():
+        if mods is not None:
+            return tuple(_bwd_op(do, q, k, v, out, lse, *cu,
+                                 *(packed[2:] if packed else (-1, -1)), seed_t, None, None, [],
+                                 call_spec(plan.call, plan.num_splits), [], False))
+        return plan.backward(do, q, k, v, out, lse, seed_t, plan.call, *cu)
+
+
+__all__ = ["plans", "PlanCache", "NO_MODS"]
