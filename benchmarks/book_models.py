@@ -131,10 +131,9 @@ def build_model(family, kind, cfg, device, dtype):
 
 
 def gpt2_kv_generate(model, idx, new_tokens):
-    """Greedy decoding of a ``kv_cache.gpt2.GPTModel`` over its own cache protocol (its
-    KVCache, ``use_cache=True``, ``model.current_pos``), as the package's kv_cache.generate
-    does for Llama / Qwen: one prefill, then one cached forward per new token but the last
-    (its logits would go unused), as many forwards as the uncached generation."""
+    """Greedy decoding of a ``kv_cache.gpt2.GPTModel`` over its own cache protocol (KVCache,
+    ``use_cache=True``, ``current_pos``), as kv_cache.generate does for Llama / Qwen: a prefill,
+    then a cached forward per new token but the last."""
     cache = _package("kv_cache.gpt2").KVCache(n_layers=len(model.trf_blocks))
     model.eval()
     model.current_pos = 0
@@ -287,7 +286,6 @@ def _model_pair(family, kind, cfg, device, dtype):
 def _measure_point(family, provider, mode, model, batch, seq, cfg, sh, device, opts):
     """Measure one row; the measurement fields, plus tflops / tokens_per_s when ok."""
     gpu = torch.device(device).type == "cuda"
-    timing = {k: opts[k] for k in ("warmup_ms", "rep_ms", "cpu_reps", "cpu_max_s")}
     g = torch.Generator().manual_seed(seq + batch)
     try:
         if mode == "train_step":
@@ -296,13 +294,13 @@ def _measure_point(family, provider, mode, model, batch, seq, cfg, sh, device, o
             if family == "gpt2_kv":
                 model.current_pos = 0
             step = train_step(model, ids)
-            out = measure(lambda: step, device, **timing)
+            out = measure(lambda: step, device, **opts)
         else:
             ids = torch.randint(0, cfg["vocab_size"], (batch, seq), generator=g).to(device)
             call = _generate_call(family, provider, model, ids, sh["new_tokens"])
             bug = _gpt2_cache_bug if (family, provider) == ("gpt2_kv", "original") else None
             out = measure(lambda: call, device, unsupported_reason=bug,
-                          gpu_wall_reps=sh["gen_reps"] if gpu else None, **timing)
+                          gpu_wall_reps=sh["gen_reps"] if gpu else None, **opts)
     except Exception as exc:  # inputs / optimizer not built (measure() classifies the rest)
         out = dict(dict.fromkeys(MEASURE_KEYS), status=classify_failure(exc))
     finally:

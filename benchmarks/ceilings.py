@@ -11,8 +11,6 @@ These are the measured ceilings that attention TFLOP/s figures are judged agains
 (docs/performance.md). Needs CUDA; on CPU it says so and exits with status 0 without numbers.
 """
 import argparse
-import datetime
-import json
 import sys
 
 import torch
@@ -44,7 +42,8 @@ def copy_gbps(nbytes=1 << 30):
 
 
 def main(argv=None):
-    """Measure, print, optionally write JSON; returns the exit status."""
+    """Measure, print, optionally write JSON (report's writer, with device and versions);
+    returns the exit status."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.ceilings", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", help="write the numbers to this JSON file")
@@ -52,25 +51,18 @@ def main(argv=None):
     if not torch.cuda.is_available():
         print("ceilings: no CUDA device; nothing measured (CPU numbers would mean nothing here)")
         return 0
-    import triton
+    from .report import REPO_DIR, collect_meta, write_json
 
-    mm = matmul_tflops()
-    cp = copy_gbps()
-    result = {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "matmul_bf16_8192_tflops": {"median": mm[0], "low": mm[1], "high": mm[2]},
-        "copy_1GiB_gbps": {"median": cp[0], "low": cp[1], "high": cp[2]},
-        "method": "triton.testing.do_bench (CUDA events, L2 flushed); random data; copy counts "
-                  "bytes read + written; median = rate at the median time, low/high = rates at "
-                  "the 80th/20th percentile times",
-    }
-    print(f"ceilings on {result['device']}: bf16 8192^3 matmul {mm[0]:.0f} TFLOP/s "
+    mm, cp = matmul_tflops(), copy_gbps()
+    print(f"ceilings on {torch.cuda.get_device_name()}: bf16 8192^3 matmul {mm[0]:.0f} TFLOP/s "
           f"({mm[1]:.0f}..{mm[2]:.0f}); copy {cp[0]:.0f} GB/s ({cp[1]:.0f}..{cp[2]:.0f})")
     if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=1)
+        meta = collect_meta("cuda", vars(args), REPO_DIR)
+        meta["timing"] += ("; random data; copy counts bytes read + written; median = the rate "
+                           "at the median time, low / high = at the 80th / 20th percentile")
+        write_json(args.out, meta, [
+            dict(what="matmul bf16 8192^3", unit="TFLOP/s", median=mm[0], low=mm[1], high=mm[2]),
+            dict(what="copy 1 GiB", unit="GB/s", median=cp[0], low=cp[1], high=cp[2])])
     return 0
 
 

@@ -30,15 +30,15 @@ import subprocess
 import sys
 import time
 
+from .args import COUNT, POSITIVE_FLOAT, POSITIVE_INT, PROBABILITY, SECONDS
 from .report import DEFAULT_OUT, REPO_DIR
 
 DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16",
                  "float16": "float16", "half": "float16", "fp32": "float32",
                  "float32": "float32"}
 
-# Defaults per device type; --quick swaps in the smaller set. See README.md for the reasoning.
-# GPU head_dims: 128 (primary) and 64 as in the FlashAttention papers, then 512, the largest the
-# kernels take (at hidden 2048: 4 heads); a secondary config, after d64 in the run order.
+# Defaults per device type (--quick: the smaller set). GPU head_dims: 128 (primary) and 64 as in
+# the FlashAttention papers, then 512, the largest the kernels take (a secondary config).
 # CPU: PyTorch only (ours = the PyTorch fallback), fp32 as CPU users run it; the run is sized to
 # take about a minute on an idle 2-core machine.
 DEFAULTS = {
@@ -77,33 +77,6 @@ def _dtype_name(text):
             f"unknown dtype {text!r}; use one of {', '.join(sorted(DTYPE_ALIASES))}") from None
 
 
-def _number(kind, low, low_ok=True, high=None):
-    """An argparse ``type=`` that parses ``kind`` (int or float) and checks ``low <= x`` (or
-    ``low < x`` when not ``low_ok``) and ``x < high``: a bad value becomes argparse's one-line
-    error naming the flag, instead of a traceback deep in the run (``--seq-lens 0`` was a
-    ZeroDivisionError)."""
-    name = "an integer" if kind is int else "a number"
-    bound = (f">= {low}" if low_ok else f"> {low}") + (f" and < {high}" if high else "")
-
-    def parse(text):
-        try:
-            x = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {name} {bound}, got {text!r}") from None
-        if x != x or (x < low if low_ok else x <= low) or (high is not None and x >= high):
-            raise argparse.ArgumentTypeError(f"expected {name} {bound}, got {text!r}")
-        return x
-    parse.__name__ = kind.__name__  # what argparse names in its own messages
-    return parse
-
-
-_POSITIVE_INT = _number(int, 1)
-_COUNT = _number(int, 0)             # 0 has a meaning (none / PyTorch's default / no limit)
-_POSITIVE_FLOAT = _number(float, 0.0, low_ok=False)
-_SECONDS = _number(float, 0.0)
-_PROBABILITY = _number(float, 0.0, high=1.0)
-
-
 class _Parser(argparse.ArgumentParser):
     """argparse with a one-line error (argparse prints the whole ~20-line usage first)."""
 
@@ -136,7 +109,7 @@ def build_parser():
     from .book_models import FAMILIES as BOOK_FAMILIES
     from .features import FEATURES
     from .flops import MODES
-    from .providers import ALL_PROVIDERS
+    from .providers import PROVIDERS
 
     p = _Parser(
         prog="python -m benchmarks [sweep]", formatter_class=_Help,
@@ -165,48 +138,47 @@ def build_parser():
                      help="exit with status 2 when any row has status 'error: ...'")
 
     sweep = p.add_argument_group("sweep dimensions (defaults depend on the device)")
-    sweep.add_argument("--seq-lens", type=_POSITIVE_INT, nargs="+", metavar="N",
+    sweep.add_argument("--seq-lens", type=POSITIVE_INT, nargs="+", metavar="N",
                        help="sequence lengths, q_len = k_len; " + _per_device("seq_lens"))
     sweep.add_argument("--modes", nargs="+", choices=list(MODES),
                        help="default: all of " + ", ".join(MODES))
     sweep.add_argument("--dtypes", type=_dtype_name, nargs="+", metavar="DTYPE",
                        help="bf16, fp16, fp32; " + _per_device("dtypes"))
-    sweep.add_argument("--head-dims", type=_POSITIVE_INT, nargs="+", metavar="D",
+    sweep.add_argument("--head-dims", type=POSITIVE_INT, nargs="+", metavar="D",
                        help=_per_device("head_dims"))
-    sweep.add_argument("--dropout", type=_PROBABILITY, nargs="+", metavar="P",
+    sweep.add_argument("--dropout", type=PROBABILITY, nargs="+", metavar="P",
                        help="dropout probabilities in [0, 1); " + _per_device("dropout"))
-    sweep.add_argument("--providers", nargs="+", choices=list(ALL_PROVIDERS), metavar="NAME",
-                       help=f"of {', '.join(ALL_PROVIDERS)} (default: GPU all but "
-                            "kernels_interpreter; CPU kernels, reference, sdpa_math, "
-                            "sdpa_flash)")
+    sweep.add_argument("--providers", nargs="+", choices=list(PROVIDERS), metavar="NAME",
+                       help=f"of {', '.join(PROVIDERS)} (default: GPU all, triton_tutorial "
+                            "with --tutorial; CPU kernels, reference, sdpa_math, sdpa_flash)")
     sweep.add_argument("--tutorial", metavar="PATH",
                        help="the Triton tutorial's fused attention (Triton 3.6's "
                             "tutorials/06-fused-attention.py) for the triton_tutorial rows "
                             "(default: none, and those rows say 'not given')")
-    sweep.add_argument("--tokens", type=_POSITIVE_INT,
+    sweep.add_argument("--tokens", type=POSITIVE_INT,
                        help="batch * seq_len per point (batch >= 1); " + _per_device("tokens"))
-    sweep.add_argument("--hidden", type=_POSITIVE_INT,
+    sweep.add_argument("--hidden", type=POSITIVE_INT,
                        help="heads * head_dim per point; " + _per_device("hidden"))
-    sweep.add_argument("--quadratic-max-seq", type=_POSITIVE_INT, metavar="N",
+    sweep.add_argument("--quadratic-max-seq", type=POSITIVE_INT, metavar="N",
                        help="largest seq_len for the providers that store seq^2 scores "
                             "(reference, reference_compiled, sdpa_math); default: GPU 8192, "
                             "CPU no limit")
-    sweep.add_argument("--time-budget", type=_SECONDS, metavar="S",
+    sweep.add_argument("--time-budget", type=SECONDS, metavar="S",
                        help="seconds for the whole run, 0 = no limit; points not started by "
                             "then are recorded as 'skipped: time budget'; "
                             + _per_device("time_budget"))
 
     timing = p.add_argument_group("timing")
-    timing.add_argument("--warmup-ms", type=_POSITIVE_FLOAT, default=10.0,
+    timing.add_argument("--warmup-ms", type=POSITIVE_FLOAT, default=10.0,
                         help="do_bench warm-up time (GPU)")
-    timing.add_argument("--rep-ms", type=_POSITIVE_FLOAT, default=50.0,
+    timing.add_argument("--rep-ms", type=POSITIVE_FLOAT, default=50.0,
                         help="do_bench repetition time (GPU)")
-    timing.add_argument("--cpu-reps", type=_POSITIVE_INT, default=3,
+    timing.add_argument("--cpu-reps", type=POSITIVE_INT, default=3,
                         help="most timed runs per row on CPU")
-    timing.add_argument("--cpu-max-s", type=_SECONDS, default=1.0,
+    timing.add_argument("--cpu-max-s", type=SECONDS, default=1.0,
                         help="CPU: no timed run of a row starts this many seconds after its "
                              "warm-up call began (at least one runs)")
-    timing.add_argument("--cpu-threads", type=_COUNT, default=1,
+    timing.add_argument("--cpu-threads", type=COUNT, default=1,
                         help="CPU: PyTorch's intra-op threads, 0 = PyTorch's default (1 keeps "
                              "small shapes steady on a busy machine)")
 
@@ -222,7 +194,7 @@ def build_parser():
                        help="llms-from-scratch's models as they are vs kernels.fuse_attention: "
                             "generation tokens/s and a training step, random weights (default: "
                             f"not run; no FAMILY = all of {', '.join(BOOK_FAMILIES)})")
-    extra.add_argument("--book-layers", type=_POSITIVE_INT, metavar="N",
+    extra.add_argument("--book-layers", type=POSITIVE_INT, metavar="N",
                        help="layers of the book models (default: each config's own)")
     return p
 
@@ -243,7 +215,8 @@ def resolve_args(args, device_type):
     if args.providers is None:
         from .providers import CPU_PROVIDERS, PROVIDERS
 
-        args.providers = list(PROVIDERS if device_type == "cuda" else CPU_PROVIDERS)
+        args.providers = [p for p in (PROVIDERS if device_type == "cuda" else CPU_PROVIDERS)
+                          if p != "triton_tutorial" or args.tutorial]
     if args.table_metric is None:
         args.table_metric = "tflops" if device_type == "cuda" else "ms"
     return args
@@ -351,8 +324,8 @@ def run(args, device_type, start):
 
 
 def _check_parity(args, device, device_type, dtypes):
-    """The parity results: ours as the device runs it; on CPU with ``--interpreter`` also the
-    interpreted kernel at a tiny shape. On CPU each result says which (``backend``)."""
+    """The parity results of ours as the device runs it (and, on CPU with ``--interpreter``, of
+    the interpreted kernel at a tiny shape), each naming its ``backend`` on CPU."""
     from .parity import check_parity
     from .providers import FALLBACK, INTERPRETER, cpu_backend, interpreter_unavailable
 
@@ -394,8 +367,7 @@ def _run(args, device_type, start):
         eprint("benchmarks: NO GPU - " + meta["note"])
     os.makedirs(args.out_dir, exist_ok=True)
     stem = report.results_stem(device)
-    json_path = os.path.join(args.out_dir, stem + ".json")
-    csv_path = os.path.join(args.out_dir, stem + ".csv")
+    stem_path = os.path.join(args.out_dir, stem)
 
     # 1. Parity.
     if not args.skip_parity:
@@ -413,24 +385,24 @@ def _run(args, device_type, start):
             return 1
         meta["parity"] = parity
         bad = [r for r in parity if not r["ok"]]
-        for r in parity:
-            flag = "ok  " if r["ok"] else "FAIL"
-            which = f"[{r['backend']}] " if r.get("backend") else ""
-            eprint(f"  parity {flag} {which}{r['name']:<24} {r['dtype']:<9} "
-                   f"{str(r['shape']):<18} err {r['err']:.3e}  budget {r['budget']:.3e}")
+        for r in bad:
+            eprint(f"  parity FAIL [{r.get('backend') or device}] {r['name']} {r['dtype']} "
+                   f"{r['shape']}: err {r['err']:.3e} > budget {r['budget']:.3e}")
         if bad:
             eprint(f"benchmarks: PARITY FAILED for {len(bad)} of {len(parity)} checks "
                    "(error above 2x/3x PyTorch's own error vs float64); nothing was timed.")
             return 1
-        eprint(f"benchmarks: parity ok ({len(parity)} checks, {time.monotonic() - t0:.1f}s)")
+        worst = max(r["err"] / r["budget"] for r in parity if r["budget"] > 0)
+        eprint(f"benchmarks: parity ok: {len(parity)} checks (output and gradients, each shape "
+               f"and dropout), the largest error {worst:.2f}x its budget "
+               f"({time.monotonic() - t0:.1f}s; the results file lists each)")
 
     rows = []
     meta["complete"] = False
 
     def save(current):
         meta["elapsed_s"] = round(time.monotonic() - start, 1)
-        report.write_json(json_path, meta, current)
-        report.write_csv(csv_path, current)
+        return report.write_results(stem_path, meta, current)
 
     progress = Progress(start)
     primary = getattr(torch, args.dtypes[0])
@@ -489,10 +461,14 @@ def _run(args, device_type, start):
         rows = done + feat + sweep_rows
     progress.close()
     meta["complete"] = True
-    save(rows)
-    paths = [json_path, csv_path]
+    paths = save(rows)
     if not args.no_plots:
-        paths += report_plots(rows, args.out_dir, stem, meta)
+        from .plots import write_plots
+
+        try:
+            paths += write_plots(rows, args.out_dir, stem, title=meta["device"])
+        except Exception as exc:  # plotting must not lose a finished sweep
+            print(f"plots: failed ({type(exc).__name__}: {exc}); results files are intact")
     print(report.format_tables(rows, args.table_metric, memory=device_type == "cpu"))
     print(report.format_features(rows))
     print(report.format_decode(rows, "ms" if args.table_metric == "ms" else "gbps"))
@@ -516,14 +492,3 @@ def _run(args, device_type, start):
     if args.strict and report.errors(rows):
         return 2
     return 0
-
-
-def report_plots(rows, out_dir, stem, meta):
-    """Write the PNGs (never fails the run)."""
-    from .plots import write_plots
-
-    try:
-        return write_plots(rows, out_dir, stem, title=meta["device"])
-    except Exception as exc:  # plotting must not lose a finished sweep
-        print(f"plots: failed ({type(exc).__name__}: {exc}); results files are intact")
-        return []

@@ -23,14 +23,12 @@ from .sweep import add_speedups, new_row
 from .measure import free_memory
 
 FEATURES = ("gqa", "window", "chunk", "varlen", "mla", "decode", "hf")
-# The default set per device type: on CPU ``hf`` is left out (its tiny model's rows took ~8 s,
-# mostly our attention in the interpreter, against ~5 s allowed in the default run);
-# ``--features hf`` selects it.
+# On CPU ``hf`` is left out of the default (~8 s of interpreted attention; --features hf).
 DEFAULT_FEATURES = {"cuda": FEATURES, "cpu": tuple(f for f in FEATURES if f != "hf")}
 FEATURE_MODES = ("fwd", "fwd_bwd")
 CPU_REPS = 1  # timed calls per row on CPU (after the warm-up call)
 
-# Shapes per profile ("cuda", "cpu", "cpu_quick"). GPU: the points of the targets; CPU: tiny
+# Shapes per device type. GPU: the points of the targets; CPU: tiny versions
 # of the same code paths (the kernel runs in Triton's interpreter, 16x16 tiles).
 SHAPES = {
     "cuda": dict(
@@ -64,10 +62,8 @@ TARGETS = {"gqa": ("speedup_vs_mha", 1.0, "GQA at least as fast as MHA with the 
                                           "heads (speedup_vs_mha >= 1)"),
            "window": ("speedup_vs_full", 3.5, "window at least 3.5x faster than full causal "
                                               "(speedup_vs_full >= 3.5)"),
-           # Not the ideal itself (O(q_len * chunk_size) tiles can reach it only in the limit):
-           # 0.8 x the ideal, 4.0 at chunk 8192 / 32k (flops.ideal_chunk_speedup), about the
-           # share of its ideal the window's target asks for (3.5 of 4.27 = 0.82). A kernel
-           # that visited every causal tile would stay near 1x.
+           # 0.8 x the ideal 4.0 at chunk 8192 / 32k, the share of its ideal the window's
+           # target asks (3.5 of 4.27); a kernel visiting every causal tile would stay near 1x.
            "chunk": ("speedup_vs_full", 3.2, "chunked at least 3.2x faster than full causal "
                                              "(speedup_vs_full >= 3.2: 0.8 x the ideal 4.0 of "
                                              "chunk 8192 at 32k)"),
@@ -78,12 +74,6 @@ TARGETS = {"gqa": ("speedup_vs_mha", 1.0, "GQA at least as fast as MHA with the 
            "varlen": ("tflops_vs_dense_each", 0.9, "varlen TFLOP/s within 10% of the dense "
                                                   "kernel's at the same lengths "
                                                   "(tflops_vs_dense_each >= 0.9)")}
-
-
-def profile(device, quick=False):
-    """"cuda" or "cpu" (the CPU shapes are already as small as the code paths allow, so
-    ``--quick`` keeps them)."""
-    return torch.device(device).type
 
 
 def mixed_lengths(total, lo, hi, seed):
@@ -393,9 +383,8 @@ def _measure_spec(spec, mode, device, opts):
         return dict(dict.fromkeys(MEASURE_KEYS),
                     status=classify_failure(exc, (), spec.unsupported))
     grads = grads if mode != "fwd" else ()  # fwd: under no_grad, nothing written to .grad
-    timing = {k: opts[k] for k in ("warmup_ms", "rep_ms", "cpu_reps", "cpu_max_s")}
     return measure(mode_maker(forward, mode, spec.douts, grads), device, grads=grads,
-                   unsupported_reason=spec.unsupported, **timing)
+                   unsupported_reason=spec.unsupported, **opts)
 
 
 def feature_rows(device, dtype, features=FEATURES, opts=None, deadline=float("inf"),
@@ -405,7 +394,7 @@ def feature_rows(device, dtype, features=FEATURES, opts=None, deadline=float("in
     the profile's). ``copy_gbps``: the device's copy bandwidth for the decode rows'
     ``bw_fraction`` (None: measured once by ceilings.copy_gbps on a GPU, none on CPU)."""
     opts = dict(opts or dict(warmup_ms=10.0, rep_ms=50.0, cpu_reps=3, cpu_max_s=1.0))
-    prof = profile(device, quick)
+    prof = torch.device(device).type
     if prof != "cuda":
         # The CPU rows exercise the code paths (their interpreted timings mean nothing): one
         # warm-up and one timed call each, so they add little to the default run.
@@ -881,9 +870,8 @@ def _hf_measure(model, ids, mode, sh, device, opts):
         def make():
             return lambda: model.generate(prompt, max_new_tokens=n, min_new_tokens=n,
                                           do_sample=False)
-    timing = {k: opts[k] for k in ("warmup_ms", "rep_ms", "cpu_reps", "cpu_max_s")}
     try:
-        return measure(make, device, grads=params if mode == "fwd_bwd" else (), **timing)
+        return measure(make, device, grads=params if mode == "fwd_bwd" else (), **opts)
     finally:
         for t in params:
             t.grad = None

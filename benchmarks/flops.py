@@ -16,12 +16,9 @@ def visible_pairs(q_len, k_len, *, causal=True, window=None, chunk_size=None):
     ``j <= P`` (causal) and ``j > P - window`` (window) or ``j // chunk_size == P //
     chunk_size`` (chunked attention).
 
-    Chunked: a query at P >= 0 sees the keys from its chunk's start, ``(P // chunk_size) *
-    chunk_size``, to P: ``P % chunk_size + 1`` of them (queries at P < 0 see none, as in
-    plain causal). Summed over P in [0, n) that is ``(n // c) * c * (c + 1) / 2 + (n % c) *
-    (n % c + 1) / 2`` (c = chunk_size: each whole chunk is a causal triangle, then the partial
-    one), and the rows' P run over [max(d, 0), k_len), so the count is that sum at ``k_len``
-    minus the sum at ``max(d, 0)``.
+    Chunked (c = chunk_size): a query at P >= 0 sees ``P % c + 1`` keys; summed over P in
+    [0, n) that is ``(n // c) * c * (c + 1) / 2 + (n % c) * (n % c + 1) / 2`` (whole chunks are
+    causal triangles), taken between ``max(d, 0)`` and ``k_len``.
 
     >>> visible_pairs(4, 4), visible_pairs(4, 4, causal=False), visible_pairs(6, 6, window=3)
     (10, 16, 15)

@@ -3,16 +3,11 @@
     python -m benchmarks host [--device cuda] [--shape 1x1x16x16] [--budget 20]
 
 At tiny shapes a GPU finishes each kernel long before the host has issued the next call, so the
-wall time of back-to-back calls, divided by their number, is the host's cost per call. Each
-case runs batches of ``--inner`` calls (one synchronisation per batch); batches of all cases
-alternate until ``--budget`` seconds, so load from other processes spreads over every case. Per
-case: min, p20 and median of the batches' per-call times, in microseconds. The cases
-(``kernels.attention`` fwd, fwd+bwd, dropout; SDPA's same calls as the baseline; the modules;
-``flash_attn_func``; decode; varlen) are listed in docs/performance.md.
-
-Without CUDA the CPU tensors take the PyTorch fallback: the rows say what a CPU user's call
-costs. For the GPU path's Python measured without a GPU (a stub driver), see
-tools/host_overhead.py. Rows go to ``<out-dir>/<date>-<device>-host.json`` and ``.csv``.
+wall time of back-to-back calls over their number is the host's cost per call: batches of
+``--inner`` calls (one synchronisation each), all cases interleaved until ``--budget`` seconds;
+per case min, p20 and median in microseconds, and the p20 over its baseline's (SDPA's same call,
+the book's module). Without CUDA the rows say what a CPU user's call (the PyTorch fallback)
+costs; the GPU path's Python without a GPU: tools/host_overhead.py.
 """
 import argparse
 import os
@@ -24,6 +19,7 @@ import torch.nn.functional as F
 import kernels
 import reference
 
+from .args import POSITIVE_FLOAT, POSITIVE_INT, dims
 from .measure import time_interleaved
 from .report import DEFAULT_OUT, REPO_DIR, collect_meta, results_stem, write_results
 
@@ -109,35 +105,13 @@ def measure(device, shape, dtype, budget_s, inner):
     return rows
 
 
-def _shape(text):
-    try:
-        shape = tuple(int(x) for x in text.lower().split("x"))
-    except ValueError:
-        shape = ()
-    if len(shape) != 4 or min(shape) < 1:
-        raise argparse.ArgumentTypeError(f"expected BxHxNxD with positive ints, got {text!r}")
-    return shape
-
-
-def _positive(kind):
-    def parse(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            value = 0
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-        return value
-    return parse
-
-
 def build_parser():
     p = argparse.ArgumentParser(prog="python -m benchmarks host", description=__doc__.split(
         "\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
-    p.add_argument("--shape", type=_shape, default=(1, 1, 16, 16), help="BxHxNxD")
-    p.add_argument("--budget", type=_positive(float), default=20.0, help="seconds of timing")
-    p.add_argument("--inner", type=_positive(int), default=20, help="calls per timed batch")
+    p.add_argument("--shape", type=dims("1x1x16x16"), default=(1, 1, 16, 16), help="BxHxNxD")
+    p.add_argument("--budget", type=POSITIVE_FLOAT, default=20.0, help="seconds of timing")
+    p.add_argument("--inner", type=POSITIVE_INT, default=20, help="calls per timed batch")
     p.add_argument("--out-dir", default=DEFAULT_OUT)
     return p
 

@@ -122,13 +122,10 @@ def _quiet_stderr():
 
 
 class CpuPeakMemory:
-    """Context manager: peak bytes held by PyTorch's CPU allocator inside the block, above what
-    it held on entry (``extra_bytes``), the CPU analogue of ``PeakMemory`` (tensors only: no
-    allocator caches or Python objects). Read from torch.profiler's memory records (each
-    allocation and free, in order). The block runs with one PyTorch thread: the records of
-    threads the profiler was not started in are not seen (the PyTorch fallback of
-    ``kernels`` runs worker threads when given more than one), and the sizes do not depend on
-    the thread count. The profiler costs a few ms per block (1-3 s the first time)."""
+    """Context manager: peak bytes held by PyTorch's CPU allocator inside the block above what
+    it held on entry (``extra_bytes``; tensors only), from torch.profiler's memory records. The
+    block runs on one PyTorch thread: the profiler does not see other threads' records (the
+    fallback's workers), and the sizes do not depend on the thread count."""
 
     def __init__(self):
         self.extra_bytes = None
@@ -195,14 +192,9 @@ MEASURE_KEYS = ("status", "ms", "ms_p20", "ms_p80", "peak_mem_bytes", "first_cal
 
 
 def mode_maker(forward, mode, dout, grads):
-    """``make()`` returning the function timed for ``mode``.
-
-    ``forward()`` computes the output (a tensor, or a list of tensors) from inputs it closes
-    over; ``dout`` is the upstream gradient (a list for a list); ``grads`` are the leaf tensors
-    whose ``.grad`` the backward writes.
-    fwd: forward under ``torch.no_grad()``; bwd: backward of one retained forward graph;
-    fwd_bwd: forward then backward.
-    """
+    """``make()`` returning the function timed for ``mode`` (fwd: ``forward()`` under no_grad;
+    bwd: backward of one retained forward graph; fwd_bwd: both). ``forward()`` returns a tensor
+    or a list, ``dout`` its upstream gradient(s), ``grads`` the leaves the backward writes."""
     if mode == "fwd":
         def make():
             def fn():

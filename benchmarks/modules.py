@@ -38,10 +38,6 @@ def _profile(device, quick):
     return "cpu_quick" if kind == "cpu" and quick else kind
 
 
-def _timing_kwargs(opts):
-    return {k: opts[k] for k in ("warmup_ms", "rep_ms", "cpu_reps", "cpu_max_s")}
-
-
 def module_rows(device, dtype, dropouts, opts, deadline=float("inf"), progress=None,
                 quick=False):
     """Rows for reference.MultiHeadAttention vs kernels.FusedMultiHeadAttention."""
@@ -107,7 +103,7 @@ def _measure_module(module, case, mode, emb, device, opts):
         return dict(dict.fromkeys(MEASURE_KEYS), status=classify_failure(exc))
     grads = [x, *module.parameters()] if mode != "fwd" else []
     make = mode_maker(lambda: module(x), mode, dout, grads)
-    return measure(make, device, grads=grads, **_timing_kwargs(opts))
+    return measure(make, device, grads=grads, **opts)
 
 
 def train_step(model, idx, autocast_dtype=None, lr=1e-4):
@@ -181,7 +177,7 @@ def gpt_rows(device, dtype, opts, deadline=float("inf"), progress=None, quick=Fa
             try:
                 model = models[name][0].to(device).train()
                 step = train_step(model, idx.to(device), dtype if use_autocast else None)
-                row.update(measure(lambda: step, device, **_timing_kwargs(opts)))
+                row.update(measure(lambda: step, device, **opts))
                 linear = linear_weights(model)
                 if row["status"] == "ok":
                     row["tflops"] = tflops(gpt_step_flops(linear, cfg["n_layers"], batch, seq,
@@ -209,12 +205,10 @@ CPU_RATIO_DROPOUTS = (0.0, 0.1)
 
 def cpu_ratio_rows(sizes=CPU_RATIO_SIZES, dropouts=CPU_RATIO_DROPOUTS, reps=15, max_s=20.0,
                    threads=1, min_s=1.0):
-    """Rows ``bench="module_cpu_ratio"``: ``reference.MultiHeadAttention`` (the book's class)
-    and ``kernels.FusedMultiHeadAttention`` with the same weights, training mode, fp32, on CPU
-    tensors with TRITON_INTERPRET unset (ours = the PyTorch fallback), x (batch, tokens,
-    d_model) requiring grad; modes ``fwd`` (the forward, recording the graph) and ``fwd_bwd``
-    (forward, ``.sum().backward()``). Per row: medians and p20/p80 of interleaved runs,
-    ``speedup`` = book ms / fused ms (>= 1: ours is at least as fast)."""
+    """Rows ``bench="module_cpu_ratio"``: the book's ``MultiHeadAttention`` and ours with the
+    same weights, training mode, fp32 CPU tensors (ours = the PyTorch fallback), ``fwd`` and
+    ``fwd_bwd`` (``.sum().backward()``); medians and p20/p80 of interleaved runs, ``speedup`` =
+    book ms / fused ms."""
     import statistics
 
     import kernels
@@ -262,40 +256,27 @@ def cpu_ratio_rows(sizes=CPU_RATIO_SIZES, dropouts=CPU_RATIO_DROPOUTS, reps=15, 
     return rows
 
 
-def _size(text):
-    """``BxTxD`` -> (batch, tokens, d_model), each >= 1 (argparse ``type=``)."""
-    import argparse
-
-    parts = text.lower().split("x")
-    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise argparse.ArgumentTypeError(f"expected BxTxD with positive integers, e.g. 8x64x128; "
-                                         f"got {text!r}")
-    return tuple(int(p) for p in parts)
-
-
 def main(argv=None):
     """``python -m benchmarks modules``: the CPU rows above, written to
     ``benchmarks/results/<date>-modules-cpu.json`` and ``.csv`` (git-ignored: CPU results),
     with versions, commit and the machine's load average before and after."""
     import argparse
 
+    from .args import POSITIVE_FLOAT, POSITIVE_INT, SECONDS, dims
     from .report import DEFAULT_OUT, REPO_DIR, collect_meta, write_results
 
     ap = argparse.ArgumentParser(prog="python -m benchmarks modules", description=main.__doc__,
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--sizes", type=_size, nargs="+", default=list(CPU_RATIO_SIZES),
+    ap.add_argument("--sizes", type=dims("8x64x128"), nargs="+", default=list(CPU_RATIO_SIZES),
                     metavar="BxTxD", help="batch x tokens x d_model, e.g. 8x64x128")
-    ap.add_argument("--reps", type=int, default=15, help="timed rounds per row, at least")
-    ap.add_argument("--min-s", type=float, default=1.0,
+    ap.add_argument("--reps", type=POSITIVE_INT, default=15, help="timed rounds per row, at least")
+    ap.add_argument("--min-s", type=SECONDS, default=1.0,
                     help="seconds per row, at least (more rounds for short rows)")
-    ap.add_argument("--max-s", type=float, default=20.0,
+    ap.add_argument("--max-s", type=POSITIVE_FLOAT, default=20.0,
                     help="seconds per row, at most (whatever --reps and --min-s say)")
-    ap.add_argument("--threads", type=int, default=1, help="PyTorch intra-op threads")
+    ap.add_argument("--threads", type=POSITIVE_INT, default=1, help="PyTorch intra-op threads")
     ap.add_argument("--out-dir", default=DEFAULT_OUT)
     args = ap.parse_args(argv)
-    if args.reps < 1 or args.max_s <= 0 or args.threads < 1 or args.min_s < 0:
-        ap.error(f"--reps and --threads must be >= 1, --max-s > 0 and --min-s >= 0; got "
-                 f"{args.reps}, {args.threads}, {args.max_s}, {args.min_s}")
     os.environ.pop("TRITON_INTERPRET", None)
     load_before = os.getloadavg()
     rows = cpu_ratio_rows(sizes=args.sizes, reps=args.reps, max_s=args.max_s,

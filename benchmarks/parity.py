@@ -1,15 +1,7 @@
-"""Quick parity check of ``kernels.attention`` against the float64 oracle, run before timing.
-
-The rule is FlashAttention's, defined once in ``reference.parity.parity_budget`` (the tests use
-the same function through tests/helpers.py): with ``ref`` the float64 oracle
-(``reference.attention(..., upcast=True)``) and ``ref_lowp`` the same math done by PyTorch in
-the input dtype (``upcast=False``), a result passes when
-
-    max|out - ref| <= factor * max|ref_lowp - ref| + floor
-
-with factor 2 for the output and 3 for the gradients dq, dk, dv; NaN never passes. With
-dropout, the kernel's mask is recomputed by ``reference.dropout_keep_mask`` and applied to both
-references, so the check is exact in what it drops.
+"""Quick parity check of ``kernels.attention`` against the float64 oracle, run before timing,
+by the rule the tests use (``reference.parity.parity_budget``, FlashAttention's: within 2x for
+the output and 3x for the gradients of PyTorch's own error in the dtype, plus a floor; NaN
+never passes; with dropout the kernel's mask is reproduced by ``reference.dropout_keep_mask``).
 """
 import torch
 
@@ -33,13 +25,9 @@ def _grads(fn, q, k, v, do):
 
 
 def check_parity(device, dtypes, shapes, *, dropout_p=0.1, seed=1234):
-    """Compare ``kernels.attention`` (causal) with the oracle on random inputs.
-
-    For each dtype and (batch, heads, seq_len, head_dim) shape: output and gradients without
-    dropout and with ``dropout_p`` (kernel mask reproduced by ``reference.dropout_keep_mask``),
-    and bit-identical output for a repeated seed. Returns a list of dicts with keys
-    name, dtype, shape, err, budget, ok.
-    """
+    """``kernels.attention`` (causal) against the oracle per dtype and (batch, heads, seq_len,
+    head_dim) shape: output and gradients without dropout and with ``dropout_p``, and the same
+    bits for a repeated seed; a list of dicts (name, dtype, shape, err, budget, ok)."""
     import kernels
     import reference
 
@@ -69,7 +57,7 @@ def check_parity(device, dtypes, shapes, *, dropout_p=0.1, seed=1234):
                     results.append({
                         "name": f"{name} dropout={p}", "dtype": str(dtype).replace("torch.", ""),
                         "shape": [b, h, s, d], "err": err, "budget": allowed,
-                        "ok": bool(parity_ok(out, r, low_, factor=factor)),
+                        "ok": bool(err <= allowed and not torch.isnan(out).any()),
                     })
             again = kernels.attention(q, k, v, causal=True, dropout_p=dropout_p, seed=seed)
             first = kernels.attention(q, k, v, causal=True, dropout_p=dropout_p, seed=seed)

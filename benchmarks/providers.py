@@ -1,7 +1,7 @@
 """The attention implementations being compared ("providers"), all on identical inputs: causal
 attention (square, so PyTorch's top-left and our bottom-right alignment coincide), scale
 1/sqrt(head_dim), dropout ``p`` on the weights. ``kernels`` is ours (on CPU: the PyTorch
-fallback, or Triton's interpreter as ``kernels_interpreter``); ``reference`` the book's math in
+fallback, or with ``--interpreter`` Triton's interpreter); ``reference`` the book's math in
 eager PyTorch (``reference_compiled`` under torch.compile); ``sdpa_*`` one SDPA backend each;
 ``flex`` FlexAttention; ``triton_tutorial`` the Triton tutorial's kernel from ``--tutorial
 PATH`` (not in this repository). Each is described in docs/performance.md.
@@ -25,8 +25,6 @@ PROVIDERS = ("kernels", "reference", "reference_compiled", "sdpa_math", "sdpa_ef
 # on CPU has a flash backend without dropout and the math one; CUDA-only and compiled providers
 # left out, any of them can still be named in --providers).
 CPU_PROVIDERS = ("kernels", "reference", "sdpa_math", "sdpa_flash")
-INTERPRETER_PROVIDER = "kernels_interpreter"
-ALL_PROVIDERS = PROVIDERS + (INTERPRETER_PROVIDER,)
 FALLBACK, INTERPRETER = "pytorch_fallback", "triton_interpreter"
 SDPA_PROVIDERS = tuple(p for p in PROVIDERS if p.startswith("sdpa_"))
 # Providers that materialise the (seq x seq) score matrix: limited by --quadratic-max-seq.
@@ -93,10 +91,8 @@ def interpreter_unavailable():
 
 
 def backend_of(name, device):
-    """What a provider's row ran: ``triton`` (ours on a GPU), ``pytorch_fallback`` /
-    ``triton_interpreter`` (ours on CPU), None for the others."""
-    if name == INTERPRETER_PROVIDER:
-        return INTERPRETER
+    """What a provider's row ran: ``triton`` (ours on a GPU), ``pytorch_fallback`` (ours on
+    CPU in the sweep), None for the others."""
     if name == "kernels":
         return "triton" if torch.device(device).type == "cuda" else FALLBACK
     return None
@@ -104,12 +100,7 @@ def backend_of(name, device):
 
 def provider_label(name, device):
     """The provider's name for tables and plots: ours on CPU says which implementation ran."""
-    backend = backend_of(name, device)
-    if backend == FALLBACK:
-        return "kernels (PyTorch fallback)"
-    if backend == INTERPRETER:
-        return "kernels (Triton interpreter)"
-    return name
+    return "kernels (PyTorch fallback)" if backend_of(name, device) == FALLBACK else name
 
 
 def _clean_warning(text: str) -> str:
@@ -156,20 +147,6 @@ class KernelsProvider(Provider):
         return contextlib.nullcontext()
 
 
-class InterpreterProvider(KernelsProvider):
-    """Ours in Triton's interpreter (CPU only): ``kernels.attention`` with TRITON_INTERPRET=1."""
-
-    name = INTERPRETER_PROVIDER
-
-    def static_reason(self, case):
-        if torch.device(case.device).type != "cpu":
-            return "CPU only (Triton's interpreter)"
-        return interpreter_unavailable()
-
-    def context(self, case):
-        return cpu_backend(INTERPRETER)
-
-
 def _reference_lowp(q, k, v, causal, dropout_p):
     import reference
 
@@ -196,13 +173,9 @@ def _compiled(key, fn):
 
 
 def configure_dynamo(limit=256):
-    """Settings for timing compiled providers.
-
-    * Raise torch.compile's recompile limit so that a sweep never silently falls back to eager.
-    * Turn off AOTAutograd's donated buffers: a compiled backward that reuses its saved tensors'
-      memory refuses ``backward(retain_graph=True)``, which the ``bwd`` mode calls repeatedly on
-      one forward graph. (Costs the compiled providers a little backward memory.)
-    """
+    """For compiled providers: a recompile limit no sweep reaches (never a silent fall back to
+    eager), and AOTAutograd's donated buffers off (a backward reusing its saved tensors' memory
+    refuses ``retain_graph=True``, which the ``bwd`` mode needs)."""
     import torch._dynamo.config as cfg
 
     for attr in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
@@ -398,8 +371,6 @@ def get_provider(name: str) -> Provider:
     """The provider called ``name`` (one of PROVIDERS)."""
     if name == "kernels":
         return KernelsProvider()
-    if name == INTERPRETER_PROVIDER:
-        return InterpreterProvider()
     if name == "reference":
         return ReferenceProvider()
     if name == "reference_compiled":
@@ -410,4 +381,4 @@ def get_provider(name: str) -> Provider:
         return FlexProvider()
     if name == "triton_tutorial":
         return TutorialProvider()
-    raise ValueError(f"unknown provider {name!r}; choose from {', '.join(ALL_PROVIDERS)}")
+    raise ValueError(f"unknown provider {name!r}; choose from {', '.join(PROVIDERS)}")

@@ -82,10 +82,8 @@ def shape_for(seq_len, head_dim, tokens, hidden):
 
 
 def new_row(provider, mode, case, bench="attention"):
-    """A result row with every ROW_KEYS field, measurements still None. On CPU, ours' attention
-    rows also say which implementation ran (``backend``: ``pytorch_fallback`` or
-    ``triton_interpreter``) and carry the ``label`` tables and plots show for them (other
-    benches set theirs: :func:`mark_backend`)."""
+    """A result row with every ROW_KEYS field, measurements still None; on CPU ours' sweep rows
+    also name the implementation that ran (``backend``) and their ``label`` in tables."""
     row = dict.fromkeys(ROW_KEYS)
     row.update(bench=bench, provider=provider, mode=mode, dtype=case.dtype_name,
                causal=case.causal, dropout_p=case.dropout_p, batch=case.batch,
@@ -97,18 +95,11 @@ def new_row(provider, mode, case, bench="attention"):
 
 
 def mark_backend(rows, backend, is_ours):
-    """Set ``backend`` on the rows ``is_ours(row)`` picks (CPU runs: which implementation of
-    ``kernels`` ran them)."""
+    """Set ``backend`` on the rows ``is_ours(row)`` picks (which ``kernels`` ran, on CPU)."""
     for r in rows:
         if is_ours(r):
             r["backend"] = backend
     return rows
-
-
-def count_points(cfg: SweepConfig) -> int:
-    """Number of rows the sweep will produce."""
-    return (len(cfg.dtypes) * len(cfg.head_dims) * len(cfg.dropouts) * len(cfg.seq_lens)
-            * len(cfg.providers) * len(cfg.modes))
 
 
 def _static_skip(cfg, name, provider, case):
@@ -127,16 +118,13 @@ def _static_skip(cfg, name, provider, case):
 def run_sweep(cfg: SweepConfig, torch_dtype, on_row=None, on_point=None, progress=None,
               after_primary=None):
     """Run the sweep; return the rows, sorted by config, seq_len, provider and mode.
-
-    ``torch_dtype(name)`` maps a dtype name to a torch dtype. ``on_row(row)`` is called after
-    each row, ``on_point(rows)`` after each (config, seq_len) point (used to save partial
-    results), ``progress(done, total, text)`` to report progress. ``after_primary(rows)`` is
-    called once, with the rows so far, after the primary config's rows (the CLI runs the
-    feature rows there, so that the time budget cuts the secondary configs before them).
-    """
+    ``torch_dtype(name)``: a dtype name's torch dtype; called back: ``on_row(row)``,
+    ``on_point(rows)`` after each (config, seq_len) point, ``progress(done, total, text)``, and
+    once ``after_primary(rows)`` after the primary config (the CLI's feature rows)."""
     configure_dynamo()
     rows = []
-    total = count_points(cfg)
+    total = (len(cfg.dtypes) * len(cfg.head_dims) * len(cfg.dropouts) * len(cfg.seq_lens)
+             * len(cfg.providers) * len(cfg.modes))
     oom_at = {}  # (provider, dtype, head_dim, dropout, mode) -> seq_len of the first OOM
     providers = {name: get_provider(name) for name in cfg.providers}
     for task_index, ((dtype_name, head_dim, dropout_p), names) in enumerate(plan_tasks(cfg)):
