@@ -6,10 +6,12 @@ lse -inf, and the same Philox dropout mask) in O(seq) memory.
 * Where PyTorch's own CPU flash attention computes exactly the same thing (no dropout, no
   window or chunks, no modification or sinks, v's head_dim that of q and k, dense, non-causal
   or causal with q_len == k_len, where top-left and bottom-right alignment agree), its aten
-  ops do the work: they return the lse too, and are PyTorch's
-  speed. Two things those ops assume are made true here: a unit stride in head_dim (they read
-  each row as a contiguous vector; any other last-dim stride gave wrong output and gradients,
-  so such a tensor is copied first, as the kernels' launchers do), and finite q and k (with
+  ops do the work: they return the lse too, and are PyTorch's speed. They run in fp32 only:
+  fp16 / bf16 inputs are upcast and the results cast back (``_sdpa_forward``: in fp16 / bf16
+  their backward is 3-4x less accurate than the blockwise path). Two things those ops assume
+  are made true here: a unit stride in head_dim (they read each row as a contiguous vector;
+  any other last-dim stride gave wrong output and gradients, so such a tensor is copied
+  first, as the kernels' launchers do), and finite q and k (with
   fewer than 16 keys, a row whose scores are all NaN came back as zeros with lse 0 instead of
   NaN; inputs with a NaN or an infinity take the blockwise path below, where NaN in gives NaN
   out for every row it reaches, as in the kernels and the oracle).
@@ -432,14 +434,31 @@ def _expand_kv(q, *kv):
     return [x.repeat_interleave(group, dim=1) if group > 1 else x for x in kv]
 
 
+def _fp32(x):
+    """``x`` as the aten CPU flash ops' input: fp32 (a copy of an fp16 / bf16 tensor, see
+    ``_sdpa_forward``), with a unit stride in head_dim (``_unit_last``)."""
+    return _unit_last(x if x.dtype == torch.float32 else x.float())
+
+
+# The aten CPU flash ops in fp16 / bf16 fail FlashAttention's parity rule (error <= 2x that of
+# the same math in the input dtype): at 4 x 9 heads x 384, causal, bf16, their dV error was
+# 0.047-0.0625 against an allowance of 0.031 (the blockwise path: 0.016; these ops in fp32 on
+# upcast inputs: 0.002-0.016, the final rounding). Upcast, they stay the fastest exact route:
+# bf16 forward + backward at 2 x 4 heads x 384 x 64, causal, one thread (CPU time, medians),
+# 20 ms against 13-20 ms for the bf16 ops and 50 ms blockwise; at 4 x 4 heads x 128 x 64,
+# 5 ms against 12 ms for the bf16 ops.
 def _sdpa_forward(q, k, v, causal, softmax_scale, o):
-    """``o`` None: the aten op's own output is returned when it has the layout ``o`` would
+    """The aten CPU flash forward in fp32 (inputs of another dtype upcast, ``out`` cast back).
+    ``o`` None: the aten op's own output is returned when it has the layout ``o`` would
     have had (``_result``; the op writes (B, q_len, H, D) memory, the layout of heads split from
-    a (b, n, H * d) projection, as the book's modules do), saving a copy."""
-    q, k, v = (_unit_last(x) for x in (q, k, v))
-    k, v = _expand_kv(q, k, v)
+    a (b, n, H * d) projection, as the book's modules do), saving a copy; an fp16 / bf16 result
+    keeps that layout (``.to`` preserves the strides)."""
+    q32, k32, v32 = (_fp32(x) for x in (q, k, v))
+    k32, v32 = _expand_kv(q32, k32, v32)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, causal, scale=softmax_scale)
+        q32, k32, v32, 0.0, causal, scale=softmax_scale)
+    if o is None and out.dtype != q.dtype:
+        out = out.to(q.dtype)
     return _result(o, out, q), lse.float().contiguous()
 
 
@@ -455,21 +474,25 @@ def _result(o, out, q):
 
 
 def _sdpa_backward(do, q, k, v, o, lse, causal, softmax_scale, dq, dk, dv):
-    """``dq``, ``dk``, ``dv`` None: the aten op's own gradients are returned (the eager path,
-    where only autograd reads them)."""
-    q, k, v, o = (_unit_last(x) for x in (q, k, v, o))
+    """The aten CPU flash backward in fp32, as ``_sdpa_forward`` (gradients cast back to the
+    inputs' dtypes). ``dq``, ``dk``, ``dv`` None: the aten op's own gradients are returned (the
+    eager path, where only autograd reads them)."""
+    dtypes = (q.dtype, k.dtype, v.dtype)
+    q, k, v, o = (_fp32(x) for x in (q, k, v, o))
     k_e, v_e = _expand_kv(q, k, v)
     # grad_out in any layout: the op reads it by strides (SDPA's autograd passes it as is).
     grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        _unit_last(do), q, k_e, v_e, o, lse, 0.0, causal, scale=softmax_scale)
+        _fp32(do), q, k_e, v_e, o, lse, 0.0, causal, scale=softmax_scale)
     group = q.shape[1] // k.shape[1]
     results = []
-    for out, g in zip((dq, dk, dv), grads):
+    for out, g, dtype in zip((dq, dk, dv), grads, dtypes):
         if results and group > 1:  # kv heads: sum over each group of query heads
             B, H, n, D = g.shape
             g = g.view(B, H // group, group, n, D).sum(2)
         if out is not None:
             g = out.copy_(g)
+        elif g.dtype != dtype:
+            g = g.to(dtype)
         results.append(g)
     return tuple(results)
 
