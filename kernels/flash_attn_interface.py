@@ -18,13 +18,14 @@ Every function here has FlashAttention 2's signature and semantics (flash_attn 2
   ``-slope * |i + seqlen_k - seqlen_q - j|``), ``dropout_p`` map one to one. ``deterministic``
   is accepted and changes nothing: our backward is always deterministic.
 * ``return_attn_probs=True`` returns ``(out, softmax_lse, S_dmask)`` as FlashAttention does:
-  lse (batch, heads, seqlen_q) (varlen: (heads, total_q)), and ``S_dmask`` the attention
-  probabilities (batch, heads, seqlen_q, seqlen_k) (varlen: (batch, heads, max_seqlen_q,
-  max_seqlen_k), zero outside each sequence), negative where dropout dropped the weight, as
-  FlashAttention encodes it. They are computed by a **slow path meant for tests**: the same
-  kernel run again with v = the identity (512 keys at a time), so masks, mods and the dropout
-  mask are exactly those of ``out``; FlashAttention pads the last two dims to multiples of
-  128, we do not.
+  lse (batch, heads, seqlen_q) (varlen: (heads, total_q)), and ``S_dmask``: with
+  ``dropout_p == 0`` FlashAttention's empty tensor (shape (0,), q's dtype and device; nothing
+  is computed); with dropout the attention probabilities (batch, heads, seqlen_q, seqlen_k)
+  (varlen: (batch, heads, max_seqlen_q, max_seqlen_k), zero outside each sequence), negative
+  where dropout dropped the weight, as FlashAttention encodes it. Those are computed by a
+  **slow path meant for tests**: the same kernel run again with v = the identity (512 keys at
+  a time), so masks, mods and the dropout mask are exactly those of ``out``; FlashAttention
+  pads the last two dims to multiples of 128, we do not.
 * ``flash_attn_with_kvcache``: dense caches (batch_cache, seqlen_cache, heads_k, head_dim) or,
   with ``block_table``, paged ones (num_blocks, page_block_size, heads_k, head_dim) (any page
   size; needs an ``attention_with_kvcache`` that takes ``block_table=``); new ``k`` / ``v``
@@ -37,15 +38,31 @@ Every function here has FlashAttention 2's signature and semantics (flash_attn 2
 ``cache_leftpad`` hides each row's keys before it (a mask mod; positions, rotary included,
 stay absolute, as in FlashAttention).
 
+``unpad_input`` / ``pad_input``: ``flash_attn.bert_padding``'s helpers (2.7+ signatures and
+return values) in plain PyTorch, to pack a padded batch for the varlen functions and back.
+
+The index tensors (``cu_seqlens_*``, ``cache_seqlens``, ``cache_batch_idx``,
+``cache_leftpad``, ``block_table``) are checked as FlashAttention checks them, by one helper:
+int32, on q's device, of the expected shape, else ``RuntimeError`` naming the argument
+(``cache_seqlens`` may also be an int). A list instead of a tensor raises what FlashAttention
+raises there: ``RuntimeError`` in the varlen functions (its custom op's argument check),
+``TypeError`` in ``flash_attn_with_kvcache`` (its binding's). A paged cache whose
+``cache_seqlens`` (+ the new keys) overflow the pages of ``block_table`` raises
+``RuntimeError`` naming ``block_table``, as FlashAttention's guard does (a device-to-host read
+of the lengths on a GPU, as there).
+
 Not supported (``NotImplementedError`` naming the argument): FlashAttention 3's arguments (FP8
 descales, ``qv``, ``scheduler_metadata``, ...). Errors FlashAttention raises (a dtype other
 than fp16 / bf16 -- fp32 is accepted here --, q, k, v dtypes or head dims that differ, heads_q
 not a multiple of heads_k, wrong ranks) are raised as the same type, RuntimeError, with our
 own message. Where FlashAttention is stricter than our
 kernels (head_dim > 256, softcap with dropout, batch 0, any paged block size), we accept.
+A row that sees no key has lse -inf here (FlashAttention writes +inf); docs/flash_attn.md
+lists every difference.
 """
 import functools
 import inspect
+import numbers
 
 import torch
 import triton
@@ -56,7 +73,8 @@ from .ops import attention, attention_varlen, attention_with_kvcache
 
 __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
            "flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
-           "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache", "WINDOW_MASK"]
+           "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache", "unpad_input",
+           "pad_input", "WINDOW_MASK"]
 
 # FlashAttention 3's arguments that FlashAttention 2's API does not have and we cannot honour.
 _FA3_ONLY = ("qv", "q_descale", "k_descale", "v_descale", "scheduler_metadata",
@@ -203,6 +221,25 @@ def _check(q, k, v, dims, layout):
                            f"key/value heads, got {q.shape[-2]} and {k.shape[-2]}")
 
 
+def _index_tensor(name, t, device, shape, not_tensor=RuntimeError, kind="an int32 tensor"):
+    """FlashAttention's checks of an index argument (cu_seqlens, cache_seqlens, cache_batch_idx,
+    cache_leftpad, block_table): a torch.Tensor of dtype int32 on ``device`` whose shape is
+    ``shape`` (None: any size there); else RuntimeError, as its TORCH_CHECKs raise.
+    ``not_tensor``: the type FlashAttention raises when given no tensor (its custom ops'
+    argument check: RuntimeError; its ``fwd_kvcache`` binding: TypeError)."""
+    if not isinstance(t, torch.Tensor):
+        raise not_tensor(f"{name} must be {kind}, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise RuntimeError(f"{name} must have dtype int32, got {t.dtype}")
+    if t.device != device:
+        raise RuntimeError(f"{name} must be on q's device {device}, got {t.device}")
+    if t.dim() != len(shape) or any(n is not None and n != m for n, m in zip(shape, t.shape)):
+        expected = ", ".join("any" if n is None else str(n) for n in shape)
+        raise RuntimeError(f"{name} must have shape ({expected}{',' if len(shape) == 1 else ''}"
+                           f"), got {tuple(t.shape)}")
+    return t
+
+
 def _softcap(softcap):
     return None if softcap is None or softcap == 0 else float(softcap)
 
@@ -220,6 +257,14 @@ def _identity_slice(n_keys, c0, c1, dtype, device):
     """(n_keys, c1 - c0): key j -> one-hot column j - c0 (zero rows outside [c0, c1))."""
     cols = torch.arange(c0, c1, device=device)
     return (torch.arange(n_keys, device=device)[:, None] == cols[None, :]).to(dtype)
+
+
+def _s_dmask(q, dropout_p, probs):
+    """FlashAttention's S_dmask: materialised only with dropout (``probs()``, the slow path);
+    without, the empty tensor it returns then: shape (0,), q's dtype and device."""
+    if dropout_p > 0:
+        return probs()
+    return q.new_empty((0,))
 
 
 def _encode_dropped(probs, dropped_probs):
@@ -287,12 +332,13 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         alibi_slopes: fp32 (heads,) or (batch, heads): bias ``-slope * |i + seqlen_k -
             seqlen_q - j|``.
         deterministic: accepted; our backward is always deterministic.
-        return_attn_probs: also return softmax_lse and the probabilities (module docstring:
-            a slow path for tests).
+        return_attn_probs: also return softmax_lse and S_dmask (module docstring: the
+            probabilities with dropout, by a slow path for tests; else an empty tensor).
 
     Returns:
         out (batch, seqlen_q, heads, head_dim); with ``return_attn_probs``: (out, softmax_lse
-        fp32 (batch, heads, seqlen_q), S_dmask (batch, heads, seqlen_q, seqlen_k)).
+        fp32 (batch, heads, seqlen_q), S_dmask (batch, heads, seqlen_q, seqlen_k) with
+        dropout, else shape (0,)).
     """
     _reject_fa3(fa3_kwargs)
     _check(q, k, v, 4, "(batch, seqlen, heads, head_dim)")
@@ -311,7 +357,8 @@ def _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alib
     out, lse = attention(q, k, v, dropout_p=dropout_p, seed=seed, return_lse=True, **kw)
     if not return_attn_probs:
         return out.transpose(1, 2)
-    return out.transpose(1, 2), lse, _probs_dense(q, k, dropout_p, seed, kw)
+    return out.transpose(1, 2), lse, _s_dmask(q, dropout_p, lambda: _probs_dense(
+        q, k, dropout_p, seed, kw))
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -357,13 +404,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
     Returns:
         out (total_q, heads, head_dim); with ``return_attn_probs``: (out, softmax_lse fp32
-        (heads, total_q), S_dmask (batch, heads, max_seqlen_q, max_seqlen_k)).
+        (heads, total_q), S_dmask (batch, heads, max_seqlen_q, max_seqlen_k) with dropout,
+        else shape (0,)).
     """
     _reject_fa3(fa3_kwargs)
     if block_table is not None:
         raise NotImplementedError("block_table in flash_attn_varlen_func is not supported: "
                                   "paged caches go through flash_attn_with_kvcache")
     _check(q, k, v, 3, "(total, heads, head_dim)")
+    _index_tensor("cu_seqlens_q", cu_seqlens_q, q.device, (None,))
+    _index_tensor("cu_seqlens_k", cu_seqlens_k, q.device, (cu_seqlens_q.numel(),))
     causal, window, mask_mod, mod_aux = _window_args(window_size, causal, q.device)
     kw = dict(causal=causal, softmax_scale=softmax_scale, window=window,
               softcap=_softcap(softcap), alibi_slopes=alibi_slopes, mask_mod=mask_mod,
@@ -373,8 +423,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                 dropout_p=dropout_p, seed=seed, return_lse=True, **kw)
     if not return_attn_probs:
         return out
-    return out, lse, _probs_varlen(q, k, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
-                                   int(max_seqlen_k), dropout_p, seed, kw)
+    return out, lse, _s_dmask(q, dropout_p, lambda: _probs_varlen(
+        q, k, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), dropout_p, seed,
+        kw))
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
@@ -451,7 +502,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             rotated at positions cache_seqlens[b] + j; q at cache_seqlens[b] + i when causal or
             windowed, else every query at cache_seqlens[b].
         cache_seqlens: int or int32 (batch,): filled length of each cache row; None = the
-            whole cache (not with k, v).
+            whole cache (not with k, v). With ``block_table``, cache_seqlens + seqlen_new must
+            fit its pages (max_blocks_per_seq * page_block_size; else RuntimeError).
         cache_batch_idx: optional int32 (batch,): row b uses cache row cache_batch_idx[b].
         cache_leftpad: optional int32 (batch,): row b's keys start at cache_leftpad[b] (the
             positions before it are hidden; every other rule keeps absolute positions).
@@ -488,6 +540,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if rotary_cos is not None and k is None:
         raise RuntimeError("rotary_cos / rotary_sin rotate the new keys: pass k and v too")
     B = q.shape[0]
+    if paged:
+        _index_tensor("block_table", block_table, q.device, (B, None))
+    if cache_batch_idx is not None:
+        _index_tensor("cache_batch_idx", cache_batch_idx, q.device, (B,))
     capacity = (block_table.shape[1] * k_cache.shape[1]) if paged else k_cache.shape[1]
     if rotary_cos is not None:
         if rotary_cos.shape != rotary_sin.shape or rotary_cos.dim() != 2:
@@ -502,14 +558,25 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                f"{rotary_cos.shape[0]} rows for a cache of {capacity}")
     if cache_seqlens is None:
         lens = torch.full((B,), capacity, dtype=torch.int32, device=q.device)
-    elif isinstance(cache_seqlens, int):
-        lens = torch.full((B,), cache_seqlens, dtype=torch.int32, device=q.device)
+    elif isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+        lens = torch.full((B,), int(cache_seqlens), dtype=torch.int32, device=q.device)
     else:
-        lens = cache_seqlens.to(device=q.device, dtype=torch.int32)
+        lens = _index_tensor("cache_seqlens", cache_seqlens, q.device, (B,),
+                             not_tensor=TypeError, kind="an int or an int32 tensor")
+    if paged and not torch.compiler.is_compiling():
+        # FlashAttention's guard (a device-to-host read, as there): a row longer than its
+        # block_table row addresses would send the kernels past the table's end.
+        n_new = 0 if k is None else k.shape[1]
+        longest = int(lens.max()) + n_new if B else 0
+        if longest > capacity:
+            raise RuntimeError(
+                f"paged KV cache: max(cache_seqlens){' + seqlen_new' if n_new else ''} = "
+                f"{longest} exceeds the {capacity} positions block_table addresses "
+                f"(max_blocks_per_seq {block_table.shape[1]} * page_block_size "
+                f"{k_cache.shape[1]}): give block_table more columns")
     if cache_leftpad is not None:
-        if not isinstance(cache_leftpad, torch.Tensor) or cache_leftpad.shape != (B,):
-            raise RuntimeError(f"cache_leftpad must be an int32 tensor of shape ({B},), got "
-                               f"{getattr(cache_leftpad, 'shape', cache_leftpad)!r}")
+        _index_tensor("cache_leftpad", cache_leftpad, q.device, (B,),
+                      not_tensor=TypeError)
     # FlashAttention rotates each query at its own position when causal or windowed.
     local = bool(causal) or tuple(window_size) != (-1, -1)
     causal, window, mask_mod, mod_aux = _window_args(window_size, causal, q.device,
@@ -527,7 +594,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if cache_batch_idx is not None and _paged_supported():
         # A dense cache is a paged one whose pages are whole rows: row b's only page is
         # cache_batch_idx[b] -- read and written in place, no gathered copy.
-        block_table = cache_batch_idx.to(device=q.device, dtype=torch.int32).view(B, 1)
+        block_table = cache_batch_idx.view(B, 1)
         paged, cache_batch_idx = True, None
     if not paged and cache_batch_idx is None and k_cache.shape[0] > B:
         # FlashAttention takes a cache with more rows than the batch: rows 0 .. batch - 1.
@@ -570,3 +637,42 @@ def _append(k_cache, v_cache, k, v, lens, cache_batch_idx, block_table):
         rows = torch.arange(B, device=k.device)[:, None].expand(B, n_new)
     k_cache[rows, pos] = k.to(k_cache.dtype)
     v_cache[rows, pos] = v.to(v_cache.dtype)
+
+
+# ---------------------------------------------------------------------------- padding helpers
+def unpad_input(hidden_states, attention_mask, unused_mask=None):
+    """``flash_attn.bert_padding.unpad_input`` (FlashAttention 2.7+): the tokens of a padded
+    batch packed for the varlen functions.
+
+    Args:
+        hidden_states: (batch, seqlen, ...).
+        attention_mask: (batch, seqlen), bool or int, nonzero = a token.
+        unused_mask: optional (batch, seqlen), nonzero = a slot allocated but unused: packed
+            too (counted in cu_seqlens and max_seqlen_in_batch), not in used_seqlens.
+
+    Returns:
+        (hidden_states (total, ...) the selected tokens in batch-major order, indices int64
+        (total,) their flat positions b * seqlen + s, cu_seqlens int32 (batch + 1,),
+        max_seqlen_in_batch int, used_seqlens_in_batch int32 (batch,)).
+        Differentiable in hidden_states (``pad_input`` undoes it).
+    """
+    masks = attention_mask if unused_mask is None else (attention_mask.bool()
+                                                        | unused_mask.bool())
+    seqlens = masks.sum(dim=-1, dtype=torch.int32)
+    used = attention_mask.sum(dim=-1, dtype=torch.int32)
+    indices = torch.nonzero(masks.flatten(), as_tuple=False).flatten()
+    max_seqlen = int(seqlens.max()) if seqlens.numel() else 0
+    cu_seqlens = torch.nn.functional.pad(torch.cumsum(seqlens, dim=0, dtype=torch.int32),
+                                         (1, 0))
+    # Integer indices, not the bool mask: a bool index over (batch * seqlen, ...) would be
+    # expanded to the full size before its nonzero.
+    return hidden_states.flatten(0, 1)[indices], indices, cu_seqlens, max_seqlen, used
+
+
+def pad_input(hidden_states, indices, batch, seqlen):
+    """``flash_attn.bert_padding.pad_input``: packed tokens (total, ...) back to (batch,
+    seqlen, ...) at the flat positions ``indices`` (from ``unpad_input``), zeros elsewhere.
+    Differentiable in hidden_states."""
+    out = hidden_states.new_zeros((batch * seqlen, *hidden_states.shape[1:]))
+    return out.index_put((indices,), hidden_states).view(batch, seqlen,
+                                                          *hidden_states.shape[1:])

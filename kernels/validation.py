@@ -369,9 +369,10 @@ def check_cache_lengths(cache_seqlens, new, max_len, block_table=None, num_block
         if any(n < 0 for n in lens):
             raise ValueError(f"cache_seqlens must be >= 0, got {lens}")
         if any(n + new > max_len for n in lens):
-            raise ValueError(f"cache_seqlens + {new} new positions must fit the cache "
-                             f"(max_len {max_len}{' = max_blocks * page_size' if paged else ''}"
-                             f"), got cache_seqlens {lens}")
+            where = (f"the pages of block_table (max_len {max_len} = max_blocks * page_size)"
+                     if paged else f"the cache (max_len {max_len})")
+            raise ValueError(f"cache_seqlens + {new} new positions must fit {where}, got "
+                             f"cache_seqlens {lens}")
         if paged and block_table.device.type == "cpu":
             # The pages each row reads or writes must exist (the others are never read).
             for b, n in enumerate(lens):

@@ -20,7 +20,7 @@ from kernels.flash_attn_interface import (flash_attn_func, flash_attn_kvpacked_f
                                           flash_attn_qkvpacked_func, flash_attn_varlen_func,
                                           flash_attn_varlen_kvpacked_func,
                                           flash_attn_varlen_qkvpacked_func,
-                                          flash_attn_with_kvcache)
+                                          flash_attn_with_kvcache, pad_input, unpad_input)
 from tests.helpers import DEVICE, GRAD_FACTOR, assert_parity, randn
 
 PAGED = "block_table" in inspect.signature(kernels.attention_with_kvcache).parameters
@@ -160,13 +160,45 @@ def test_packed_dense():
     _assert_grads((dq, *dkv.unbind(2)), ref, lowp, do)
 
 
-def test_return_attn_probs():
-    """(out, lse, S_dmask): lse in FA's (batch, heads, seqlen_q) and the probabilities, both
-    against the oracle; rows that see no key: lse -inf, probabilities 0."""
+def _no_probs(*args, **kwargs):
+    raise AssertionError("the probabilities were computed without dropout")
+
+
+@pytest.mark.parametrize("fn", ["dense", "qkvpacked", "varlen"])
+def test_attn_probs_empty_without_dropout(monkeypatch, fn):
+    """dropout_p = 0: S_dmask is FlashAttention's empty tensor (shape (0,), q's dtype and
+    device) and nothing computes the probabilities; lse is still returned, in FA's layout."""
+    monkeypatch.setattr(fa, "_probs_dense", _no_probs)
+    monkeypatch.setattr(fa, "_probs_varlen", _no_probs)
+    q, k, v = _qkv(2, 9, 9, 2, 2, 16, dtype=torch.float16)
+    if fn == "dense":
+        out, lse, s_dmask = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    elif fn == "qkvpacked":
+        out, lse, s_dmask = flash_attn_qkvpacked_func(torch.stack((q, k, v), 2), causal=True,
+                                                      return_attn_probs=True)
+    else:
+        cu = _cu([9, 9])
+        out, lse, s_dmask = flash_attn_varlen_func(*(t.flatten(0, 1) for t in (q, k, v)), cu,
+                                                   cu, 9, 9, causal=True,
+                                                   return_attn_probs=True)
+        out, lse = out.view(2, 9, 2, 16), lse.view(2, 2, 9).transpose(0, 1)  # (h, total)
+    assert s_dmask.shape == (0,) and s_dmask.dtype == q.dtype and s_dmask.device == q.device
+    ref, lowp = _oracle(q, k, v, causal=True)
+    assert_parity(out, ref[0], lowp[0])
+    assert_parity(lse, ref[1], lowp[1].float(), name="lse")
+
+
+def test_return_attn_probs(monkeypatch):
+    """(out, lse, S_dmask) with dropout: lse in FA's (batch, heads, seqlen_q) and |S_dmask|
+    the probabilities, both against the oracle, negative exactly where the kernel's Philox
+    mask dropped a visible weight; rows that see no key: lse -inf, probabilities 0."""
+    fa_seed, p = 4321, 0.25
+    monkeypatch.setattr(fa, "_seed", lambda p, probs: fa_seed if p > 0 else None)
     q, k, v = _qkv(2, 9, 6, 2, 1, 16)
-    out, lse, probs = flash_attn_func(q, k, v, causal=True, window_size=(2, -1),
+    out, lse, probs = flash_attn_func(q, k, v, dropout_p=p, causal=True, window_size=(2, -1),
                                       return_attn_probs=True)
-    ref, lowp = _oracle(q, k, v, causal=True, window_size=(2, -1))
+    keep = reference.dropout_keep_mask(fa_seed, 2, 2, 9, 6, p, device=DEVICE)
+    ref, lowp = _oracle(q, k, v, causal=True, window_size=(2, -1), keep=keep, dropout_p=p)
     assert_parity(out, ref[0], lowp[0])
     assert lse.shape == (2, 2, 9) and probs.shape == (2, 2, 9, 6)
     finite = torch.isfinite(ref[1])
@@ -176,7 +208,8 @@ def test_return_attn_probs():
     kr = kr.repeat_interleave(2, dim=1)
     p_ref = torch.exp(qr @ kr.transpose(-1, -2) / 4.0 - ref[1][..., None])
     p_ref = p_ref.nan_to_num(0.0) * reference.causal_mask(9, 6, window=3)
-    torch.testing.assert_close(probs.double(), p_ref, rtol=0, atol=1e-6)
+    torch.testing.assert_close(probs.abs().double(), p_ref, rtol=0, atol=1e-6)
+    assert torch.equal(probs < 0, (p_ref > 0) & ~keep)
 
 
 def test_return_attn_probs_dropout(monkeypatch):
@@ -230,19 +263,37 @@ def test_flash_attn_varlen_func(kw):
     (ro, rl), (lo, _) = (_varlen_oracle(*r_in, cu_q, cu_k, kw, True),
                          _varlen_oracle(*l_in, cu_q, cu_k, kw, False))
     assert_parity(out, ro, lo)
-    assert lse.shape == (4, sum(lens_q)) and probs.shape == (4, 4, 12, 9)
+    assert lse.shape == (4, sum(lens_q)) and probs.shape == (0,)   # no dropout: FA's empty
     finite = torch.isfinite(rl)
     assert torch.equal(torch.isfinite(lse), finite)
-    # Rows of the probabilities sum to 1 where the row sees a key, 0 outside the sequences.
-    sums = probs.sum(-1)
-    for s, n in enumerate(lens_q):
-        rows = torch.isfinite(rl[:, int(cu_q[s]):int(cu_q[s + 1])])
-        torch.testing.assert_close(sums[s, :, :n], rows.float(), rtol=0, atol=1e-5)
-        assert sums[s, :, n:].abs().sum() == 0
     do = randn(*out.shape)
     for name, g, r, l in zip(("dq", "dk", "dv"), _grads(out, (q, k, v), do),
                              _grads(ro, r_in, do.double()), _grads(lo, l_in, do)):
         assert_parity(g, r, l, factor=GRAD_FACTOR, name=name)
+
+
+def test_varlen_attn_probs_dropout(monkeypatch):
+    """Packed sequences with dropout: |S_dmask| rows sum to 1 where the row sees a key and are
+    0 outside each sequence; negative exactly where the kernel's varlen mask dropped."""
+    fa_seed, p = 99, 0.2
+    monkeypatch.setattr(fa, "_seed", lambda p, probs: fa_seed if p > 0 else None)
+    lens_q, lens_k = [5, 0, 8], [7, 4, 6]
+    cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+    q = randn(sum(lens_q), 2, 16)
+    k, v = (randn(sum(lens_k), 1, 16) for _ in range(2))
+    kw = dict(causal=True, window_size=(3, -1))
+    out, lse, probs = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
+                                             dropout_p=p, return_attn_probs=True, **kw)
+    assert probs.shape == (3, 2, 8, 7)
+    keeps = reference.dropout_keep_mask_varlen(fa_seed, cu_q, cu_k, 2, p)
+    _, rl = _varlen_oracle(q.double(), k.double(), v.double(), cu_q, cu_k, kw, True)
+    for s, (nq, nk) in enumerate(zip(lens_q, lens_k)):
+        rows = torch.isfinite(rl[:, int(cu_q[s]):int(cu_q[s + 1])])
+        torch.testing.assert_close(probs[s, :, :nq].abs().sum(-1), rows.float(), rtol=0,
+                                   atol=1e-5)
+        assert probs[s, :, nq:].abs().sum() == 0 and probs[s, :, :, nk:].abs().sum() == 0
+        mine = probs[s, :, :nq, :nk]
+        assert torch.equal(mine < 0, (mine != 0) & ~keeps[s])
 
 
 def test_varlen_packed():
@@ -265,6 +316,69 @@ def test_varlen_packed():
     ro, _ = _varlen_oracle(q.double(), kv[:, 0].double(), kv[:, 1].double(), cu, cu, kw, True)
     lo, _ = _varlen_oracle(q, kv[:, 0], kv[:, 1], cu, cu, kw, False)
     assert_parity(out, ro, lo)
+
+
+# ------------------------------------------------------------------------------ padding
+def _padding_mask(lens, seqlen):
+    return torch.arange(seqlen, device=DEVICE)[None, :] < torch.tensor(lens, device=DEVICE)[:, None]
+
+
+def test_unpad_pad_round_trip():
+    """unpad_input packs the tokens in batch-major order with FlashAttention 2.7+'s five
+    results; pad_input puts them back, zeros at the padding; both carry gradients."""
+    lens, S = [3, 0, 6, 1], 6
+    x = randn(4, S, 2, 5, requires_grad=True)
+    mask = _padding_mask(lens, S)
+    packed, indices, cu, max_len, used = unpad_input(x, mask.int())
+    flat = [b * S + s for b, n in enumerate(lens) for s in range(n)]
+    assert indices.tolist() == flat and indices.dtype == torch.int64
+    assert cu.dtype == torch.int32 and cu.tolist() == [0, 3, 3, 9, 10]
+    assert max_len == 6 and isinstance(max_len, int)
+    assert used.dtype == torch.int32 and used.tolist() == lens
+    assert torch.equal(packed, x.detach().flatten(0, 1)[flat])
+    back = pad_input(packed, indices, 4, S)
+    assert torch.equal(back, x.detach() * mask[..., None, None])
+    (grad,) = torch.autograd.grad(back, x, torch.ones_like(back))
+    assert torch.equal(grad, mask[..., None, None].expand_as(x).float())
+
+
+def test_unpad_unused_mask():
+    """unused_mask: slots packed and counted in cu_seqlens / max_seqlen, not in the used
+    lengths (FlashAttention 2.7+)."""
+    x = randn(2, 5, 3)
+    mask, unused = _padding_mask([2, 4], 5), _padding_mask([3, 5], 5) & ~_padding_mask([2, 4], 5)
+    packed, indices, cu, max_len, used = unpad_input(x, mask, unused)
+    assert indices.tolist() == [0, 1, 2, 5, 6, 7, 8, 9]
+    assert cu.tolist() == [0, 3, 8] and max_len == 5 and used.tolist() == [2, 4]
+    assert torch.equal(packed, x.flatten(0, 1)[indices])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_unpad_varlen_equals_padded_dense(causal):
+    """A padded batch, unpadded into flash_attn_varlen_func and padded back: the dense
+    oracle with the padded keys hidden on the valid rows, zeros on the padding."""
+    lens, S, h, d = [7, 2, 5], 7, 2, 16
+    mask = _padding_mask(lens, S)
+    q, k, v = (randn(3, S, h, d, requires_grad=True) for _ in range(3))
+    (qu, idx, cu, max_len, _), (ku, *_), (vu, *_) = (unpad_input(t, mask) for t in (q, k, v))
+    out = pad_input(flash_attn_varlen_func(qu, ku, vu, cu, cu, max_len, max_len,
+                                           causal=causal), idx, 3, S)
+    n = torch.tensor(lens, device=DEVICE)
+    seen = [t.detach().transpose(1, 2) for t in (q, k, v)]
+
+    def visible(b, hh, qi, ki, aux):
+        # Row b's sequence is its first lens[b] tokens (q_len = k_len: causal is ki <= qi).
+        return (ki < n[b]) & (ki <= qi) if causal else ki < n[b]
+
+    def oracle(upcast):
+        return reference.attention(*seen, causal=False, upcast=upcast, mask_mod=visible)
+    ref, lowp = (oracle(u).transpose(1, 2) * mask[..., None, None] for u in (True, False))
+    assert_parity(out, ref, lowp)
+    assert out[~mask].abs().sum() == 0
+    do = randn(*out.shape)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), do)
+    for g in (dq, dk, dv):
+        assert g[~mask].abs().sum() == 0 and torch.isfinite(g).all()
 
 
 # ------------------------------------------------------------------------------ KV cache
@@ -510,6 +624,90 @@ ERRORS = [
                                     block_table=torch.zeros(1, 1, dtype=torch.int32)),
      NotImplementedError, "block_table"),
 ]
+
+# The index arguments, checked by one rule as FlashAttention checks them: int32, on q's device,
+# of the right shape, else RuntimeError naming the argument; a list where a tensor belongs
+# raises what FlashAttention raises (its custom op's check in varlen: RuntimeError; its
+# fwd_kvcache binding: TypeError). The meta device stands for "another device" on any machine.
+_I32 = dict(dtype=torch.int32, device=DEVICE)
+
+
+def _varlen(cu_q=None, cu_k=None):
+    q, k, v = (t[0] for t in _dense_inputs())
+    return flash_attn_varlen_func(q, k, v, _cu([5]) if cu_q is None else cu_q,
+                                  _cu([5]) if cu_k is None else cu_k, 5, 5)
+
+
+def _kvcache(**kw):
+    q, k, v = _dense_inputs()
+    return flash_attn_with_kvcache(q, k, v, **kw)
+
+
+INDEX_ERRORS = [
+    (lambda: _kvcache(cache_seqlens=[3]), TypeError,
+     "cache_seqlens must be an int or an int32 tensor, got list"),
+    (lambda: _kvcache(cache_seqlens=torch.tensor([3], device=DEVICE)), RuntimeError,
+     "cache_seqlens must have dtype int32, got torch.int64"),
+    (lambda: _kvcache(cache_seqlens=torch.tensor([3, 4], **_I32)), RuntimeError,
+     r"cache_seqlens must have shape \(1,\), got \(2,\)"),
+    (lambda: _kvcache(cache_seqlens=torch.tensor([3], dtype=torch.int32, device="meta")),
+     RuntimeError, "cache_seqlens must be on q's device"),
+    (lambda: _varlen(cu_q=_cu([5]).long()), RuntimeError,
+     "cu_seqlens_q must have dtype int32, got torch.int64"),
+    (lambda: _varlen(cu_k=[0, 5]), RuntimeError, "cu_seqlens_k must be an int32 tensor, got list"),
+    (lambda: _varlen(cu_k=torch.tensor([0, 2, 5], **_I32)), RuntimeError,
+     r"cu_seqlens_k must have shape \(2,\)"),
+    (lambda: _varlen(cu_q=_cu([5]).to("meta")), RuntimeError,
+     "cu_seqlens_q must be on q's device"),
+    (lambda: _kvcache(cache_seqlens=2, cache_batch_idx=torch.zeros(1, dtype=torch.long,
+                                                                   device=DEVICE)),
+     RuntimeError, "cache_batch_idx must have dtype int32"),
+    (lambda: _kvcache(cache_seqlens=2, cache_leftpad=[0]), TypeError, "cache_leftpad"),
+    (lambda: _kvcache(cache_seqlens=2, cache_leftpad=torch.zeros(1, dtype=torch.long,
+                                                                 device=DEVICE)),
+     RuntimeError, "cache_leftpad must have dtype int32"),
+]
+
+
+@pytest.mark.parametrize("i", range(len(INDEX_ERRORS)))
+def test_index_argument_errors(i):
+    call, exc, match = INDEX_ERRORS[i]
+    with pytest.raises(exc, match=match):
+        call()
+
+
+@pytest.mark.skipif(not PAGED, reason="attention_with_kvcache has no block_table yet")
+def test_block_table_dtype_error():
+    q, kc = randn(1, 1, 2, 16), randn(4, 8, 1, 16)
+    with pytest.raises(RuntimeError, match="block_table must have dtype int32"):
+        flash_attn_with_kvcache(q, kc, kc, cache_seqlens=3,
+                                block_table=torch.zeros(1, 2, dtype=torch.long, device=DEVICE))
+
+
+@pytest.mark.skipif(not PAGED, reason="attention_with_kvcache has no block_table yet")
+@pytest.mark.parametrize("n_new", [0, 1])
+def test_kvcache_paged_overflow_names_block_table(n_new):
+    """A paged cache's lengths (+ the new keys) past the positions block_table addresses
+    (max_blocks_per_seq * page_block_size): RuntimeError naming block_table, as FlashAttention's
+    guard raises, and a ValueError naming it from our own API; exactly full still runs."""
+    page, d = 4, 16
+    k_pages, v_pages = randn(3, page, 1, d), randn(3, page, 1, d)
+    table = torch.tensor([[2]], **_I32)           # one page: 4 positions
+    q = randn(1, 1, 1, d)
+    new = dict(k=randn(1, n_new, 1, d), v=randn(1, n_new, 1, d)) if n_new else {}
+    over = torch.tensor([page + 1 - n_new], **_I32)
+    with pytest.raises(RuntimeError, match="block_table"):
+        flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=over, block_table=table,
+                                **new)
+    if DEVICE == "cpu":   # our API reads lengths only on the host (on a GPU: no sync)
+        with pytest.raises(ValueError, match="block_table"):
+            kernels.attention_with_kvcache(q.transpose(1, 2), k_pages, v_pages, over,
+                                           *(t.transpose(1, 2) for t in new.values()),
+                                           block_table=table)
+    full = torch.tensor([page], **_I32)
+    out = flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=full, block_table=table)
+    ref, lowp = _oracle(q, k_pages[2:], v_pages[2:])
+    assert_parity(out, ref[0], lowp[0])
 
 
 @pytest.mark.parametrize("i", range(len(ERRORS)))
