@@ -8,8 +8,10 @@ to inf and the row turns NaN. Here one block of keys is aligned with the query a
 its scores sit ~300 above the others, and that block is placed in the first, a middle or the
 last split.
 
-The hot block is the last quarter of 256 keys (or the first, or the second): for any key tile
-of 16 to 128 keys, 4 splits put a non-first quarter in a split other than the first.
+The hot block is a quarter of 256 keys: the last quarter lands in a split other than the first
+for any key tile of 16 to 128 keys (4 splits of 64 keys with the interpreter's 16-key tiles,
+where the second quarter is split 1 too); the first quarter is the control a merge with a
+wrong max would still pass.
 """
 import pytest
 import torch
