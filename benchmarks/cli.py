@@ -469,13 +469,14 @@ def _run(args, device_type, start):
             paths += write_plots(rows, args.out_dir, stem, title=meta["device"])
         except Exception as exc:  # plotting must not lose a finished sweep
             print(f"plots: failed ({type(exc).__name__}: {exc}); results files are intact")
-    print(report.format_tables(rows, args.table_metric, memory=device_type == "cpu"))
-    print(report.format_features(rows))
-    print(report.format_decode(rows, "ms" if args.table_metric == "ms" else "gbps"))
-    if args.book_models is not None:
-        from .book_models import format_book
+    from .book_models import format_book
 
-        print(format_book(rows))
+    for text in (report.format_tables(rows, args.table_metric, memory=device_type == "cpu"),
+                 report.format_features(rows),
+                 report.format_decode(rows, "ms" if args.table_metric == "ms" else "gbps"),
+                 format_book(rows)):
+        if text:
+            print(text)
     if device_type == "cpu":
         print("\nNOTE: " + meta["note"])
     summary = report.status_summary(rows)

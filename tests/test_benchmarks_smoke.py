@@ -96,6 +96,17 @@ def _check_schema(data, csv_path):
     return meta, rows
 
 
+def test_importing_benchmarks_changes_no_environment():
+    """Importing the package and its modules decides nothing: the command sets TRITON_INTERPRET
+    (before importing ``kernels``), an import does not."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import os, benchmarks, benchmarks.cli, benchmarks.features, benchmarks.book_models, "
+            "benchmarks.modules, benchmarks.providers; print(os.environ.get('TRITON_INTERPRET'))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "None", out.stderr[-2000:]
+
+
 def test_cli_quick_cpu(tmp_path):
     """`python -m benchmarks --quick` on CPU: what a CPU user can choose between. Ours is the
     PyTorch fallback there (never Triton's interpreter), next to SDPA's CPU backends and the
