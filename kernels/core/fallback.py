@@ -1057,3 +1057,23 @@ def paged_kvcache_forward(q, k_cache, v_cache, cache_seqlens, k, v, call, o, blo
         _, lse_b = _forward(q[b:b + 1], kd, vd, None, None, call, o[b:b + 1], batch0=b)
         lse[b:b + 1] = lse_b
     return o, lse
+
+
+def varlen_paged_forward(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, call,
+                         o=None):
+    """``kvcache.varlen_paged_forward`` for CPU tensors: packed queries q (total_q, heads_q,
+    D) with int32 cu_seqlens_q (num_seqs + 1,) against paged caches (num_blocks, page_size,
+    heads_kv, D or Dv); sequence s's keys are its first seqused_k[s] positions, position j
+    being row j % page_size of page block_table[s, j // page_size]. Each sequence's pages are
+    gathered into packed K/V (total_k, heads_kv, D) and the packed ``forward`` runs on them.
+    Returns (o (total_q, heads_q, Dv), written in place when given, lse (heads_q, total_q))."""
+    page_size = k_cache.shape[1]
+    lens = seqused_k.to(device=q.device, dtype=torch.int64)
+    seq_of_key = torch.repeat_interleave(torch.arange(lens.numel(), device=q.device), lens)
+    starts = torch.cumsum(lens, 0) - lens
+    pos = torch.arange(seq_of_key.numel(), device=q.device) - starts[seq_of_key]
+    pages = block_table.long()[seq_of_key, pos // page_size]
+    rows = pos % page_size
+    cu_k = torch.zeros(lens.numel() + 1, dtype=torch.int32, device=q.device)
+    cu_k[1:] = torch.cumsum(lens, 0)
+    return forward(q, k_cache[pages, rows], v_cache[pages, rows], cu_seqlens_q, cu_k, call, o)

@@ -24,7 +24,7 @@ from .dropout import load_seed
 from .score import dropout_keep, finish_rows, mask_scores, online_softmax, scaled_scores
 from .tiles import (clamp_ranges, edge_bound, key_range, mask_key_bounds, program_ids,
                     seq_bounds)
-from .paged import page_rows, paged_problem
+from .paged import page_rows, paged_problem, paged_varlen_problem
 from .splitkv import combine_splits
 from .launch import KernelStep
 from .tma import row_tiles, tma_rows_ok
@@ -87,10 +87,12 @@ def _attn_fwd(Q, K, V, O, LSE,
     bulk tensor copy per tile) over this (sequence, kv head)'s k_len rows, so rows past k_len
     -- another packed sequence's, a KV cache's unfilled ones -- and columns past the head dim
     read as zeros exactly as the masked loads do; 2 = Q's tile too (not with PACK_GQA).
-    PAGED: 0, or the page size of a paged cache (with SEQUSED_K, dense, TMA = 0): K and V are
+    PAGED: 0, or the page size of a paged cache (with SEQUSED_K, TMA = 0): K and V are
     paged caches viewed (num_blocks, heads_kv, PAGED, D) (kernels/core/paged.py),
     ``stride_k[0]`` is the page stride, and key position j of batch entry b is row j % PAGED of
     page seq.block_table[b, j // PAGED]; masks, mods and dropout see the logical positions j.
+    With VARLEN too (vLLM's and FlashAttention's varlen-over-pages layout), only Q and O are
+    packed (cu_q); b is the packed sequence, its keys number k_lens[b] (seq.cu_k is not read).
     A constexpr (one compile per page size), so that the per-key division is a shift for
     powers of two: with a runtime page size, 128 x 128 tiles spilled on sm_90 (q_len 4, GQA).
     """
@@ -104,7 +106,8 @@ def _attn_fwd(Q, K, V, O, LSE,
         pid_m = pid // split.num_splits
     else:
         pid_m = pid
-    q_start, q_len, k_start, k_len = seq_bounds(b, seq, VARLEN, SEQUSED_K)
+    # A paged cache's keys are not packed even when the queries are (PACKED_K).
+    q_start, q_len, k_start, k_len = seq_bounds(b, seq, VARLEN, SEQUSED_K, PAGED == 0)
     start_m = pid_m * BLOCK_M
     if VARLEN:
         # The grid covers the longest sequence; shorter ones leave programs with no rows.
@@ -145,8 +148,9 @@ def _attn_fwd(Q, K, V, O, LSE,
     q_rows = b.to(tl.int64) * stride_q[0] + h.to(tl.int64) * stride_q[1] \
         + (q_start + offs_m).to(tl.int64) * stride_q[2]
     if PAGED:
-        # Batch entry b owns no slice of K / V: its rows are found per tile (page_rows).
-        tl.static_assert(not TMA and not VARLEN and SEQUSED_K)
+        # Batch entry (or packed sequence) b owns no slice of K / V: its rows are found per
+        # tile (page_rows), from logical position 0 (k_start = 0).
+        tl.static_assert(not TMA and SEQUSED_K)
         k_base = K + kv_h.to(tl.int64) * stride_k[1]
         v_base = V + kv_h.to(tl.int64) * stride_v[1]
     else:
@@ -315,8 +319,9 @@ def attention_forward(q, k, v, call=None, *, cu_seqlens_q=None, cu_seqlens_k=Non
         cu_seqlens_q, cu_seqlens_k: int32 (num_seqs + 1,) row offsets of the packed sequences
             (validated by the caller); max_seqlen_q, max_seqlen_k: ints >= every sequence's
             length (the grid covers them).
-        k_lens: optional int32 (B,) (dense only): batch entry b uses only its first k_lens[b]
-            keys (a KV cache's filled length; k_len is then the cache's capacity).
+        k_lens: optional int32 (B,), or (num_seqs,) with packed sequences (FlashAttention's
+            seqused_k): batch entry or sequence b uses only its first k_lens[b] keys (a KV
+            cache's filled length; k_len is then the cache's capacity).
         num_splits: split each query block's keys over this many programs, merged by
             kernels/core/splitkv.py (flash-decoding); 1 = no split; 0 = ``num_splits_heuristic``.
         pack_gqa: one program for all query heads of a kv group (each K/V tile read once per
@@ -330,7 +335,10 @@ def attention_forward(q, k, v, call=None, *, cu_seqlens_q=None, cu_seqlens_k=Non
         block_table: optional int32 (B, max_blocks), unit column stride, with k_lens: k, v are
             paged caches (num_blocks, page_size, heads_kv, D or Dv) viewed by
             ``paged.paged_view``; key position j of batch entry b is row j % page_size of page
-            block_table[b, j // page_size] (kernels/core/paged.py). Per-thread loads.
+            block_table[b, j // page_size] (kernels/core/paged.py). Per-thread loads. With
+            packed queries (``cu_seqlens_q``, no ``cu_seqlens_k``; not with dropout) too: one
+            table row per sequence, whose key count is k_lens[s]
+            (``kvcache.varlen_paged_forward`` takes the caches unviewed).
     Returns:
         (o, lse): o shaped like q with v's head dim, in q's dtype, with q's memory layout when
         q is dense and Dv == D;
@@ -356,14 +364,19 @@ class ForwardPlan:
     def __init__(self, q, k, v, call, *, cu_seqlens_q=None, cu_seqlens_k=None,
                  max_seqlen_q=None, max_seqlen_k=None, k_lens=None, num_splits=1,
                  pack_gqa=None, config=None, tma=None, block_table=None, out=None):
-        pb = make_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        if block_table is not None:
-            assert k_lens is not None
-            pb = paged_problem(pb, block_table)
+        paged = block_table is not None
+        if paged and cu_seqlens_q is not None:
+            pb = paged_varlen_problem(q, k, v, cu_seqlens_q, max_seqlen_q, block_table)
+            # Not defined for this layout (no Philox column layout over pages is promised).
+            assert not call.dropout, "dropout over a paged cache with packed queries"
+        else:
+            pb = make_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+            if paged:
+                pb = paged_problem(pb, block_table)
+        assert not paged or k_lens is not None
         assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
-        assert k_lens is None or not pb.varlen
         D, Dv = q.shape[-1], v.shape[-1]
-        self.varlen, self.Dv = pb.varlen, Dv
+        self.varlen, self.paged, self.Dv = pb.varlen, paged, Dv
         self.lse_shape, self.lse_numel = pb.lse_shape, math.prod(pb.lse_shape)
         self.empty = q.numel() == 0 or pb.batch == 0 or Dv == 0
         self.dropout = call.dropout
@@ -374,7 +387,9 @@ class ForwardPlan:
         assert not (pack_gqa and pb.varlen), "packed GQA heads are for dense (decoding) calls"
         rows, heads = (pb.group * pb.q_len, pb.heads_kv) if pack_gqa else (pb.q_len, pb.heads)
         if num_splits == 0:
-            m_blocks, n_tiles = nominal_tiles(rows, pb.k_len)
+            # A paged cache's k_len is its capacity; max_seqlen_k, when given, is tighter.
+            k_extent = min(max_seqlen_k, pb.k_len) if paged and max_seqlen_k else pb.k_len
+            m_blocks, n_tiles = nominal_tiles(rows, k_extent)
             num_splits = num_splits_heuristic(q.device, pb.batch * heads * m_blocks, n_tiles)
         self.num_splits = num_splits = clamp_splits(num_splits, pb.k_len)
         # Pointers a launch never reads (dummies), and the per-call tuples that hold no
@@ -393,16 +408,19 @@ class ForwardPlan:
         self.score = None if call.mods.has_tensors else score_args(call, dummy)
         self.split = SplitArgs(o_part=dummy, lse_part=dummy, num_splits=num_splits,
                                n_rows=self.lse_numel)
-        tma = tma_mode(pb, pack_gqa=bool(pack_gqa)) if tma is None else tma
-        if block_table is not None:
+        if paged:
             tma = 0   # a tile's rows may lie on different pages: no descriptor box
-        fixed = dict(stride_q=pb.strides(pb.q), stride_k=pb.strides(pb.k),
-                     stride_v=pb.strides(pb.v), stride_o=o_strides, stride_lse=pb.lse_strides,
+        elif tma is None:
+            tma = tma_mode(pb, pack_gqa=bool(pack_gqa))
+        # A paged view's batch stride is the page stride, with packed queries too.
+        kv_strides = (lambda x: x.stride()[:3]) if paged else pb.strides
+        fixed = dict(stride_q=pb.strides(pb.q), stride_k=kv_strides(pb.k),
+                     stride_v=kv_strides(pb.v), stride_o=o_strides, stride_lse=pb.lse_strides,
                      BUCKETS=pb.tune_buckets(),
                      HEAD_DIM=D, BLOCK_D=block_d(D), HEAD_DIM_V=Dv, BLOCK_DV=block_d(Dv),
                      SPEC=score_spec(call), KEYS=KeyLayout(
                          varlen=pb.varlen, k_lens=k_lens is not None,
-                         page_size=k.shape[2] if block_table is not None else 0),
+                         page_size=k.shape[2] if paged else 0),
                      PACK_GQA=bool(pack_gqa), SPLIT=num_splits > 1, DROPOUT=call.dropout_mode,
                      WIDEN=widen_bf16(q.dtype), DOT_PRECISION=dot_precision(q.dtype), TMA=tma)
 
@@ -439,8 +457,11 @@ class ForwardPlan:
             return o, lse
         pb = self.pb
         if self.varlen:
-            q4, k4, v4, o4 = packed_view(q), packed_view(k), packed_view(v), packed_view(o)
-            seq = pb._replace(cu_q=cu_seqlens_q, cu_k=cu_seqlens_k).seq_args(self.dummy)
+            q4, o4 = packed_view(q), packed_view(o)
+            # Paged caches come as their (num_blocks, heads_kv, page_size, D) views already.
+            k4, v4 = (k, v) if self.paged else (packed_view(k), packed_view(v))
+            seq = pb._replace(cu_q=cu_seqlens_q, cu_k=cu_seqlens_k).seq_args(
+                self.dummy, k_lens, block_table)
         else:
             q4, k4, v4, o4 = q, k, v, o
             seq = self.seq if self.seq is not None else pb._replace(k=k).seq_args(

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from .common import block_d
-from .forward import ForwardPlan
+from .forward import ForwardPlan, attention_forward
 from .launch import KernelStep
 from .paged import page_rows, paged_view
 
@@ -121,13 +121,23 @@ def kvcache_forward(q, k_cache, v_cache, cache_seqlens, k, v, call, *, num_split
     return plan(q, k_cache, v_cache, cache_seqlens, k, v, call, block_table=block_table)
 
 
+def _unit_columns(block_table):
+    """``block_table`` (or None) with a unit column stride, as the kernels read it: a copy of a
+    strided view only (e.g. every other column of a wider table)."""
+    if block_table is None or block_table.stride(-1) == 1:
+        return block_table
+    return block_table.contiguous()
+
+
 class KVCachePlan:
     """The launches of one ``kvcache_forward`` signature (append, then the forward's plan),
-    built once and called per call with that signature's tensors (``block_table``, if any,
-    with a unit column stride), as ``ForwardPlan`` is for the forward."""
+    built once and called per call with that signature's tensors, as ``ForwardPlan`` is for
+    the forward. A ``block_table`` with a strided column axis is copied (``_unit_columns``) at
+    both, so the append's and the forward's row strides are those of the table they read."""
 
     def __init__(self, q, k_cache, v_cache, cache_seqlens, k, v, call, *, num_splits,
                  block_table=None):
+        block_table = _unit_columns(block_table)
         self.append = None if k is None else _append_step(k_cache, v_cache, k, v, block_table)
         self.new = 0 if k is None else q.shape[2]
         k_lens = cache_seqlens if k is None else cache_seqlens + self.new
@@ -137,9 +147,49 @@ class KVCachePlan:
                                block_table=block_table)
 
     def __call__(self, q, k_cache, v_cache, cache_seqlens, k, v, call, *, block_table=None):
+        block_table = _unit_columns(block_table)
         if self.append is not None:
             _run_append(self.append, k_cache, v_cache, cache_seqlens, k, v, block_table)
         k_lens = cache_seqlens if not self.new else (cache_seqlens + self.new)
         if block_table is not None:
             k_cache, v_cache = paged_view(k_cache), paged_view(v_cache)
         return self.fwd(q, k_cache, v_cache, call, k_lens=k_lens, block_table=block_table)
+
+
+def varlen_paged_forward(q, k_cache, v_cache, call, *, cu_seqlens_q, max_seqlen_q, block_table,
+                         seqused_k=None, cu_seqlens_k=None, max_seqlen_k=None, num_splits=1,
+                         out=None, config=None):
+    """Packed queries against a paged KV cache, in one launch (FlashAttention 2's
+    ``flash_attn_varlen_func(..., block_table=)``, vLLM's unified attention): decode rows
+    (one query) and prefill rows (many) mixed.
+
+    Args:
+        q: (total_q, heads_q, D), sequence s is rows cu_seqlens_q[s]:cu_seqlens_q[s + 1].
+        k_cache, v_cache: (num_blocks, page_size, heads_kv, D or Dv), heads_q % heads_kv == 0;
+            unit last stride.
+        call: the ``AttentionCall`` (no dropout): causal is bottom-right per sequence (its
+            queries are its last q_len_s key positions), windows, chunks, mods and sinks as
+            in ``attention_forward``; the mods see b = s and positions from the sequence start.
+        cu_seqlens_q: int32 (num_seqs + 1,); max_seqlen_q: >= every sequence's query count.
+        block_table: int32 (num_seqs, max_blocks): key position j of sequence s is row
+            j % page_size of page block_table[s, j // page_size] (made contiguous if its
+            column stride is not 1).
+        seqused_k: int32 (num_seqs,) key counts, each <= max_blocks * page_size; or None and
+            ``cu_seqlens_k`` int32 (num_seqs + 1,), whose differences are the key counts.
+        max_seqlen_k: optional bound on the key counts (only sharpens ``num_splits=0``).
+        num_splits: split-KV as in ``attention_forward`` (1: none; 0: the heuristic); the
+            splits of a sequence's keys are merged per row by kernels/core/splitkv.py.
+        out: optional (total_q, heads_q, Dv) to write into (``new_out``'s strides).
+        config: a ``triton.Config`` to force (tests).
+    Returns:
+        (out (total_q, heads_q, Dv) in q's dtype, lse fp32 (heads_q, total_q)): natural-log
+        row log-sum-exp, -inf for rows that see no key.
+    Inputs are validated by the caller (kernels/validation.py for the public functions).
+    """
+    if seqused_k is None:
+        seqused_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    return attention_forward(q, paged_view(k_cache), paged_view(v_cache), call,
+                             cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
+                             max_seqlen_k=max_seqlen_k, k_lens=seqused_k,
+                             block_table=_unit_columns(block_table), num_splits=num_splits,
+                             out=out, config=config)

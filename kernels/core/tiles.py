@@ -58,22 +58,28 @@ def program_ids(LONGEST_FIRST: tl.constexpr, FIRST_IS_LONGEST: tl.constexpr):
 
 
 @triton.jit
-def seq_bounds(pid_b, seq, VARLEN: tl.constexpr, SEQUSED_K: tl.constexpr):
+def seq_bounds(pid_b, seq, VARLEN: tl.constexpr, SEQUSED_K: tl.constexpr,
+               PACKED_K: tl.constexpr = True):
     """(q_start, q_len, k_start, k_len) of batch entry ``pid_b`` under the launch's ``seq``
     (``SeqArgs``, kernels/core/call.py).
 
     Dense batches: rows start at 0 and the lengths are ``seq``'s. Packed batches (VARLEN):
     sequence ``pid_b`` is rows ``cu[pid_b]:cu[pid_b + 1]`` of the packed q and k/v (int32
-    ``seq.cu_q``, ``seq.cu_k``). SEQUSED_K (a KV cache): batch entry ``pid_b`` uses only its
-    first ``seq.k_lens[pid_b]`` keys.
+    ``seq.cu_q``, ``seq.cu_k``); without PACKED_K only q is packed: the keys live in a paged
+    cache (kernels/core/paged.py) that ``seq.block_table`` locates, so they start at 0 and
+    number ``seq.k_len`` (the cache's capacity) before SEQUSED_K. SEQUSED_K (a KV cache):
+    batch entry ``pid_b`` uses only its first ``seq.k_lens[pid_b]`` keys.
     """
     q_len = seq.q_len
     k_len = seq.k_len
     if VARLEN:
         q_start = tl.load(seq.cu_q + pid_b)
-        k_start = tl.load(seq.cu_k + pid_b)
         q_len = tl.load(seq.cu_q + pid_b + 1) - q_start
-        k_len = tl.load(seq.cu_k + pid_b + 1) - k_start
+        if PACKED_K:
+            k_start = tl.load(seq.cu_k + pid_b)
+            k_len = tl.load(seq.cu_k + pid_b + 1) - k_start
+        else:
+            k_start = 0
     else:
         q_start = 0
         k_start = 0
