@@ -20,8 +20,8 @@ setup(
     # numpy: Triton's CPU interpreter (how tests and the CPU benchmark run without CUDA)
     # needs it, and triton does not declare it.
     extras_require={
-        "test": ["pytest>=7", "pytest-benchmark>=4", "hypothesis>=6", "numpy"],
-        "bench": ["matplotlib>=3.5", "pytest-benchmark>=4", "numpy"],
+        "test": ["pytest>=7", "hypothesis>=6", "numpy"],
+        "bench": ["matplotlib>=3.5", "numpy"],
         # Optional integrations, imported lazily (kernels.hf). transformers 5.4: the first whose
         # mask functions take q_length / q_offset (4.56 to 5.3 pass cache_position); tested on
         # 5.4, 5.17, 5.23 and 5.24.
