@@ -19,7 +19,8 @@ Loops are split so that only tiles crossing one of these edges pay for the mask;
 row of the program sees are never visited, so a windowed call costs O(q_len · window).
 
 Packed variable-length batches (VARLEN) reuse everything: ``seq_bounds`` turns the batch index
-into a sequence's row offsets and lengths, read from ``cu_seqlens``. The PyTorch fallback
+into a sequence's row offsets and lengths, read from ``cu_seqlens`` (only the queries' when the
+keys are in a paged cache: PACKED_K off, kernels/core/paged.py). The PyTorch fallback
 (kernels/core/fallback.py) applies the same rule to whole blocks of rows.
 """
 import triton

@@ -13,6 +13,7 @@ float64 oracle. On CPU the kernels run in Triton's interpreter: shapes stay tiny
 import pytest
 import torch
 import triton
+import triton.language as tl
 from helpers import DEVICE, assert_parity, randn
 
 import reference
@@ -20,7 +21,7 @@ from kernels.core import fallback
 from kernels.core.call import AttentionCall, default_softmax_scale
 from kernels.core.forward import attention_forward
 from kernels.core.kvcache import varlen_paged_forward
-from kernels.core.mods import CallMods
+from kernels.core.mods import CallMods, ScoreMod
 
 F16, F32 = torch.float16, torch.float32
 D = 16
@@ -68,11 +69,25 @@ def _inputs(q_lens, k_lens, hq, hkv, page_size, dtype, dv=D):
     return q, k, v, k_pages, v_pages, table
 
 
+@triton.jit
+def _seq_distance_bias(s, b, h, q_idx, kv_idx, aux):
+    """A bias on the sequence and the logical distance: a wrong page row or sequence shows."""
+    return s - 0.05 * tl.minimum(q_idx - kv_idx, 20).to(tl.float32) + 0.1 * b
+
+
+def _seq_distance_bias_torch(s, b, h, q_idx, kv_idx, aux):
+    return s - 0.05 * (q_idx - kv_idx).clamp(max=20).to(s.dtype) + 0.1 * b
+
+
+SEQ_DISTANCE_BIAS = ScoreMod("tests.paged_varlen_seq_distance_bias", _seq_distance_bias,
+                             _seq_distance_bias_torch)
+
+
 def _call(hq, causal=True, window=None, chunk_size=None, softcap=None, alibi=False,
-          sinks=False):
+          sinks=False, score_mod=None):
     mods = CallMods(softcap=softcap,
                     alibi_slopes=torch.rand(hq, device=DEVICE) * 0.3 if alibi else None,
-                    sinks=randn(hq) if sinks else None)
+                    sinks=randn(hq) if sinks else None, score_mod=score_mod)
     return AttentionCall(causal=causal, softmax_scale=default_softmax_scale(D), window=window,
                          chunk_size=chunk_size, mods=mods)
 
@@ -83,6 +98,7 @@ def _oracle(q, k, v, cu_q, cu_k, call, upcast=True):
         q, k, v, cu_q.cpu().tolist(), cu_k.cpu().tolist(), causal=call.causal,
         softmax_scale=call.softmax_scale, window=call.window, chunk_size=call.chunk_size,
         softcap=mods.softcap, alibi_slopes=mods.alibi_slopes, sinks=mods.sinks,
+        score_mod=None if mods.score_mod is None else mods.score_mod.torch_fn,
         upcast=upcast, return_lse=True)
 
 
@@ -141,6 +157,7 @@ OPTIONS = {
     "chunk": dict(chunk_size=8),
     "softcap_alibi": dict(softcap=3.0, alibi=True),
     "sinks": dict(sinks=True),
+    "score_mod": dict(score_mod=SEQ_DISTANCE_BIAS),
 }
 
 
