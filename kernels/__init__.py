@@ -26,7 +26,8 @@ from .integrations.modules import (
 )
 from . import flash_attn_interface  # FlashAttention 2's API on the functions above
 
-__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "ScoreMod", "MaskMod",
+__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "plans", "PlanCache",
+           "ScoreMod", "MaskMod",
            "SOFTCAP", "ALIBI", "FusedCausalAttention", "FusedMultiHeadAttentionWrapper",
            "FusedMultiHeadAttention", "fuse_attention", "book", "distributed", "fuse", "hf",
            "modules", "sdpa", "flash_attn_interface"]

@@ -131,7 +131,7 @@ class AttentionPlan:
         a few differentiable aten ops (``fallback.forward_recorded``), their result, whose
         backward autograd records (lse None unless ``need_lse``)."""
         route = _use_fallback(q)
-        if route and not packed:
+        if route and not packed and q.numel() and k.numel() and v.numel():
             return route, fallback.forward_recorded(unit_last(q), unit_last(k), unit_last(v),
                                                     call.with_seed(seed_t), need_lse=need_lse)
         return route, None
