@@ -12,7 +12,8 @@ from .core.call import default_softmax_scale  # noqa: F401  (re-exported for int
 from .core.backend import _use_fallback  # noqa: F401  (the backend decision; tools patch it)
 from .pipeline import (SEED_LIMIT, attention_plan, check_arguments, check_grad_shapes,  # noqa: F401
                        integration_backward, integration_forward, integration_plan,
-                       kvcache_runner, plans, run_attention, run_kvcache, _packed)
+                       kvcache_runner, paged_varlen, plans, run_attention, run_kvcache,
+                       _packed)
 
 
 
@@ -127,7 +128,8 @@ def attention(q, k, v, *, causal=True, dropout_p=0.0, softmax_scale=None, seed=N
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
                      *, causal=True, dropout_p=0.0, softmax_scale=None, seed=None, window=None,
                      return_lse=False, softcap=None, sinks=None, chunk_size=None,
-                     alibi_slopes=None, score_mod=None, mask_mod=None, mod_aux=()):
+                     alibi_slopes=None, score_mod=None, mask_mod=None, mod_aux=(),
+                     block_table=None, seqused_k=None):
     """Attention over packed sequences of different lengths (FlashAttention's varlen layout).
 
     Sequence s is rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]`` of q and
@@ -165,11 +167,32 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
             ``attention``, per sequence (positions and ``b`` count within each sequence);
             alibi_slopes may be (num_seqs, heads_q).
 
+        block_table, seqused_k: packed queries over a **paged** KV cache (FlashAttention 2's
+            ``flash_attn_varlen_func(..., block_table=)``, vLLM's unified attention; forward
+            only, no dropout). k: (num_blocks, page_size, heads_kv, head_dim), v:
+            (num_blocks, page_size, heads_kv, head_dim_v), a pool of pages; block_table: int32
+            (num_seqs, max_blocks): key position j of sequence s is row j % page_size of page
+            block_table[s, j // page_size]; the key counts are ``seqused_k`` (int32
+            (num_seqs,)) or else the differences of ``cu_seqlens_k``. Each sequence's queries
+            are its last positions (causal bottom-right), so decode rows (one query) and
+            prefill rows mix in one launch. Pages are read in place (never gathered), any
+            page_size >= 1; counts and page indices are checked when on the CPU, the caller's
+            contract on the GPU. ``.backward()`` through it raises a clear RuntimeError.
+
     Returns:
         out: (total_q, heads_q, head_dim_v) in q's dtype.
         lse (only with ``return_lse``): float32 (heads_q, total_q), natural log, -inf for rows
             that see no key. Not differentiable.
     """
+    if block_table is not None:
+        out, lse = paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
+                                max_seqlen_q, (causal, dropout_p, softmax_scale, window, 0,
+                                               softcap, chunk_size, score_mod, mask_mod, None),
+                                sinks, alibi_slopes, mod_aux)
+        return (out, lse) if return_lse else out
+    if seqused_k is not None:
+        raise ValueError("seqused_k goes with block_table (key counts of a paged cache); "
+                         "packed k, v take their lengths from cu_seqlens_k")
     packed = None
     if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() == k.dim() == 3:
         packed = _packed(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k)

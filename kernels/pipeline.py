@@ -22,13 +22,13 @@ from typing import Optional
 
 import torch
 
-from .core.backend import AttentionPlan, KVCacheRunner
+from .core.backend import AttentionPlan, KVCacheRunner, PagedVarlenRunner
 from .core.call import (AttentionCall, call_spec, default_softmax_scale, lse_shape, new_like,
                         new_out, parse_spec, with_tensors, without_tensors)
 from .core.mods import NO_MODS, aux_grad_buffers, aux_grad_mask, sinks_grad
 from .validation import (SEED_LIMIT, check_cache_lengths, check_cu_seqlens, check_drop_layout,
-                         check_kvcache, check_mods, check_num_splits, check_seed,
-                         validate_attention)
+                         check_kvcache, check_mods, check_num_splits, check_paged_varlen,
+                         check_seed, validate_attention)
 
 PACKED_LAYOUT = "(total_rows, heads, head_dim) (packed sequences)"
 # Options of an attention call, in the order the public functions pass them.
@@ -585,7 +585,7 @@ def run_kvcache(runner, mods, q, k_cache, v_cache, cache_seqlens, k, v, block_ta
     if needs_grad:
         with torch.no_grad():
             out, lse = _kvcache_op(*args)
-        return _KVCacheForwardOnly.apply(out, lse, *inputs)
+        return _ForwardOnly.apply(out, lse, *inputs)
     return _kvcache_op(*args)
 
 
@@ -613,11 +613,12 @@ def _(q, k_cache, v_cache, cache_seqlens, k, v, block_table, alibi_slopes, sinks
 
 
 _KVCACHE_NO_BACKWARD = (
-    "kernels.attention_with_kvcache is forward-only (generation against a KV cache): it has no "
-    "backward, and gradients cannot flow through it. For training use kernels.attention (dense "
-    "batches) or kernels.attention_varlen (packed sequences), which are differentiable; to "
-    "generate with parameters that require grad, wrap the step in torch.no_grad() or "
-    "torch.inference_mode().")
+    "kernels.attention_with_kvcache and attention_varlen with block_table are forward-only "
+    "(generation against a KV cache or its pages): they have no backward, and gradients cannot "
+    "flow through them. For training use kernels.attention (dense batches) or "
+    "kernels.attention_varlen without block_table (packed sequences), which are "
+    "differentiable; to generate with parameters that require grad, wrap the step in "
+    "torch.no_grad() or torch.inference_mode().")
 
 
 @torch.library.custom_op("fused_attention::kvcache_no_backward", mutates_args=())
@@ -633,9 +634,9 @@ def _(grad, inputs):
     return [torch.empty_like(x) for x in inputs]
 
 
-class _KVCacheForwardOnly(torch.autograd.Function):
-    """Attaches (out, lse) of the KV-cache op to the inputs that require grad, with a backward
-    that says the op is forward-only (a mutating custom op cannot register an autograd formula;
+class _ForwardOnly(torch.autograd.Function):
+    """Attaches (out, lse) of a forward-only op (KV cache, paged packed sequences) to the
+    inputs that require grad, with a backward that says the op is forward-only (a mutating custom op cannot register an autograd formula;
     PyTorch's own error would only say that none was registered)."""
 
     @staticmethod
@@ -652,6 +653,95 @@ class _KVCacheForwardOnly(torch.autograd.Function):
         for i, g in zip(wanted, _kvcache_no_backward(dout, placeholders)):
             grads[i] = g
         return (None, None, *grads)
+
+
+# --------------------------------------------------------------------------------------------
+# Packed queries over a paged cache (forward only)
+# --------------------------------------------------------------------------------------------
+def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
+                 max_seqlen_q, options, sinks, alibi_slopes, mod_aux):
+    """(out, lse) of ``attention_varlen(..., block_table=)``: resolved once per signature
+    (the key holds the longest query sequence, read on the host once per cu_seqlens_q
+    tensor), the key counts checked per call where they are on the host."""
+    (causal, dropout_p, softmax_scale, window, num_splits, softcap, chunk_size, score_mod,
+     mask_mod, _) = options
+    tensors = (q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)
+    key = None
+    if _keyable(*tensors):
+        try:
+            max_q = check_cu_seqlens(cu_seqlens_q, cu_seqlens_q, q, q, max_seqlen_q, None)[0]
+            key = ("paged-varlen", *(_opt_sig(t) for t in tensors), max_q,
+                   *_options_key(options, sinks, alibi_slopes, mod_aux))
+        except (TypeError, AttributeError, RuntimeError, ValueError, IndexError):
+            key = None   # the checks below say what is wrong
+    runner = None if key is None else plans.get(key)
+    if runner is None:
+        causal, max_q, _ = check_paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k,
+                                              seqused_k, block_table, max_seqlen_q, causal,
+                                              dropout_p, softmax_scale, window)
+        mods, chunk_size = check_mods(q, causal, window, softcap, sinks, chunk_size,
+                                      alibi_slopes, score_mod, mask_mod, mod_aux,
+                                      batch=cu_seqlens_q.numel() - 1)
+        check_num_splits(num_splits)
+        if softmax_scale is None:
+            softmax_scale = default_softmax_scale(q.shape[-1])
+        call = AttentionCall(causal, float(softmax_scale), 0.0, 0,
+                             int(window) if window is not None else None, None, chunk_size,
+                             mods)
+        runner = PagedVarlenRunner(without_tensors(call), num_splits, max_q)
+        if key is not None:
+            plans.put(key, runner)
+    if seqused_k is None:
+        seqused_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    num_blocks, page_size = k_cache.shape[:2]
+    check_cache_lengths(seqused_k, 0, block_table.shape[1] * page_size, block_table,
+                        num_blocks, page_size)
+    call = with_tensors(runner.call, sinks, alibi_slopes, mod_aux)
+    inputs = [t for t in (q, k_cache, v_cache) if t.requires_grad]
+    needs_grad = torch.is_grad_enabled() and bool(inputs)
+    if key is not None and not needs_grad:
+        return runner(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, call)
+    mods = call.mods
+    args = (q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, runner.max_seqlen_q,
+            mods.alibi_slopes, mods.sinks, list(mods.aux),
+            call_spec(runner.call, runner.num_splits))
+    if needs_grad:
+        with torch.no_grad():
+            out, lse = _varlen_paged_op(*args)
+        return _ForwardOnly.apply(out, lse, *inputs)
+    return _varlen_paged_op(*args)
+
+
+_LIB.define("varlen_paged(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, "
+            "Tensor seqused_k, Tensor block_table, SymInt max_seqlen_q, Tensor? alibi_slopes, "
+            "Tensor? sinks, Tensor[] mod_aux, str spec) -> (Tensor, Tensor)")
+
+
+def _varlen_paged_impl(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table,
+                       max_seqlen_q, alibi_slopes, sinks, mod_aux, spec):
+    key = ("paged-varlen-op", spec, max_seqlen_q, *(_opt_sig(t) for t in (
+        q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, alibi_slopes, sinks)),
+        tuple(_signature(t) for t in mod_aux))
+    runner = plans.get(key)
+    if runner is None:
+        call, num_splits = parse_spec(spec)
+        runner = plans.put(key, PagedVarlenRunner(call, num_splits, max_seqlen_q))
+    call = with_tensors(runner.call, sinks, alibi_slopes, mod_aux)
+    out, lse = runner(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, call)
+    if q.stride(-1) != 1:   # the fake's layout
+        out = new_out(q, v_cache.shape[-1]).copy_(out)
+    return out, lse
+
+
+def _varlen_paged_fake(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table,
+                       max_seqlen_q, alibi_slopes, sinks, mod_aux, spec):
+    return new_out(q, v_cache.shape[-1]), q.new_empty(lse_shape(q, True), dtype=torch.float32)
+
+
+for _key in ("CPU", "CUDA"):
+    _LIB.impl("varlen_paged", _varlen_paged_impl, _key)
+torch.library.register_fake("fused_attention::varlen_paged", _varlen_paged_fake, lib=_LIB)
+_varlen_paged_op = torch.ops.fused_attention.varlen_paged.default
 
 
 # --------------------------------------------------------------------------------------------

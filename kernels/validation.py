@@ -401,3 +401,57 @@ def check_drop_layout(drop_layout, q, k, packed):
                          f"{q.shape[2]} x k_len {k.shape[2]} (offsets >= 0, inside the "
                          f"totals)")
     return [q_total, k_total, row_offset, col_offset]
+
+
+def check_paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
+                       max_seqlen_q, causal, dropout_p, softmax_scale, window):
+    """Validation of ``attention_varlen`` over a paged cache (``block_table`` given): packed
+    q (total_q, heads_q, D), pages (num_blocks, page_size, heads_kv, D or Dv), one block-table
+    row and one key count per sequence (``seqused_k``, or the differences of
+    ``cu_seqlens_k``). Returns (causal as a bool, max_seqlen_q, the key counts tensor)."""
+    check_tensor("q", q, 3, "(total_q, heads, head_dim) (packed sequences)")
+    for name, t in (("k", k_cache), ("v", v_cache)):
+        check_tensor(name, t, 4, _PAGED_LAYOUT)
+    if k_cache.shape[:-1] != v_cache.shape[:-1]:
+        raise ValueError(f"k and v pages must have one shape but for head_dim, got k "
+                         f"{tuple(k_cache.shape)} and v {tuple(v_cache.shape)}")
+    if dropout_p != 0.0:
+        raise NotImplementedError(f"dropout over a paged cache is not supported (forward-only "
+                                  f"serving, as FlashAttention's paged attention), got "
+                                  f"dropout_p={dropout_p}")
+    # The dense checks on one page viewed as (page_size, heads_kv, D): dtypes, devices, heads.
+    causal = validate_attention(q, k_cache[0] if len(k_cache) else k_cache.new_empty(
+        k_cache.shape[1:]), v_cache[0] if len(v_cache) else v_cache.new_empty(v_cache.shape[1:]),
+        causal, dropout_p, softmax_scale, None, window, dims=3, layout=_PAGED_LAYOUT)
+    if not isinstance(cu_seqlens_q, torch.Tensor):
+        raise TypeError(f"cu_seqlens_q must be a torch.Tensor, got "
+                        f"{type(cu_seqlens_q).__name__}")
+    num_seqs = cu_seqlens_q.numel() - 1
+    # cu_seqlens_q checked as the packed layout checks it (against itself for the keys).
+    max_q, _ = check_cu_seqlens(cu_seqlens_q, cu_seqlens_q, q, q, max_seqlen_q, None)
+    if seqused_k is None:
+        if cu_seqlens_k is None:
+            raise ValueError("attention_varlen with block_table needs the key counts: "
+                             "seqused_k (num_seqs,) or cu_seqlens_k (num_seqs + 1,)")
+        if not isinstance(cu_seqlens_k, torch.Tensor) or cu_seqlens_k.dtype != torch.int32 \
+                or cu_seqlens_k.shape != (num_seqs + 1,) or cu_seqlens_k.device != q.device:
+            raise ValueError(f"cu_seqlens_k must be int32 ({num_seqs + 1},) on {q.device}, got "
+                             f"{getattr(cu_seqlens_k, 'dtype', type(cu_seqlens_k).__name__)} "
+                             f"{tuple(getattr(cu_seqlens_k, 'shape', ()))}")
+        seqused_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    elif not isinstance(seqused_k, torch.Tensor) or seqused_k.dtype != torch.int32 \
+            or seqused_k.shape != (num_seqs,) or seqused_k.device != q.device:
+        raise ValueError(f"seqused_k must be int32 ({num_seqs},) on {q.device}, got "
+                         f"{getattr(seqused_k, 'dtype', type(seqused_k).__name__)} "
+                         f"{tuple(getattr(seqused_k, 'shape', ()))}")
+    if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 \
+            or block_table.dim() != 2 or block_table.shape[0] != num_seqs \
+            or block_table.device != q.device:
+        raise ValueError(f"block_table must be int32 (num_seqs, max_blocks) = ({num_seqs}, .) "
+                         f"on {q.device}, got {getattr(block_table, 'dtype', None)} "
+                         f"{tuple(getattr(block_table, 'shape', ()))}")
+    num_blocks, page_size = k_cache.shape[:2]
+    if num_blocks == 0 or page_size == 0:
+        raise ValueError(f"k with block_table must be {_PAGED_LAYOUT} with at least one page "
+                         f"of at least one row, got {tuple(k_cache.shape)}")
+    return causal, max_q, seqused_k

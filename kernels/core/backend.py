@@ -8,7 +8,8 @@ PyTorch fallback, behind one interface -- a plan per call signature.
   run for one validated signature -- its ``AttentionCall`` without the per-call tensors and,
   once launched, its ``ForwardPlan`` and one ``BackwardPlan`` per gradient layout
   (kernels/core/forward.py, backward.py). ``forward`` / ``backward`` take the per-call tensors.
-* ``KVCachePlan``'s twin for ``attention_with_kvcache``: ``KVCacheRunner``.
+* ``KVCachePlan``'s twin for ``attention_with_kvcache``: ``KVCacheRunner``; packed queries
+  over a paged cache (``attention_varlen(..., block_table=)``): ``PagedVarlenRunner``.
 
 Plans are built by kernels/pipeline.py (after validation) and kept in its plan cache; this
 module validates nothing.
@@ -25,7 +26,8 @@ from .call import lse_shape, new_like, new_out
 from .common import check_interpreter_setting, interpreter_active
 from .configs import unsupported_gpu_reason
 from .forward import ForwardPlan
-from .kvcache import KVCachePlan
+from .kvcache import KVCachePlan, _unit_columns
+from .paged import paged_view
 
 _warned_fallback = False
 _warned_gpu = False
@@ -192,3 +194,33 @@ class KVCacheRunner:
             self.plan = KVCachePlan(q, k_cache, v_cache, cache_seqlens, k, v, call,
                                     num_splits=self.num_splits, block_table=block_table)
         return self.plan(q, k_cache, v_cache, cache_seqlens, k, v, call, block_table=block_table)
+
+
+class PagedVarlenRunner:
+    """How one validated signature of ``attention_varlen`` over a paged cache runs (forward
+    only): ``call`` without the mods' tensors, ``num_splits``, ``max_seqlen_q``; the
+    ``ForwardPlan`` (packed queries, paged keys: kernels/core/kvcache.py
+    ``varlen_paged_forward``) is built at the first launch."""
+
+    def __init__(self, call, num_splits, max_seqlen_q):
+        self.call, self.num_splits, self.max_seqlen_q = call, int(num_splits), max_seqlen_q
+        self.plan = None
+
+    def __call__(self, q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, call):
+        """(out (total_q, heads_q, Dv), lse (heads_q, total_q)); ``call``: the runner's with
+        this call's mods' tensors."""
+        if q.shape[1] == 0:
+            return new_out(q, v_cache.shape[-1]), q.new_empty(lse_shape(q, True),
+                                                               dtype=torch.float32)
+        if _use_fallback(q):
+            return fallback.varlen_paged_forward(q, k_cache, v_cache, cu_seqlens_q, seqused_k,
+                                                 block_table, call)
+        q, block_table = unit_last(q), _unit_columns(block_table)
+        k, v = paged_view(k_cache), paged_view(v_cache)
+        if self.plan is None:
+            self.plan = ForwardPlan(q, k, v, call, cu_seqlens_q=cu_seqlens_q,
+                                    max_seqlen_q=_longest(cu_seqlens_q, self.max_seqlen_q),
+                                    k_lens=seqused_k,
+                                    block_table=block_table, num_splits=self.num_splits)
+        return self.plan(q, k, v, call, cu_seqlens_q=cu_seqlens_q, k_lens=seqused_k,
+                         block_table=block_table)
