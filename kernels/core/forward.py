@@ -198,8 +198,8 @@ def _attn_fwd(Q, K, V, O, LSE,
     # ragged last tile (masked). Software pipelining (the config's num_stages) for the loops
     # before the diagonal only: a pipelined loop after the unmasked one, or an unpipelined one
     # before it, makes ptxas serialize every wgmma of the kernel on sm_90 (warning C7515),
-    # which forfeits Hopper's tensor-core overlap (benchmarks/NOTES.md). The diagonal loop is
-    # a few tiles long.
+    # which forfeits Hopper's tensor-core overlap (tools/sm90_static.py reports it). The
+    # diagonal loop is a few tiles long.
     offs_n0 = tl.arange(0, BLOCK_N)
     q_edge = edge_bound(offs_m + diag, score.window, SPEC.edge, False)[:, None] \
         if SPEC.edge != 0 else 0

@@ -42,7 +42,7 @@ def program_ids(LONGEST_FIRST: tl.constexpr, FIRST_IS_LONGEST: tl.constexpr):
     spilled tight kernels, dK/dV with dropout at head_dim 128 on sm_90 (32-36 B), dQ with
     dropout at 128 on sm_80 (16 B) and on sm_100 (4-16 B). A scheduling
     model puts the causal forward's makespan at 1.26 -> 1.02 of ideal for 16 heads x 4096 on an
-    H100 (benchmarks/causal_order_model.py); a GPU run must confirm it.
+    H100 (a list-scheduling model, docs/performance.md); a GPU run must confirm it.
     """
     if LONGEST_FIRST:
         n_blocks = tl.num_programs(0)
