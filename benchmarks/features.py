@@ -269,6 +269,14 @@ def _chunk_specs(sh, device, dtype):
     return case, specs, flops
 
 
+VARLEN_PAGE_SIZE = 16   # the paged varlen row's page size (FlashAttention's smallest usual)
+
+
+def _forward_only(exc, caught_warnings):
+    """A forward-only provider's fwd_bwd row: "unsupported", not a failure."""
+    return "forward only (paged KV cache)" if "forward-only" in str(exc) else None
+
+
 def _varlen_specs(sh, device, dtype):
     lens = mixed_lengths(sh["total"], sh["lo"], sh["hi"], sh["seed"])
     H, D, total, n, longest = sh["heads"], sh["head_dim"], sh["total"], len(lens), max(lens)
@@ -300,8 +308,8 @@ def _varlen_specs(sh, device, dtype):
                                       causal=True) for r in spans]
         return fwd, (qq, kk, vv)
 
-    def padded(x):
-        out = x.new_zeros(n, H, longest, D)
+    def padded(x, width=longest):
+        out = x.new_zeros(n, H, width, D)
         for i, r in enumerate(spans):
             out[i, :, :lens[i]] = x[r].transpose(0, 1)
         return out
@@ -316,9 +324,22 @@ def _varlen_specs(sh, device, dtype):
         qq, kk, vv = _leaf(q), _leaf(k), _leaf(v)
         return (lambda: [_torch_varlen(qq, kk, vv, cu, longest, None)]), (qq, kk, vv)
 
+    def paged_build():
+        # The same keys in shuffled pages (a serving cache), read in place through a block
+        # table: forward only, as FlashAttention's paged attention.
+        import kernels
+
+        width = -(-longest // VARLEN_PAGE_SIZE) * VARLEN_PAGE_SIZE
+        kp, vp, table = _paged_copy(*(padded(x, width) for x in (k, v)), VARLEN_PAGE_SIZE)
+        used_k, qq = torch.tensor(lens, dtype=torch.int32, device=device), _leaf(q)
+        return (lambda: [kernels.attention_varlen(qq, kp, vp, cu, None, longest, causal=True,
+                                                  block_table=table, seqused_k=used_k)]), (qq,)
+
     extra = dict(heads_kv=H, window=None, total_tokens=total, seqlens=list(lens))
     do_each = [do[r].transpose(0, 1).unsqueeze(0) for r in spans]
     specs = [_Spec("kernels_varlen", varlen_build, [do], extra=extra),
+             _Spec("kernels_varlen_paged", paged_build, [do], unsupported=_forward_only,
+                   extra=dict(extra, page_size=VARLEN_PAGE_SIZE)),
              _Spec("kernels_dense_each", dense_each_build, do_each, extra=extra),
              _Spec("kernels_dense_padded", dense_padded_build, [padded(do)], extra=extra),
              _Spec("torch_varlen", torch_varlen_build, [do], static=_torch_varlen_reason(device),
@@ -507,6 +528,9 @@ def _compare(feature, rows, device, sh):
             if mine is not None:
                 mine["tflops_vs_dense_padded"] = ratio(
                     mine, by.get(("kernels_dense_padded", mode)), "tflops")
+            paged = by.get(("kernels_varlen_paged", mode))
+            if paged is not None:   # the same call over shuffled pages: >= 0.9 is the aim
+                paged["tflops_paged_over_varlen"] = ratio(paged, mine, "tflops")
         if mine is None:
             continue
         mine[field] = value

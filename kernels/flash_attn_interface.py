@@ -399,7 +399,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             (the layout is ours too: passed as they are).
         cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) cumulative lengths.
         max_seqlen_q, max_seqlen_k: the longest sequences.
-        block_table: paged keys for varlen: NotImplementedError (use flash_attn_with_kvcache).
+        block_table: optional int32 (batch, max_blocks_per_seq): k, v are then paged,
+            (num_blocks, page_block_size, heads_k, head_dim) (any page size), sequence s's
+            keys its first cu_seqlens_k[s + 1] - cu_seqlens_k[s] positions, position j being
+            row j % page_block_size of page block_table[s, j // page_block_size]; forward only,
+            without dropout (``attention_varlen(..., block_table=)``).
         Others: as in ``flash_attn_func``; alibi_slopes may be (batch, heads).
 
     Returns:
@@ -408,16 +412,37 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         else shape (0,)).
     """
     _reject_fa3(fa3_kwargs)
-    if block_table is not None:
-        raise NotImplementedError("block_table in flash_attn_varlen_func is not supported: "
-                                  "paged caches go through flash_attn_with_kvcache")
-    _check(q, k, v, 3, "(total, heads, head_dim)")
+    paged = block_table is not None
+    if paged:
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4:
+                raise RuntimeError(f"{name} must be 4-D (num_blocks, page_block_size, heads_k, "
+                                   f"head_dim) with block_table (paged), got "
+                                   f"{tuple(getattr(t, 'shape', ()))}")
+        _check(q, k.flatten(0, 1), v.flatten(0, 1), 3, "(total, heads, head_dim)")
+    else:
+        _check(q, k, v, 3, "(total, heads, head_dim)")
     _index_tensor("cu_seqlens_q", cu_seqlens_q, q.device, (None,))
     _index_tensor("cu_seqlens_k", cu_seqlens_k, q.device, (cu_seqlens_q.numel(),))
     causal, window, mask_mod, mod_aux = _window_args(window_size, causal, q.device)
     kw = dict(causal=causal, softmax_scale=softmax_scale, window=window,
               softcap=_softcap(softcap), alibi_slopes=alibi_slopes, mask_mod=mask_mod,
               mod_aux=mod_aux)
+    if paged:
+        _index_tensor("block_table", block_table, q.device, (cu_seqlens_q.numel() - 1, None))
+        if dropout_p:
+            raise RuntimeError("dropout is not supported with a paged KV cache (block_table)")
+        if not torch.compiler.is_compiling():   # FlashAttention's guard, as in the kvcache call
+            lens = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+            capacity = block_table.shape[1] * k.shape[1]
+            longest = int(lens.max()) if lens.numel() else 0
+            if longest > capacity:
+                raise RuntimeError(f"paged KV cache: the longest key sequence ({longest}) "
+                                   f"exceeds the {capacity} positions block_table addresses")
+        out, lse = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, block_table=block_table, return_lse=True,
+                                    **kw)
+        return (out, lse, q.new_empty(0)) if return_attn_probs else out
     seed = _seed(dropout_p, return_attn_probs)
     out, lse = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                 dropout_p=dropout_p, seed=seed, return_lse=True, **kw)

@@ -622,7 +622,7 @@ ERRORS = [
      RuntimeError, "rotary_dim"),
     (lambda: flash_attn_varlen_func(*(t[0] for t in _dense_inputs()), _cu([5]), _cu([5]), 5, 5,
                                     block_table=torch.zeros(1, 1, dtype=torch.int32)),
-     NotImplementedError, "block_table"),
+     RuntimeError, "paged"),
 ]
 
 # The index arguments, checked by one rule as FlashAttention checks them: int32, on q's device,
@@ -744,3 +744,24 @@ def test_compiles_fullgraph():
     do = torch.ones_like(eager)
     for a, b in zip(_grads(compiled, (q, k, v), do), _grads(eager, (q, k, v), do)):
         assert torch.equal(a, b)
+
+
+def test_varlen_block_table():
+    """``flash_attn_varlen_func(..., block_table=)``: packed queries over shuffled pages give
+    the packed call's bits; a sequence longer than its pages raises RuntimeError naming
+    block_table, as FlashAttention's guard does."""
+    gen = torch.Generator().manual_seed(5)
+    lens_q, lens_k, page, hk = [1, 4], [6, 9], 4, 2
+    q = torch.randn(sum(lens_q), 4, 16, generator=gen).to(DEVICE)
+    pool = torch.randn(2, 7, page, hk, 16, generator=gen).to(DEVICE)   # k and v pages
+    table = torch.tensor([[5, 2, 0], [1, 6, 3]], dtype=torch.int32, device=DEVICE)
+    packed = [torch.cat([p[table[s].long()].reshape(-1, hk, 16)[:n] for s, n in
+                         enumerate(lens_k)]) for p in pool]
+    cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+    want = flash_attn_varlen_func(q, *packed, cu_q, cu_k, 4, 9, causal=True)
+    got = flash_attn_varlen_func(q, pool[0], pool[1], cu_q, cu_k, 4, 9, causal=True,
+                                 block_table=table)
+    assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="block_table"):
+        flash_attn_varlen_func(q, pool[0], pool[1], cu_q, _cu([6, 13]), 4, 13,
+                               block_table=table)
