@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="the fallback serves CPU
 @pytest.fixture
 def no_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setattr(ops, "_warned_fallback", True)
+    monkeypatch.setattr("kernels.core.backend._warned_fallback", True)
 
 
 @pytest.mark.parametrize("hq,hkv,q_len,k_len,causal,dtype,sdpa_path", [
