@@ -7,21 +7,14 @@
     python -m benchmarks host [OPTIONS]      the host's cost per call, ours vs PyTorch's
     python -m benchmarks gpu-check OUTDIR    the device script (benchmarks/gpu_check.sh)
 
-The sweep: (1) parity of ``kernels.attention`` (forward and gradients) against the float64
-oracle, a failure exits with status 1 before anything is timed; (2) the module rows
-(reference.MultiHeadAttention vs kernels.FusedMultiHeadAttention, a GPT training step without /
-with kernels.fuse_attention; ``--no-modules``); (3) the sweep over seq_len x mode x dtype x
-head_dim x dropout x provider, with the feature rows (features.py) right after its primary
-config, so that the time budget cuts the secondary configs first; opt-in: the book's models
-(``--book-models``); (4) ``<out-dir>/<date>-<gpu-or-cpu>.json`` and
-``.csv`` (rewritten after every point: a killed run leaves valid files with
-``meta.complete = false``), PNG plots, a terminal table.
-
-Where our kernel runs is decided here, not at import: without CUDA (or with ``--device cpu``)
-TRITON_INTERPRET=1 is set before ``kernels`` is first imported (Triton reads it when a kernel
-is decorated), and our calls then take the PyTorch fallback for CPU tensors, except the rows
-that ask for Triton's interpreter (``--interpreter``: a parity check at a tiny shape and the
-feature rows). CPU figures say nothing about GPU speed.
+The sweep: parity against the float64 oracle (a failure exits with status 1 before anything is
+timed), the module rows (``--no-modules``), then seq_len x mode x dtype x head_dim x dropout x
+provider with the feature rows right after the primary config (the time budget cuts the
+secondary configs first); ``<out-dir>/<date>-<gpu-or-cpu>.json`` / ``.csv`` are rewritten after
+every point (a killed run leaves valid files, ``meta.complete = false``), then plots and a table.
+Without CUDA, TRITON_INTERPRET=1 is set here, before ``kernels`` is imported: our calls take
+the PyTorch fallback, except the rows ``--interpreter`` asks for. CPU figures say nothing about
+GPU speed.
 """
 import argparse
 import contextlib

@@ -1,14 +1,9 @@
-"""Feature rows: grouped-query heads, a sliding window, chunked attention, packed
-variable-length sequences, a value head dim of its own (MLA), decoding against a KV cache
-(split-KV) and a transformers model (``hf``), each against what it should at least match.
-``--features`` picks them, ``--no-features`` skips them; they run right after the sweep's
-primary config (cli.py), and rows not started within the time budget say ``skipped: time
-budget``. Modes ``fwd`` and ``fwd_bwd`` (decode: ``fwd``), causal, the sweep's first dtype,
-measured like every other row (measure.py). Every row has ``sweep.ROW_KEYS``; what each
-provider is and the extra columns (``heads_kv``, ``window``, ``chunk_size``, ``head_dim_v``,
-the ratios, ``target`` / ``target_met``, the decode bandwidth fields) are in
-docs/performance.md. ``target_met`` is None on CPU, where the kernel runs in Triton's
-interpreter and the figures say nothing about GPU speed.
+"""Feature rows: grouped-query heads, a sliding window, chunked attention, packed sequences
+(also over a paged cache), a value head dim of its own (MLA), split-KV decoding and a
+transformers model (``hf``), each against what it should at least match; ``--features`` /
+``--no-features``; run right after the sweep's primary config. Modes ``fwd`` and ``fwd_bwd``
+(decode, paged: ``fwd``), causal, the sweep's first dtype, measured like every row (measure.py);
+the providers and extra columns are in docs/performance.md. ``target_met`` is None on CPU.
 """
 import random
 import time
@@ -272,11 +267,6 @@ def _chunk_specs(sh, device, dtype):
 VARLEN_PAGE_SIZE = 16   # the paged varlen row's page size (FlashAttention's smallest usual)
 
 
-def _forward_only(exc, caught_warnings):
-    """A forward-only provider's fwd_bwd row: "unsupported", not a failure."""
-    return "forward only (paged KV cache)" if "forward-only" in str(exc) else None
-
-
 def _varlen_specs(sh, device, dtype):
     lens = mixed_lengths(sh["total"], sh["lo"], sh["hi"], sh["seed"])
     H, D, total, n, longest = sh["heads"], sh["head_dim"], sh["total"], len(lens), max(lens)
@@ -338,8 +328,9 @@ def _varlen_specs(sh, device, dtype):
     extra = dict(heads_kv=H, window=None, total_tokens=total, seqlens=list(lens))
     do_each = [do[r].transpose(0, 1).unsqueeze(0) for r in spans]
     specs = [_Spec("kernels_varlen", varlen_build, [do], extra=extra),
-             _Spec("kernels_varlen_paged", paged_build, [do], unsupported=_forward_only,
-                   extra=dict(extra, page_size=VARLEN_PAGE_SIZE)),
+             _Spec("kernels_varlen_paged", paged_build, [do], extra=dict(
+                 extra, page_size=VARLEN_PAGE_SIZE), unsupported=lambda exc, _: (
+                 "forward only (paged KV cache)" if "forward-only" in str(exc) else None)),
              _Spec("kernels_dense_each", dense_each_build, do_each, extra=extra),
              _Spec("kernels_dense_padded", dense_padded_build, [padded(do)], extra=extra),
              _Spec("torch_varlen", torch_varlen_build, [do], static=_torch_varlen_reason(device),

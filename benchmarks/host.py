@@ -1,13 +1,11 @@
-"""Host cost of one call: the public API's Python per call, ours vs PyTorch's, on a real device.
+"""Host cost of one call: the public API's Python per call, ours vs PyTorch's, on a real device
+(``python -m benchmarks host [--device cuda] [--shape 1x1x16x16] [--budget 20]``).
 
-    python -m benchmarks host [--device cuda] [--shape 1x1x16x16] [--budget 20]
-
-At tiny shapes a GPU finishes each kernel long before the host has issued the next call, so the
-wall time of back-to-back calls over their number is the host's cost per call: batches of
-``--inner`` calls (one synchronisation each), all cases interleaved until ``--budget`` seconds;
-per case min, p20 and median in microseconds, and the p20 over its baseline's (SDPA's same call,
-the book's module). Without CUDA the rows say what a CPU user's call (the PyTorch fallback)
-costs; the GPU path's Python without a GPU: tools/host_overhead.py.
+At tiny shapes a GPU finishes each kernel long before the host issues the next call, so back-
+to-back calls time the host: batches of ``--inner`` calls (one synchronisation each), all cases
+interleaved until ``--budget`` s; per case min, p20 and median in us, and the p20 over its
+baseline's (SDPA's same call, the book's module; on CUDA also under torch.compile). Without CUDA
+the rows are a CPU user's call (the fallback); without a GPU: tools/host_overhead.py.
 """
 import argparse
 import os
@@ -22,7 +20,6 @@ import reference
 from .args import POSITIVE_FLOAT, POSITIVE_INT, dims
 from .measure import time_interleaved
 from .report import DEFAULT_OUT, REPO_DIR, collect_meta, results_stem, write_results
-
 
 
 def _cases(device, shape, dtype):
@@ -81,6 +78,13 @@ def _cases(device, shape, dtype):
         with torch.no_grad():
             kernels.attention_varlen(*packed, cu, cu, n + n // 2, n + n // 2)
     cases["attention_varlen fwd"] = (varlen, None)
+    if torch.device(device).type == "cuda":   # a torch.compile'd model's cost per call
+        for name, fn, kw in (("sdpa", sdpa, dict(is_causal=True)),
+                             ("attention", ours, dict(causal=True))):
+            graph = torch.compile(lambda q, k, v, fn=fn, kw=kw: fn(q, k, v, **kw))
+            base = None if name == "sdpa" else "sdpa compiled"
+            cases[f"{name} compiled fwd"] = (fwd(graph), base and f"{base} fwd")
+            cases[f"{name} compiled fwd+bwd"] = (fwd_bwd(graph), base and f"{base} fwd+bwd")
     return cases
 
 

@@ -1,18 +1,14 @@
-"""The one timing method of every benchmark: measure one callable in one mode (status, time
-quantiles, peak memory, first-call time), and :func:`time_interleaved` for ratios of several
-callables on a loaded machine.
+"""The one timing method of every benchmark: ``measure`` (one callable in one mode: status,
+time quantiles, peak memory, first-call time) and ``time_interleaved`` (ratios of several
+callables on a loaded machine).
 
-Protocol for every row: (1) ``make()`` builds the timed function (for ``bwd`` it runs the
-forward once, outside timing) and it is called once (warm-up: compilation, autotuning), its
-wall time ``first_call_s``; a failure there makes the row ``oom``, ``unsupported: <reason>``
-or ``error: <message>``. (2) Peak memory: on a GPU the function is rebuilt and called once
-more between ``reset_peak_memory_stats()`` and ``max_memory_allocated()``, minus what was
-allocated before (the inputs); on CPU the warm-up call's, from torch.profiler's allocator
-records on one thread (:class:`CpuPeakMemory`). (3) Timing: ``triton.testing.do_bench`` on a
-GPU (CUDA events, L2 flushed and ``.grad`` cleared before each call); on CPU at most
-``cpu_reps`` wall-clock runs, none started ``cpu_max_s`` seconds after the warm-up began.
-``gpu_wall_reps=N`` (calls of seconds, e.g. a generation loop): N wall-clock runs after the
-warm-up, each ended by a synchronize, the peak memory taken over them.
+Per row: ``make()`` builds the timed function and it is called once (compile, autotune; its
+wall time is ``first_call_s``; a failure makes the row ``oom``, ``unsupported: <reason>`` or
+``error: <message>``); peak memory on a GPU from a second call between
+``reset_peak_memory_stats()`` and ``max_memory_allocated()`` less the inputs, on CPU from the
+warm-up call's allocator records (:class:`CpuPeakMemory`); timing by ``triton.testing.do_bench``
+on a GPU (L2 flushed, ``.grad`` cleared), on CPU at most ``cpu_reps`` wall-clock runs within
+``cpu_max_s``; ``gpu_wall_reps=N``: N synchronised wall-clock runs (generation loops).
 """
 import contextlib
 import gc

@@ -1,16 +1,11 @@
-"""The attention implementations being compared ("providers"), all on identical inputs: causal
-attention (square, so PyTorch's top-left and our bottom-right alignment coincide), scale
-1/sqrt(head_dim), dropout ``p`` on the weights. ``kernels`` is ours (on CPU: the PyTorch
-fallback, or with ``--interpreter`` Triton's interpreter); ``reference`` the book's math in
-eager PyTorch (``reference_compiled`` under torch.compile); ``sdpa_*`` one SDPA backend each;
-``flex`` FlexAttention; ``triton_tutorial`` the Triton tutorial's kernel from ``--tutorial
-PATH`` (not in this repository). Each is described in docs/performance.md.
-
-On CPU, which implementation ``kernels.attention`` runs is decided at each call by
-TRITON_INTERPRET; the command sets it before importing ``kernels`` so that the interpreter
-stays available, and :func:`cpu_backend` picks one for a block of calls. A provider that cannot
-run a case gets the status ``unsupported: <reason>``: known up front
-(:meth:`Provider.static_reason`) or from the error its first call raises.
+"""The attention implementations being compared ("providers"), on identical inputs: causal
+(square, so PyTorch's top-left and our bottom-right alignment coincide), scale 1/sqrt(head_dim),
+dropout ``p``. ``kernels`` is ours; ``reference`` the book's math (``reference_compiled`` under
+torch.compile); ``sdpa_*`` one SDPA backend each; ``flex`` FlexAttention; ``triton_tutorial``
+the Triton tutorial's kernel from ``--tutorial PATH`` (docs/performance.md describes each). On
+CPU, TRITON_INTERPRET decides at each call what ``kernels.attention`` runs (:func:`cpu_backend`
+picks it for a block of calls). A provider that cannot run a case says ``unsupported:
+<reason>``, known up front (:meth:`Provider.static_reason`) or from its first call's error.
 """
 import contextlib
 import os

@@ -1,16 +1,11 @@
 """The attention sweep: every (dtype, head_dim, dropout) config x seq_len x provider x mode.
 
-Shapes follow the FlashAttention papers: a fixed token budget per point,
-``batch = max(1, tokens // seq_len)``, and a fixed hidden size, ``heads = hidden // head_dim``.
-
-Order (see :func:`plan_tasks`): the primary config (the first value given for each of --dtypes,
---head-dims and --dropout) with every provider; then the other configs, closest to the primary
-first, without the torch.compile providers; then those for the other configs. Within a config:
-seq_len ascending, then provider, then mode. When the time budget runs out, the rows not run are
-still written, with status ``skipped: time budget``, so that the results say what is missing.
-The rows returned are sorted by config, seq_len, provider and mode.
-A provider that runs out of memory at one seq_len is not run at larger ones in that config and
-mode (status ``skipped: oom at seq_len N``).
+Shapes follow the FlashAttention papers: ``batch = max(1, tokens // seq_len)`` at a fixed token
+budget, ``heads = hidden // head_dim`` at a fixed hidden size. Order (:func:`plan_tasks`): the
+primary config (the first of each of --dtypes, --head-dims, --dropout) with every provider, then
+the other configs, closest first, without the torch.compile providers, then those; within one,
+seq_len, provider, mode. Rows the time budget leaves out are written as ``skipped: time
+budget``; after an OOM a provider's larger seq_lens say ``skipped: oom at seq_len N``.
 """
 import itertools
 import time

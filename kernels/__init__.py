@@ -16,6 +16,7 @@ not install both in one environment.
 """
 from .ops import attention, attention_varlen, attention_with_kvcache
 from .pipeline import PlanCache, plans
+from .core.backend import FallbackNotice
 from .core.mods import ALIBI, SOFTCAP, MaskMod, ScoreMod
 from . import book, distributed, fuse, hf, modules, sdpa
 from .integrations.fuse import fuse_attention
@@ -26,7 +27,7 @@ from .integrations.modules import (
 )
 from . import flash_attn_interface  # FlashAttention 2's API on the functions above
 
-__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "plans", "PlanCache",
+__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "plans", "PlanCache", "FallbackNotice",
            "ScoreMod", "MaskMod",
            "SOFTCAP", "ALIBI", "FusedCausalAttention", "FusedMultiHeadAttentionWrapper",
            "FusedMultiHeadAttention", "fuse_attention", "book", "distributed", "fuse", "hf",

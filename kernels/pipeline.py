@@ -613,9 +613,9 @@ def _(q, k_cache, v_cache, cache_seqlens, k, v, block_table, alibi_slopes, sinks
 
 
 _KVCACHE_NO_BACKWARD = (
-    "kernels.attention_with_kvcache and attention_varlen with block_table are forward-only "
-    "(generation against a KV cache or its pages): they have no backward, and gradients cannot "
-    "flow through them. For training use kernels.attention (dense batches) or "
+    "kernels.attention_with_kvcache is forward-only, as is attention_varlen with block_table "
+    "(generation against a KV cache or its pages): no backward, and gradients cannot flow "
+    "through them. For training use kernels.attention (dense batches) or "
     "kernels.attention_varlen without block_table (packed sequences), which are "
     "differentiable; to generate with parameters that require grad, wrap the step in "
     "torch.no_grad() or torch.inference_mode().")

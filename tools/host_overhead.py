@@ -322,42 +322,14 @@ class Stub:
     """The stand-in Triton driver, fake compile, constant autotuner bench and launch counters."""
 
     def __init__(self, stub_dir, cache_dir):
-        import torch
-        import triton
-        from triton.backends.compiler import GPUTarget
         from triton.backends.nvidia.driver import CudaLauncher
         from triton.compiler.compiler import CompiledKernel
         from triton.runtime.autotuner import Autotuner
         from triton.runtime.jit import JITFunction
 
-        target = GPUTarget("cuda", TARGET_CC, 32)
-
-        class StubDriver:
-            """What JITFunction.run asks of triton.runtime.driver.active."""
-
-            def get_current_target(self):
-                return target
-
-            def get_current_device(self):
-                return 0
-
-            def set_current_device(self, device):
-                pass
-
-            def get_current_stream(self, device=None):
-                return 0
-
-            def get_active_torch_device(self):
-                return torch.device("cpu")
-
-            def get_device_interface(self):
-                return torch.cuda
-
-            def is_active(self):
-                return True
-
-        triton.runtime.driver.set_active(StubDriver())
-        torch.cuda.get_device_capability = lambda *a, **k: (TARGET_CC // 10, TARGET_CC % 10)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/stub_driver.py
+        import stub_driver
+        stub_driver.install(TARGET_CC)
 
         lib = ctypes.CDLL(os.path.join(stub_dir, "libcuda.so.1"))
         lib.host_overhead_stub_launches.restype = ctypes.c_long

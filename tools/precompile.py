@@ -292,36 +292,9 @@ _STUB = {"cc": None}
 def install_stub_driver(cc):
     """No GPU: a stand-in Triton driver answering target ``cuda:cc`` (compile only; the static
     tools' method, tools/sm90_static.py)."""
-    import torch
-    import triton
-    from triton.backends.compiler import GPUTarget
-
-    target = GPUTarget("cuda", cc, 32)
-
-    class StubDriver:
-        def get_current_target(self):
-            return target
-
-        def get_current_device(self):
-            return 0
-
-        def set_current_device(self, device):
-            pass
-
-        def get_current_stream(self, device=None):
-            return 0
-
-        def get_active_torch_device(self):
-            return torch.device("cpu")
-
-        def get_device_interface(self):
-            return torch.cuda
-
-        def is_active(self):
-            return True
-
-    triton.runtime.driver.set_active(StubDriver())
-    torch.cuda.get_device_capability = lambda *a, **k: (cc // 10, cc % 10)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/stub_driver.py
+    import stub_driver
+    stub_driver.install(cc)
     _STUB["cc"] = cc
 
 

@@ -126,39 +126,11 @@ def setup_triton(cache_dir, cc=90):
     ARCH = ARCHS[cc]
     os.environ["TRITON_CACHE_DIR"] = cache_dir
     os.environ.pop("TRITON_INTERPRET", None)
-    import torch
-    import triton
     from triton import knobs
-    from triton.backends.compiler import GPUTarget
 
-    target = GPUTarget("cuda", cc, 32)
-
-    class StubDriver:
-        """Just enough of triton.runtime.driver.active for compiling (never launching)."""
-
-        def get_current_target(self):
-            return target
-
-        def get_current_device(self):
-            return 0
-
-        def set_current_device(self, device):
-            pass
-
-        def get_current_stream(self, device=None):
-            return 0
-
-        def get_active_torch_device(self):
-            return torch.device("cpu")
-
-        def get_device_interface(self):
-            return torch.cuda
-
-        def is_active(self):
-            return True
-
-    triton.runtime.driver.set_active(StubDriver())
-    torch.cuda.get_device_capability = lambda *a, **k: (cc // 10, cc % 10)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/stub_driver.py
+    import stub_driver
+    target = stub_driver.install(cc)
 
     def hook(backend, stages, options, language, capability):
         orig = stages["cubin"]

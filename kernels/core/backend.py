@@ -29,6 +29,12 @@ from .forward import ForwardPlan
 from .kvcache import KVCachePlan, _unit_columns
 from .paged import paged_view
 
+class FallbackNotice(UserWarning):
+    """Said once per process when CPU tensors run the PyTorch fallback: information (the
+    results are the same), not a fault. Silence it with
+    ``warnings.filterwarnings("ignore", category=kernels.FallbackNotice)``."""
+
+
 _warned_fallback = False
 _warned_gpu = False
 # Frames of these files are ours or PyTorch's (custom-op dispatch, nn.Module calls, compiled
@@ -65,9 +71,10 @@ def _use_fallback(t):
         check_interpreter_setting()
     if device.type == "cpu" and not interpreter_active():
         if not _warned_fallback:
-            warnings.warn("kernels.attention: CPU tensors run a PyTorch fallback with the same "
-                          "semantics; the fused Triton kernel needs CUDA (or TRITON_INTERPRET=1 "
-                          "to run it in Triton's interpreter)", RuntimeWarning,
+            warnings.warn("kernels: note: CPU tensors run the PyTorch fallback, which computes "
+                          "the same attention (same results, same dropout mask); the fused "
+                          "Triton kernel runs on CUDA GPUs (or in Triton's interpreter with "
+                          "TRITON_INTERPRET=1). Said once per process.", FallbackNotice,
                           stacklevel=_caller_stacklevel())
             _warned_fallback = True
         return True

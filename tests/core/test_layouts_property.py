@@ -633,7 +633,7 @@ def test_fallback_warning_points_at_the_caller(via, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr("kernels.core.backend._warned_fallback", False)
     q = _randn((1, 2, 5, 8), F32)
-    with pytest.warns(RuntimeWarning, match="PyTorch fallback") as record:
+    with pytest.warns(kernels.FallbackNotice, match="PyTorch fallback") as record:
         if via == "attention":
             kernels.attention(q, q, q)
         elif via == "module":
