@@ -106,11 +106,11 @@ def _opt_sig(t):
 def _options_key(options, sinks, alibi_slopes, mod_aux):
     """The part of a key after its tensors: the options with their types (1 == True, but
     causal=1 is an error, causal=True is not) and the mods' tensors' signatures."""
-    return (options, tuple(x.__class__ for x in options), _opt_sig(sinks),
+    return (options, tuple(map(type, options)), _opt_sig(sinks),
             # (ALiBi slopes requiring grad are an error: checked when the plan is built)
             None if alibi_slopes is None else (*_signature(alibi_slopes),
                                                alibi_slopes.requires_grad),
-            tuple(_signature(t) for t in mod_aux))
+            tuple(map(_signature, mod_aux)) if mod_aux else ())
 
 
 def _keyable(*tensors):
@@ -174,7 +174,8 @@ def attention_plan(q, k, v, options, sinks=None, alibi_slopes=None, mod_aux=(), 
     """(plan, mods) of a call: the cached plan (mods None: the call's own tensors are used as
     they come) when the call can be keyed, else a resolved uncached one (it runs through the
     custom ops, whose bodies look up their own)."""
-    if _keyable(q, k, v):
+    if (q.__class__ is torch.Tensor and k.__class__ is torch.Tensor
+            and v.__class__ is torch.Tensor and not torch.compiler.is_compiling()):
         try:
             key = (_signature(q), _signature(k), _signature(v),
                    *_options_key(options, sinks, alibi_slopes, mod_aux),
@@ -240,7 +241,8 @@ def run_attention(plan, mods, q, k, v, seed, sinks, alibi_slopes, mod_aux, packe
     plan), with autograd when a gradient is wanted, else through the custom ops. lse may be
     None unless ``need_lse``."""
     cu = (None, None) if packed is None else packed[:2]
-    seed_t = seed_tensor(plan.dropout_p, seed, q.device)
+    seed_t = (_NO_SEED if seed is None and plan.dropout_p == 0.0
+              else seed_tensor(plan.dropout_p, seed, q.device))
     if mods is not None:   # not keyable: the custom ops (torch.compile, subclasses, torch.func)
         args = (q, k, v, *cu, *((-1, -1) if packed is None else packed[2:]), seed_t,
                 mods.alibi_slopes, mods.sinks)
@@ -251,7 +253,8 @@ def run_attention(plan, mods, q, k, v, seed, sinks, alibi_slopes, mod_aux, packe
             return _OpAttention.apply(*args, spec, aux_grad, *mods.aux)
         return _fwd_op(*args, list(mods.aux), spec)   # (Dynamo cannot trace the Function
         #                                               under no_grad)
-    call = with_tensors(plan.call, sinks, alibi_slopes, mod_aux)
+    call = (plan.call if sinks is None and alibi_slopes is None and not mod_aux
+            else with_tensors(plan.call, sinks, alibi_slopes, mod_aux))
     if torch.is_grad_enabled() and (
             q.requires_grad or k.requires_grad or v.requires_grad
             or sinks is not None and sinks.requires_grad
@@ -294,15 +297,16 @@ def _gradients(run_backward, do, q, k, v, out, lse, sinks, packed, want_sinks):
     """The one backward of both autograd routes: ``run_backward(do)`` -> ((dq, dk, dv),
     daux) (the plan's backward, directly or through the backward op), the sinks' gradient,
     and the double-backward guard. Returns (grads, dsinks, daux)."""
-    create_graph = torch.is_grad_enabled()   # on here only for create_graph=True
-    with torch.no_grad():
-        grads, daux = run_backward(do)
-        dsinks = None
-        if sinks is not None and want_sinks:
-            dsinks = sinks_grad(sinks, lse, do, out, packed=packed)
-    if create_graph:  # a later grad of these gradients must fail with a clear message
-        grads = _NoDoubleBackward.apply(tuple(grads), q, k, v, do)
-    return tuple(grads), dsinks, daux
+    if torch.is_grad_enabled():   # create_graph=True: no graph of these, and a clear error
+        with torch.no_grad():     # when one is asked for later
+            grads, dsinks, daux = _gradients(run_backward, do, q, k, v, out, lse, sinks,
+                                             packed, want_sinks)
+        return _NoDoubleBackward.apply(tuple(grads), q, k, v, do), dsinks, daux
+    grads, daux = run_backward(do)
+    dsinks = None
+    if sinks is not None and want_sinks:
+        dsinks = sinks_grad(sinks, lse, do, out, packed=packed)
+    return grads, dsinks, daux
 
 
 class _PlannedAttention(torch.autograd.Function):

@@ -124,7 +124,8 @@ class AttentionPlan:
         if _use_fallback(q) if route is None else route:
             # o None: the fallback's own buffer when its layout is new_out's (no copy)
             return fallback.forward(q, k, v, cu_q, cu_k, call.with_seed(seed_t), None)
-        q, k, v = unit_last(q), unit_last(k), unit_last(v)
+        if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+            q, k, v = unit_last(q), unit_last(k), unit_last(v)
         plan = self.fwd
         if plan is None:
             max_q, max_k = self.max_seqlens
@@ -157,7 +158,8 @@ class AttentionPlan:
         if _use_fallback(q) if route is None else route:
             return fallback.backward(do, q, k, v, o, lse, cu_q, cu_k, call.with_seed(seed_t),
                                      *(into or (None, None, None)), daux=daux)
-        q, k, v = unit_last(q), unit_last(k), unit_last(v)
+        if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+            q, k, v = unit_last(q), unit_last(k), unit_last(v)
         if own_output:   # the forward's own output: one layout for the signature
             key = (do.stride(), do.data_ptr() % 16 == 0, daux is not None)
         else:            # an integration's (out, lse) may come from elsewhere
