@@ -18,6 +18,7 @@
 """
 import collections
 import threading
+import warnings
 from typing import Optional
 
 import torch
@@ -250,6 +251,8 @@ def run_attention(plan, mods, q, k, v, seed, sinks, alibi_slopes, mod_aux, packe
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                            for t in (q, k, v, mods.sinks, *mods.aux)):
             aux_grad = aux_grad_mask(mods.score_mod, mods.aux) if mods.aux else ()
+            if k is q or v is q or v is k:   # Dynamo refuses a Function given one tensor twice
+                args = (q, k.view_as(k), v.view_as(v), *args[3:])
             return _OpAttention.apply(*args, spec, aux_grad, *mods.aux)
         return _fwd_op(*args, list(mods.aux), spec)   # (Dynamo cannot trace the Function
         #                                               under no_grad)
@@ -359,14 +362,21 @@ def _op_plan(q, k, v, cu_q, cu_k, max_q, max_k, alibi_slopes, sinks, mod_aux, sp
 # ``_OpAttention``, an ``autograd.Function`` around the op, which torch.compile traces into the
 # graph (its forward and backward are the ops) and torch.func transforms (with the ops' vmap
 # rules below).
-_LIB = torch.library.Library("fused_attention", "DEF")
-_LIB.define("fwd(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
-            "SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor seed, Tensor? alibi_slopes, "
-            "Tensor? sinks, Tensor[] mod_aux, str spec) -> (Tensor, Tensor)")
-_LIB.define("bwd(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, "
-            "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, SymInt max_seqlen_q, "
-            "SymInt max_seqlen_k, Tensor seed, Tensor? alibi_slopes, Tensor? sinks, "
-            "Tensor[] mod_aux, str spec, bool[] aux_grad, bool own_output) -> Tensor[]")
+_LIB = torch.library.Library("fused_attention", "FRAGMENT")
+
+
+def _define(name, schema, impl, fake):
+    """``fused_attention::<name>`` with its CPU and CUDA kernel and its fake; defined once per
+    process: a re-executed module (a reload, a tool re-importing the package) registers its
+    functions over the old ones. Returns the op."""
+    if not hasattr(torch.ops.fused_attention, name):
+        _LIB.define(name + schema)
+    with warnings.catch_warnings():   # "Overriding a previously registered kernel" (re-import)
+        warnings.simplefilter("ignore", UserWarning)
+        for key in ("CPU", "CUDA"):
+            _LIB.impl(name, impl, key)
+        torch.library.register_fake(f"fused_attention::{name}", fake, lib=_LIB)
+    return getattr(torch.ops.fused_attention, name).default
 
 
 def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seed,
@@ -410,12 +420,15 @@ def _bwd_fake(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
               else q.new_empty(0, dtype=torch.float32) for t, g in zip(mod_aux, aux_grad))]
 
 
-for _name, _impl, _fake in (("fwd", _fwd_impl, _fwd_fake), ("bwd", _bwd_impl, _bwd_fake)):
-    for _key in ("CPU", "CUDA"):
-        _LIB.impl(_name, _impl, _key)
-    torch.library.register_fake(f"fused_attention::{_name}", _fake, lib=_LIB)
-_fwd_op = torch.ops.fused_attention.fwd.default
-_bwd_op = torch.ops.fused_attention.bwd.default
+_fwd_op = _define("fwd", "(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, "
+                  "Tensor? cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor seed, "
+                  "Tensor? alibi_slopes, Tensor? sinks, Tensor[] mod_aux, str spec) "
+                  "-> (Tensor, Tensor)", _fwd_impl, _fwd_fake)
+_bwd_op = _define("bwd", "(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, "
+                  "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, SymInt max_seqlen_q, "
+                  "SymInt max_seqlen_k, Tensor seed, Tensor? alibi_slopes, Tensor? sinks, "
+                  "Tensor[] mod_aux, str spec, bool[] aux_grad, bool own_output) -> Tensor[]",
+                  _bwd_impl, _bwd_fake)
 
 
 class _OpAttention(torch.autograd.Function):
@@ -716,11 +729,6 @@ def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, seqused_k, blo
     return _varlen_paged_op(*args)
 
 
-_LIB.define("varlen_paged(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, "
-            "Tensor seqused_k, Tensor block_table, SymInt max_seqlen_q, Tensor? alibi_slopes, "
-            "Tensor? sinks, Tensor[] mod_aux, str spec) -> (Tensor, Tensor)")
-
-
 def _varlen_paged_impl(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table,
                        max_seqlen_q, alibi_slopes, sinks, mod_aux, spec):
     key = ("paged-varlen-op", spec, max_seqlen_q, *(_opt_sig(t) for t in (
@@ -742,10 +750,11 @@ def _varlen_paged_fake(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table
     return new_out(q, v_cache.shape[-1]), q.new_empty(lse_shape(q, True), dtype=torch.float32)
 
 
-for _key in ("CPU", "CUDA"):
-    _LIB.impl("varlen_paged", _varlen_paged_impl, _key)
-torch.library.register_fake("fused_attention::varlen_paged", _varlen_paged_fake, lib=_LIB)
-_varlen_paged_op = torch.ops.fused_attention.varlen_paged.default
+_varlen_paged_op = _define(
+    "varlen_paged", "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, "
+    "Tensor seqused_k, Tensor block_table, SymInt max_seqlen_q, Tensor? alibi_slopes, "
+    "Tensor? sinks, Tensor[] mod_aux, str spec) -> (Tensor, Tensor)", _varlen_paged_impl,
+    _varlen_paged_fake)
 
 
 # --------------------------------------------------------------------------------------------

@@ -152,3 +152,34 @@ def test_func_vmap_refuses_what_it_cannot_map():
     cu = torch.tensor([0, 3, 7], dtype=torch.int32, device=DEVICE)
     with pytest.raises(NotImplementedError, match="vmap over kernels.attention"):
         torch.func.vmap(lambda q: kernels.attention_varlen(q, q, q, cu, cu))(q)
+
+
+def test_compiled_self_attention_one_tensor():
+    """q, k and v one tensor (Dynamo refuses an autograd.Function given a tensor twice): the
+    compiled call gives the eager result and gradient."""
+    x = torch.randn(1, 2, 9, 16, device=DEVICE, requires_grad=True)
+    eager = kernels.attention(x, x, x)
+    (grad,) = torch.autograd.grad(eager.sum(), x)
+    f = torch.compile(lambda x: kernels.attention(x, x, x), fullgraph=True,
+                      backend="aot_eager" if DEVICE == "cpu" else "inductor")
+    out = f(x)
+    torch.testing.assert_close(out, eager)
+    torch.testing.assert_close(torch.autograd.grad(out.sum(), x)[0], grad)
+
+
+def test_reimport_keeps_the_ops():
+    """A second import of the package (a reload, a tool that re-imports it) registers its ops
+    again over the first ones instead of failing."""
+    code = ("import sys, torch, kernels\n"
+            "q = torch.randn(1, 1, 5, 8)\n"
+            "a = kernels.attention(q, q, q)\n"
+            "for n in [m for m in sys.modules if m.split('.')[0] == 'kernels']:\n"
+            "    del sys.modules[n]\n"
+            "import kernels\n"
+            "assert torch.equal(kernels.attention(q, q, q), a)\n"
+            "print('ok')\n")
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
