@@ -345,13 +345,17 @@ class _PlannedAttention(torch.autograd.Function):
 def _op_plan(q, k, v, cu_q, cu_k, max_q, max_k, alibi_slopes, sinks, mod_aux, spec):
     """The plan of a custom op's call (validated when the public function traced or called
     it), from the plan cache; (plan, its call with this call's tensors)."""
-    key = ("op", spec, _signature(q), _signature(k), _signature(v), _opt_sig(cu_q),
-           _opt_sig(cu_k), max_q, max_k, _opt_sig(alibi_slopes), _opt_sig(sinks),
-           tuple(_signature(t) for t in mod_aux))
+    key = ("op", spec, _signature(q), _signature(k), _signature(v), max_q, max_k,
+           None if cu_q is None else (_signature(cu_q), _signature(cu_k)),
+           None if alibi_slopes is None else _signature(alibi_slopes),
+           None if sinks is None else _signature(sinks),
+           tuple(map(_signature, mod_aux)) if mod_aux else ())
     plan = plans.get(key)
     if plan is None:
         call, num_splits = parse_spec(spec)
         plan = plans.put(key, AttentionPlan(call, num_splits, (max_q, max_k)))
+    if sinks is None and alibi_slopes is None and not mod_aux:
+        return plan, plan.call
     return plan, with_tensors(plan.call, sinks, alibi_slopes, mod_aux)
 
 
