@@ -114,6 +114,17 @@ class AttentionPlan:
         self.dropout_p = call.dropout_p
         self.fwd = None
         self.bwd = {}
+        self.cuda_route = None
+
+    def route(self, q):
+        """``_use_fallback(q)``: decided once per plan on a GPU (a plan is for one device),
+        per call on the CPU (TRITON_INTERPRET is read at each call)."""
+        route = self.cuda_route
+        if route is None or not q.is_cuda:
+            route = _use_fallback(q)
+            if q.is_cuda:
+                self.cuda_route = route
+        return route
 
     def forward(self, q, k, v, seed_t, call, cu_q=None, cu_k=None, route=None):
         """(out, lse) for this call's tensors; ``call``: the plan's with this call's mods'
@@ -121,7 +132,7 @@ class AttentionPlan:
         if q.shape[1] == 0:  # no query heads: an empty problem, like batch = 0
             return new_out(q, v.shape[-1]), q.new_empty(lse_shape(q, cu_q is not None),
                                                          dtype=torch.float32)
-        if _use_fallback(q) if route is None else route:
+        if self.route(q) if route is None else route:
             # o None: the fallback's own buffer when its layout is new_out's (no copy)
             return fallback.forward(q, k, v, cu_q, cu_k, call.with_seed(seed_t), None)
         if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
@@ -140,7 +151,7 @@ class AttentionPlan:
         (``_use_fallback``) its backward follows, and, where the fallback serves the call with
         a few differentiable aten ops (``fallback.forward_recorded``), their result, whose
         backward autograd records (lse None unless ``need_lse``)."""
-        route = _use_fallback(q)
+        route = self.route(q)
         if route and not packed and q.numel() and k.numel() and v.numel():
             return route, fallback.forward_recorded(unit_last(q), unit_last(k), unit_last(v),
                                                     call.with_seed(seed_t), need_lse=need_lse)
@@ -155,7 +166,7 @@ class AttentionPlan:
         if q.shape[1] == 0:  # no query heads: nothing reads k or v, whose gradients are 0
             return new_like(q), new_like(k).zero_(), new_like(v).zero_()
         do = unit_last(do)
-        if _use_fallback(q) if route is None else route:
+        if self.route(q) if route is None else route:
             return fallback.backward(do, q, k, v, o, lse, cu_q, cu_k, call.with_seed(seed_t),
                                      *(into or (None, None, None)), daux=daux)
         if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
