@@ -610,15 +610,12 @@ def run_kvcache(runner, mods, q, k_cache, v_cache, cache_seqlens, k, v, block_ta
     return _kvcache_op(*args)
 
 
-@torch.library.custom_op("fused_attention::kvcache", mutates_args=("k_cache", "v_cache"))
-def _kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                cache_seqlens: torch.Tensor, k: Optional[torch.Tensor],
-                v: Optional[torch.Tensor], block_table: Optional[torch.Tensor],
-                alibi_slopes: Optional[torch.Tensor], sinks: Optional[torch.Tensor],
-                mod_aux: list[torch.Tensor], spec: str) -> tuple[torch.Tensor, torch.Tensor]:
-    key = ("kvcache-op", spec, *(_opt_sig(t) for t in (q, k_cache, v_cache, cache_seqlens, k,
-                                                        v, block_table, alibi_slopes, sinks)),
-           tuple(_signature(t) for t in mod_aux))
+def _kvcache_impl(q, k_cache, v_cache, cache_seqlens, k, v, block_table, alibi_slopes, sinks,
+                  mod_aux, spec):
+    """``fused_attention::kvcache``: append (k, v) into the caches (in place), then attend."""
+    key = ("kvcache-op", spec, *(None if t is None else _signature(t) for t in (
+        q, k_cache, v_cache, cache_seqlens, k, v, block_table, alibi_slopes, sinks)),
+        tuple(map(_signature, mod_aux)) if mod_aux else ())
     runner = plans.get(key)
     if runner is None:
         call, num_splits = parse_spec(spec)
@@ -627,10 +624,15 @@ def _kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return runner(q, k_cache, v_cache, cache_seqlens, k, v, call, block_table)
 
 
-@_kvcache_op.register_fake
-def _(q, k_cache, v_cache, cache_seqlens, k, v, block_table, alibi_slopes, sinks, mod_aux,
-      spec):
+def _kvcache_fake(q, k_cache, v_cache, cache_seqlens, k, v, block_table, alibi_slopes, sinks,
+                  mod_aux, spec):
     return new_out(q, v_cache.shape[-1]), q.new_empty(tuple(q.shape[:3]), dtype=torch.float32)
+
+
+_kvcache_op = _define(
+    "kvcache", "(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, "
+    "Tensor? k, Tensor? v, Tensor? block_table, Tensor? alibi_slopes, Tensor? sinks, "
+    "Tensor[] mod_aux, str spec) -> (Tensor, Tensor)", _kvcache_impl, _kvcache_fake)
 
 
 _KVCACHE_NO_BACKWARD = (
