@@ -19,7 +19,6 @@
 import collections
 import threading
 import warnings
-from typing import Optional
 
 import torch
 
