@@ -5,8 +5,6 @@ Each is one line of the pipeline (kernels/pipeline.py): resolve the call (valida
 signature) → its cached plan → run it. The plan cache is ``kernels.plans``
 (``kernels.plans.stats()``, ``kernels.plans.clear()``); docs/layout.md draws the layers.
 """
-import torch
-
 from .core import fallback
 from .core.call import default_softmax_scale  # noqa: F401  (re-exported for integrations)
 from .core.backend import _use_fallback  # noqa: F401  (the backend decision; tools patch it)
@@ -14,7 +12,6 @@ from .pipeline import (SEED_LIMIT, attention_plan, check_arguments, check_grad_s
                        integration_backward, integration_forward, integration_plan,
                        kvcache_runner, paged_varlen, plans, run_attention, run_kvcache,
                        _packed)
-
 
 
 def attention(q, k, v, *, causal=True, dropout_p=0.0, softmax_scale=None, seed=None,
@@ -193,13 +190,10 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     if seqused_k is not None:
         raise ValueError("seqused_k goes with block_table (key counts of a paged cache); "
                          "packed k, v take their lengths from cu_seqlens_k")
-    packed = None
-    if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() == k.dim() == 3:
-        packed = _packed(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k)
+    packed = _packed(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k)
     options = (causal, dropout_p, softmax_scale, window, 0, softcap, chunk_size, score_mod,
                mask_mod, None)
-    plan, mods = attention_plan(q, k, v, options, sinks, alibi_slopes, mod_aux,
-                                packed or (cu_seqlens_q, cu_seqlens_k, -1, -1))
+    plan, mods = attention_plan(q, k, v, options, sinks, alibi_slopes, mod_aux, packed)
     out, lse = run_attention(plan, mods, q, k, v, seed, sinks, alibi_slopes, mod_aux, packed)
     return (out, lse) if return_lse else out
 

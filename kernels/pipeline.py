@@ -25,7 +25,7 @@ import torch
 from .core.backend import AttentionPlan, KVCacheRunner, PagedVarlenRunner
 from .core.call import (AttentionCall, call_spec, default_softmax_scale, lse_shape, new_like,
                         new_out, parse_spec, with_tensors, without_tensors)
-from .core.mods import NO_MODS, aux_grad_buffers, aux_grad_mask, sinks_grad
+from .core.mods import aux_grad_buffers, aux_grad_mask, sinks_grad
 from .validation import (SEED_LIMIT, check_cache_lengths, check_cu_seqlens, check_drop_layout,
                          check_kvcache, check_mods, check_num_splits, check_paged_varlen,
                          check_seed, validate_attention)
@@ -62,6 +62,11 @@ class PlanCache:
                 self.hits += 1
                 self._plans.move_to_end(key)
             return plan
+
+    def get_or_build(self, key, build):
+        """The plan of ``key``, or ``build()``'s, kept under ``key``."""
+        plan = self.get(key)
+        return self.put(key, build()) if plan is None else plan
 
     def put(self, key, plan):
         with self._lock:
@@ -154,18 +159,18 @@ def resolve_attention(q, k, v, options, sinks, alibi_slopes, mod_aux, packed=Non
 def check_arguments(q, k, v, causal, dropout_p, softmax_scale, seed):
     """Validate a dense call as ``attention`` would (raises the same errors) without running
     it; returns causal as a bool. For integrations that check before a collective."""
-    if seed is not None:
-        check_seed(seed)
     plan, _ = resolve_attention(q, k, v, (causal, dropout_p, softmax_scale, None, 0, None, None,
-                                          None, None, None), None, None, ())
+                                          None, None, None), None, None, (), seed=seed)
     return plan.call.causal
 
 
 def _packed(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k):
     """(cu_q, cu_k, max_q, max_k) of a packed call, checked (the lengths are read on the host
-    once per cu_seqlens tensor: they size the plan's grid, which is part of its key)."""
-    if cu_seqlens_q is None:
-        return None
+    once per cu_seqlens tensor: they size the plan's grid, which is part of its key); unchecked
+    (max -1) when q, k are no 3-D tensors: ``resolve_attention`` then says what is wrong."""
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+            and q.dim() == k.dim() == 3):
+        return cu_seqlens_q, cu_seqlens_k, -1, -1
     return (cu_seqlens_q, cu_seqlens_k,
             *check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k))
 
@@ -174,8 +179,7 @@ def attention_plan(q, k, v, options, sinks=None, alibi_slopes=None, mod_aux=(), 
     """(plan, mods) of a call: the cached plan (mods None: the call's own tensors are used as
     they come) when the call can be keyed, else a resolved uncached one (it runs through the
     custom ops, whose bodies look up their own)."""
-    if (q.__class__ is torch.Tensor and k.__class__ is torch.Tensor
-            and v.__class__ is torch.Tensor and not torch.compiler.is_compiling()):
+    if _keyable(q, k, v):
         try:
             key = (_signature(q), _signature(k), _signature(v),
                    *_options_key(options, sinks, alibi_slopes, mod_aux),
@@ -184,12 +188,8 @@ def attention_plan(q, k, v, options, sinks=None, alibi_slopes=None, mod_aux=(), 
         except (TypeError, AttributeError, RuntimeError):   # not tensors, or no storage
             key = None
         if key is not None:
-            plan = plans.get(key)
-            if plan is None:
-                plan, _ = resolve_attention(q, k, v, options, sinks, alibi_slopes, mod_aux,
-                                            packed)
-                plans.put(key, plan)
-            return plan, None
+            return plans.get_or_build(key, lambda: resolve_attention(
+                q, k, v, options, sinks, alibi_slopes, mod_aux, packed)[0]), None
     return resolve_attention(q, k, v, options, sinks, alibi_slopes, mod_aux, packed)
 
 
@@ -255,8 +255,7 @@ def run_attention(plan, mods, q, k, v, seed, sinks, alibi_slopes, mod_aux, packe
             return _OpAttention.apply(*args, spec, aux_grad, *mods.aux)
         return _fwd_op(*args, list(mods.aux), spec)   # (Dynamo cannot trace the Function
         #                                               under no_grad)
-    call = (plan.call if sinks is None and alibi_slopes is None and not mod_aux
-            else with_tensors(plan.call, sinks, alibi_slopes, mod_aux))
+    call = with_tensors(plan.call, sinks, alibi_slopes, mod_aux)
     if torch.is_grad_enabled() and (
             q.requires_grad or k.requires_grad or v.requires_grad
             or sinks is not None and sinks.requires_grad
@@ -341,21 +340,34 @@ class _PlannedAttention(torch.autograd.Function):
                 *(d if w else None for d, w in zip(daux or [None] * len(aux), ctx.aux_grad)))
 
 
-def _op_plan(q, k, v, cu_q, cu_k, max_q, max_k, alibi_slopes, sinks, mod_aux, spec):
-    """The plan of a custom op's call (validated when the public function traced or called
-    it), from the plan cache; (plan, its call with this call's tensors)."""
-    key = ("op", spec, _signature(q), _signature(k), _signature(v), max_q, max_k,
-           None if cu_q is None else (_signature(cu_q), _signature(cu_k)),
+def _op_plan(kind, spec, ints, tensors, sinks, alibi_slopes, mod_aux, make):
+    """The plan or runner of a custom op's call (validated when the public function traced or
+    called it): from the plan cache by ``kind``, ``spec``, ``ints`` and the signatures of
+    ``tensors`` (None where absent), sinks, slopes and mod_aux, else ``make(call,
+    num_splits)`` of ``spec``; (it, its call with this call's tensors)."""
+    key = (kind, spec, ints, *(None if t is None else _signature(t) for t in tensors),
            None if alibi_slopes is None else _signature(alibi_slopes),
            None if sinks is None else _signature(sinks),
            tuple(map(_signature, mod_aux)) if mod_aux else ())
-    plan = plans.get(key)
-    if plan is None:
-        call, num_splits = parse_spec(spec)
-        plan = plans.put(key, AttentionPlan(call, num_splits, (max_q, max_k)))
-    if sinks is None and alibi_slopes is None and not mod_aux:
-        return plan, plan.call
+    plan = plans.get_or_build(key, lambda: make(*parse_spec(spec)))
     return plan, with_tensors(plan.call, sinks, alibi_slopes, mod_aux)
+
+
+def _in_fake_layout(out, q, head_dim_v):
+    """``out`` in the fake's layout (``new_out(q, ...)``): the kernels' output has it but for a
+    q without a unit last stride, which they read through a copy."""
+    if q.stride(-1) != 1:
+        expected = new_out(q, head_dim_v)
+        if out.stride() != expected.stride():
+            return expected.copy_(out)
+    return out
+
+
+def _attention_op_plan(q, k, v, cu_q, cu_k, max_q, max_k, alibi_slopes, sinks, mod_aux, spec):
+    """``_op_plan`` of ``fused_attention::fwd`` / ``bwd``: an ``AttentionPlan``."""
+    return _op_plan("op", spec, (max_q, max_k), (q, k, v, cu_q, cu_k), sinks, alibi_slopes,
+                    mod_aux, lambda call, num_splits: AttentionPlan(call, num_splits,
+                                                                    (max_q, max_k)))
 
 
 # The ops are defined with ``torch.library.Library`` (CPU and CUDA kernels, fakes for tracing)
@@ -385,14 +397,10 @@ def _define(name, schema, impl, fake):
 def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seed,
               alibi_slopes, sinks, mod_aux, spec):
     """``fused_attention::fwd``: (out, lse) of the call ``spec`` (``call_spec``) describes."""
-    plan, call = _op_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                          alibi_slopes, sinks, mod_aux, spec)
+    plan, call = _attention_op_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, alibi_slopes, sinks, mod_aux, spec)
     out, lse = plan.forward(q, k, v, seed, call, cu_seqlens_q, cu_seqlens_k)
-    if q.stride(-1) != 1:   # the fake's layout (the kernels' output has it for such a q)
-        expected = new_out(q, v.shape[-1])
-        if out.stride() != expected.stride():
-            out = expected.copy_(out)
-    return out, lse
+    return _in_fake_layout(out, q, v.shape[-1]), lse
 
 
 def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seed,
@@ -406,8 +414,8 @@ def _bwd_impl(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     """``fused_attention::bwd``: [dq, dk, dv, d(mod_aux[0]), ...] of ``fwd``'s call, the aux
     gradients fp32 where ``aux_grad`` is set, empty elsewhere. ``own_output``: o and lse are
     the forward's (an integration may pass another call's)."""
-    plan, call = _op_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                          alibi_slopes, sinks, mod_aux, spec)
+    plan, call = _attention_op_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, alibi_slopes, sinks, mod_aux, spec)
     daux = aux_grad_buffers(call.mods.score_mod, mod_aux) if any(aux_grad) else None
     grads = plan.backward(do, q, k, v, o, lse, seed, call, cu_seqlens_q, cu_seqlens_k,
                           daux=daux, own_output=own_output,
@@ -448,7 +456,8 @@ class _OpAttention(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, cu_q, cu_k, max_q, max_k, seed, alibi_slopes, sinks, spec, aux_grad, *aux = inputs
+        (q, k, v, cu_q, cu_k, max_q, max_k, seed, alibi_slopes, sinks, spec, aux_grad,
+         *aux) = inputs
         out, lse = output
         ctx.save_for_backward(q, k, v, out, lse, seed, cu_q, cu_k, alibi_slopes, sinks, *aux)
         ctx.mark_non_differentiable(lse)
@@ -578,12 +587,9 @@ def kvcache_runner(q, k_cache, v_cache, cache_seqlens, k, v, block_table, option
         except (TypeError, AttributeError, RuntimeError):
             key = None
         if key is not None:
-            runner = plans.get(key)
-            if runner is None:
-                runner, _ = resolve_kvcache(q, k_cache, v_cache, cache_seqlens, k, v,
-                                            block_table, options, sinks, alibi_slopes, mod_aux)
-                plans.put(key, runner)
-            return runner, None
+            return plans.get_or_build(key, lambda: resolve_kvcache(
+                q, k_cache, v_cache, cache_seqlens, k, v, block_table, options, sinks,
+                alibi_slopes, mod_aux)[0]), None
     return resolve_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, options,
                            sinks, alibi_slopes, mod_aux)
 
@@ -612,14 +618,9 @@ def run_kvcache(runner, mods, q, k_cache, v_cache, cache_seqlens, k, v, block_ta
 def _kvcache_impl(q, k_cache, v_cache, cache_seqlens, k, v, block_table, alibi_slopes, sinks,
                   mod_aux, spec):
     """``fused_attention::kvcache``: append (k, v) into the caches (in place), then attend."""
-    key = ("kvcache-op", spec, *(None if t is None else _signature(t) for t in (
-        q, k_cache, v_cache, cache_seqlens, k, v, block_table, alibi_slopes, sinks)),
-        tuple(map(_signature, mod_aux)) if mod_aux else ())
-    runner = plans.get(key)
-    if runner is None:
-        call, num_splits = parse_spec(spec)
-        runner = plans.put(key, KVCacheRunner(call, num_splits))
-    call = with_tensors(runner.call, sinks, alibi_slopes, mod_aux)
+    runner, call = _op_plan("kvcache-op", spec, (), (q, k_cache, v_cache, cache_seqlens, k, v,
+                                                     block_table), sinks, alibi_slopes, mod_aux,
+                            KVCacheRunner)
     return runner(q, k_cache, v_cache, cache_seqlens, k, v, call, block_table)
 
 
@@ -658,8 +659,9 @@ def _(grad, inputs):
 
 class _ForwardOnly(torch.autograd.Function):
     """Attaches (out, lse) of a forward-only op (KV cache, paged packed sequences) to the
-    inputs that require grad, with a backward that says the op is forward-only (a mutating custom op cannot register an autograd formula;
-    PyTorch's own error would only say that none was registered)."""
+    inputs that require grad, with a backward that says the op is forward-only (a mutating op
+    cannot have an autograd formula; PyTorch's own error would only say that none was
+    registered)."""
 
     @staticmethod
     def forward(ctx, out, lse, *inputs):
@@ -697,7 +699,7 @@ def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, seqused_k, blo
         except (TypeError, AttributeError, RuntimeError, ValueError, IndexError):
             key = None   # the checks below say what is wrong
     runner = None if key is None else plans.get(key)
-    if runner is None:
+    if runner is None:   # (a miss reads cu_seqlens_q's host values again: cached per tensor)
         causal, max_q, _ = check_paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k,
                                               seqused_k, block_table, max_seqlen_q, causal,
                                               dropout_p, softmax_scale, window)
@@ -736,18 +738,12 @@ def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, seqused_k, blo
 
 def _varlen_paged_impl(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table,
                        max_seqlen_q, alibi_slopes, sinks, mod_aux, spec):
-    key = ("paged-varlen-op", spec, max_seqlen_q, *(_opt_sig(t) for t in (
-        q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, alibi_slopes, sinks)),
-        tuple(_signature(t) for t in mod_aux))
-    runner = plans.get(key)
-    if runner is None:
-        call, num_splits = parse_spec(spec)
-        runner = plans.put(key, PagedVarlenRunner(call, num_splits, max_seqlen_q))
-    call = with_tensors(runner.call, sinks, alibi_slopes, mod_aux)
+    runner, call = _op_plan(
+        "paged-varlen-op", spec, max_seqlen_q, (q, k_cache, v_cache, cu_seqlens_q, seqused_k,
+                                                block_table), sinks, alibi_slopes, mod_aux,
+        lambda call, num_splits: PagedVarlenRunner(call, num_splits, max_seqlen_q))
     out, lse = runner(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, call)
-    if q.stride(-1) != 1:   # the fake's layout
-        out = new_out(q, v_cache.shape[-1]).copy_(out)
-    return out, lse
+    return _in_fake_layout(out, q, v_cache.shape[-1]), lse
 
 
 def _varlen_paged_fake(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table,
@@ -771,13 +767,8 @@ def integration_plan(q, k, v, causal, dropout_p, softmax_scale, window, cu_seqle
     ``attention_plan`` (``seed``: an int, or a one-element int64 tensor on the device)."""
     options = (causal, dropout_p, softmax_scale, window, 0, None, None, None, None,
                None if drop_layout is None else tuple(drop_layout))
-    packed = None
-    if cu_seqlens_q is not None:
-        if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
-                and q.dim() == k.dim() == 3):   # the checks say what is wrong
-            resolve_attention(q, k, v, options, None, None, (),
-                              (cu_seqlens_q, cu_seqlens_k, -1, -1))
-        packed = _packed(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k)
+    packed = None if cu_seqlens_q is None else _packed(cu_seqlens_q, cu_seqlens_k, q, k,
+                                                         max_seqlen_q, max_seqlen_k)
     plan, mods = attention_plan(q, k, v, options, packed=packed)
     return plan, mods, packed, seed_tensor(plan.dropout_p, seed, q.device)
 
@@ -810,4 +801,4 @@ def integration_backward(plan, mods, packed, seed_t, do, q, k, v, out, lse):
         return plan.backward(do, q, k, v, out, lse, seed_t, plan.call, *cu)
 
 
-__all__ = ["plans", "PlanCache", "NO_MODS"]
+__all__ = ["plans", "PlanCache"]

@@ -278,15 +278,18 @@ def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_
 _PAGED_LAYOUT = "(num_blocks, page_size, heads_kv, head_dim) (paged: block_table is given)"
 
 
-def check_block_table(block_table, q, k_cache):
-    """A paged cache's block_table: int32 (batch, max_blocks) on q's device, and caches in the
-    paged layout; returns (batch, heads_kv, capacity = max_blocks * page_size, head_dim)."""
+def check_block_table(block_table, q, k_cache, rows=None, rows_name="batch"):
+    """A paged cache's block_table: int32 (rows, max_blocks) on q's device -- one row per batch
+    entry (``rows`` None: q's batch) or per packed sequence -- and caches in the paged layout;
+    returns (rows, heads_kv, capacity = max_blocks * page_size, head_dim)."""
+    label = "q's batch" if rows is None else rows_name
+    rows = q.shape[0] if rows is None else rows
     if not isinstance(block_table, torch.Tensor):
         raise TypeError(f"block_table must be a torch.Tensor, got {type(block_table).__name__}")
     if block_table.dtype != torch.int32 or block_table.dim() != 2 or \
-            block_table.shape[0] != q.shape[0]:
-        raise ValueError(f"block_table must be int32 (batch, max_blocks) with q's batch "
-                         f"{q.shape[0]}, got {block_table.dtype} {tuple(block_table.shape)}")
+            block_table.shape[0] != rows:
+        raise ValueError(f"block_table must be int32 ({rows_name}, max_blocks) with {label} "
+                         f"{rows}, got {block_table.dtype} {tuple(block_table.shape)}")
     if block_table.device != q.device:
         raise ValueError(f"block_table must be on q's device {q.device}, got "
                          f"{block_table.device}")
@@ -300,7 +303,7 @@ def check_block_table(block_table, q, k_cache):
                          f"({heads_q}, q {tuple(q.shape)}) must be a multiple of its heads_kv "
                          f"(dim 2), got k_cache {tuple(k_cache.shape)} (a dense (batch, "
                          f"heads_kv, max_len, head_dim) cache takes no block_table)")
-    return q.shape[0], heads_kv, block_table.shape[1] * page_size, D
+    return rows, heads_kv, block_table.shape[1] * page_size, D
 
 
 def check_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, window,
@@ -444,14 +447,5 @@ def check_paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, seqused_
         raise ValueError(f"seqused_k must be int32 ({num_seqs},) on {q.device}, got "
                          f"{getattr(seqused_k, 'dtype', type(seqused_k).__name__)} "
                          f"{tuple(getattr(seqused_k, 'shape', ()))}")
-    if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 \
-            or block_table.dim() != 2 or block_table.shape[0] != num_seqs \
-            or block_table.device != q.device:
-        raise ValueError(f"block_table must be int32 (num_seqs, max_blocks) = ({num_seqs}, .) "
-                         f"on {q.device}, got {getattr(block_table, 'dtype', None)} "
-                         f"{tuple(getattr(block_table, 'shape', ()))}")
-    num_blocks, page_size = k_cache.shape[:2]
-    if num_blocks == 0 or page_size == 0:
-        raise ValueError(f"k with block_table must be {_PAGED_LAYOUT} with at least one page "
-                         f"of at least one row, got {tuple(k_cache.shape)}")
+    check_block_table(block_table, q, k_cache, num_seqs, "num_seqs")
     return causal, max_q, seqused_k

@@ -26,8 +26,8 @@ from .call import lse_shape, new_like, new_out
 from .common import check_interpreter_setting, interpreter_active
 from .configs import unsupported_gpu_reason
 from .forward import ForwardPlan
-from .kvcache import KVCachePlan, _unit_columns
-from .paged import paged_view
+from .kvcache import KVCachePlan, VarlenPagedPlan
+
 
 class FallbackNotice(UserWarning):
     """Said once per process when CPU tensors run the PyTorch fallback: information (the
@@ -219,8 +219,7 @@ class KVCacheRunner:
 class PagedVarlenRunner:
     """How one validated signature of ``attention_varlen`` over a paged cache runs (forward
     only): ``call`` without the mods' tensors, ``num_splits``, ``max_seqlen_q``; the
-    ``ForwardPlan`` (packed queries, paged keys: kernels/core/kvcache.py
-    ``varlen_paged_forward``) is built at the first launch."""
+    ``VarlenPagedPlan`` (kernels/core/kvcache.py) is built at the first launch."""
 
     def __init__(self, call, num_splits, max_seqlen_q):
         self.call, self.num_splits, self.max_seqlen_q = call, int(num_splits), max_seqlen_q
@@ -235,12 +234,11 @@ class PagedVarlenRunner:
         if _use_fallback(q):
             return fallback.varlen_paged_forward(q, k_cache, v_cache, cu_seqlens_q, seqused_k,
                                                  block_table, call)
-        q, block_table = unit_last(q), _unit_columns(block_table)
-        k, v = paged_view(k_cache), paged_view(v_cache)
+        q = unit_last(q)
         if self.plan is None:
-            self.plan = ForwardPlan(q, k, v, call, cu_seqlens_q=cu_seqlens_q,
-                                    max_seqlen_q=_longest(cu_seqlens_q, self.max_seqlen_q),
-                                    k_lens=seqused_k,
-                                    block_table=block_table, num_splits=self.num_splits)
-        return self.plan(q, k, v, call, cu_seqlens_q=cu_seqlens_q, k_lens=seqused_k,
-                         block_table=block_table)
+            self.plan = VarlenPagedPlan(
+                q, k_cache, v_cache, call, cu_seqlens_q=cu_seqlens_q,
+                max_seqlen_q=_longest(cu_seqlens_q, self.max_seqlen_q), seqused_k=seqused_k,
+                block_table=block_table, num_splits=self.num_splits)
+        return self.plan(q, k_cache, v_cache, call, cu_seqlens_q=cu_seqlens_q,
+                         seqused_k=seqused_k, block_table=block_table)

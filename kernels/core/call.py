@@ -98,17 +98,6 @@ class AttentionCall:
     chunk_size: Optional[int] = None
     mods: CallMods = NO_MODS
 
-    @classmethod
-    def from_op(cls, causal, softmax_scale, dropout_p, seed, window, drop_layout=None,
-                chunk_size=0, mods=NO_MODS):
-        """From the custom ops' flat arguments: ``window`` / ``chunk_size`` 0 mean none,
-        ``seed`` an int or a 0-d int64 tensor."""
-        seed = seed if isinstance(seed, torch.Tensor) else int(seed)
-        return cls(bool(causal), float(softmax_scale), float(dropout_p), seed,
-                   window if window and window > 0 else None,
-                   tuple(drop_layout) if drop_layout is not None else None,
-                   chunk_size if chunk_size and chunk_size > 0 else None, mods)
-
     def with_seed(self, seed) -> "AttentionCall":
         """This call with its dropout ``seed`` (an int, or a 0-d int64 tensor)."""
         return dataclasses.replace(self, seed=seed)

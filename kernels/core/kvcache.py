@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from .common import block_d
-from .forward import ForwardPlan, attention_forward
+from .forward import ForwardPlan
 from .launch import KernelStep
 from .paged import page_rows, paged_view
 
@@ -188,8 +188,29 @@ def varlen_paged_forward(q, k_cache, v_cache, call, *, cu_seqlens_q, max_seqlen_
     """
     if seqused_k is None:
         seqused_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
-    return attention_forward(q, paged_view(k_cache), paged_view(v_cache), call,
-                             cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
-                             max_seqlen_k=max_seqlen_k, k_lens=seqused_k,
-                             block_table=_unit_columns(block_table), num_splits=num_splits,
-                             out=out, config=config)
+    plan = VarlenPagedPlan(q, k_cache, v_cache, call, cu_seqlens_q=cu_seqlens_q,
+                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                           seqused_k=seqused_k, block_table=block_table, num_splits=num_splits,
+                           out=out, config=config)
+    return plan(q, k_cache, v_cache, call, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
+                block_table=block_table, out=out)
+
+
+class VarlenPagedPlan:
+    """The forward's launch plan of one ``varlen_paged_forward`` signature (its arguments
+    less the tensors' contents), built once and called per call with that signature's tensors,
+    as ``KVCachePlan`` is for a dense batch's cache."""
+
+    def __init__(self, q, k_cache, v_cache, call, *, cu_seqlens_q, max_seqlen_q, seqused_k,
+                 block_table, max_seqlen_k=None, num_splits=1, out=None, config=None):
+        self.fwd = ForwardPlan(q, paged_view(k_cache), paged_view(v_cache), call,
+                               cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
+                               max_seqlen_k=max_seqlen_k, k_lens=seqused_k,
+                               block_table=_unit_columns(block_table), num_splits=num_splits,
+                               out=out, config=config)
+
+    def __call__(self, q, k_cache, v_cache, call, *, cu_seqlens_q, seqused_k, block_table,
+                 out=None):
+        return self.fwd(q, paged_view(k_cache), paged_view(v_cache), call,
+                        cu_seqlens_q=cu_seqlens_q, k_lens=seqused_k,
+                        block_table=_unit_columns(block_table), out=out)

@@ -405,6 +405,8 @@ I64 = torch.int64
     ({"cu_seqlens_q": _cu([4, 6]).to(I64)}, TypeError, "cu_seqlens_q must be int32"),
     ({"cu_seqlens_k": _cu([5, 7])[None]}, ValueError, r"cu_seqlens_k must be 1-D"),
     ({"cu_seqlens_q": [0, 4, 10]}, TypeError, "cu_seqlens_q must be a torch.Tensor"),
+    ({"cu_seqlens_q": None, "cu_seqlens_k": None}, TypeError,
+     "cu_seqlens_q must be a torch.Tensor, got NoneType"),
     ({"cu_seqlens_q": torch.tensor([1, 4, 10], dtype=torch.int32, device=DEVICE)},
      ValueError, "cu_seqlens_q must start at 0, got 1"),
     ({"cu_seqlens_k": torch.tensor([0, 8, 5, 12], dtype=torch.int32, device=DEVICE),
@@ -414,7 +416,7 @@ I64 = torch.int64
     ({"cu_seqlens_k": _cu([12])}, ValueError, "same number of sequences, got 2 and 1"),
     ({"q": randn(1, 10, 4, 16)}, ValueError, r"q must be 3-D \(total_rows, heads, head_dim\)"),
     ({"k": randn(12, 3, 16), "v": randn(12, 3, 16)}, ValueError, "heads_q=4.*heads_kv=3"),
-], ids=["cu-int64", "cu-2d", "cu-list", "cu-not-0", "cu-decreasing", "cu-last-total",
+], ids=["cu-int64", "cu-2d", "cu-list", "cu-none", "cu-not-0", "cu-decreasing", "cu-last-total",
         "cu-count", "q-4d", "heads"])
 def test_varlen_bad_input(over, err, match):
     with pytest.raises(err, match=match):
