@@ -56,12 +56,28 @@ def new_like(t: torch.Tensor) -> torch.Tensor:
                                                                       device=t.device)
 
 
-def new_out(q: torch.Tensor, head_dim_v: int) -> torch.Tensor:
-    """The attention output for ``q`` with v's head dim: q's shape and layout (``new_like``)
-    when the head dims agree, else contiguous."""
+FP8_DTYPE = torch.float8_e4m3fn   # the one FP8 format the kernels take (Triton's float8e4nv)
+
+
+def out_dtype_of(q_dtype: torch.dtype, out_dtype: Optional[torch.dtype] = None) -> torch.dtype:
+    """The output dtype of a call on ``q_dtype`` inputs: ``out_dtype`` when given, else q's
+    dtype, except FP8 q -> bfloat16 (as FlashAttention-3's FP8 forward)."""
+    if out_dtype is not None:
+        return out_dtype
+    return torch.bfloat16 if q_dtype == FP8_DTYPE else q_dtype
+
+
+def new_out(q: torch.Tensor, head_dim_v: int, dtype: Optional[torch.dtype] = None
+            ) -> torch.Tensor:
+    """The attention output for ``q`` with v's head dim, in ``out_dtype_of(q.dtype, dtype)``:
+    q's shape and layout (``new_like``) when the head dims agree, else contiguous."""
+    dtype = out_dtype_of(q.dtype, dtype)
     if head_dim_v == q.shape[-1]:
-        return new_like(q)
-    return q.new_empty((*q.shape[:-1], head_dim_v))
+        if dtype == q.dtype:
+            return new_like(q)
+        return (torch.empty_like(q, dtype=dtype) if q.stride(-1) == 1
+                else torch.empty(q.shape, dtype=dtype, device=q.device))
+    return q.new_empty((*q.shape[:-1], head_dim_v), dtype=dtype)
 
 
 def default_softmax_scale(head_dim: int) -> float:
@@ -87,7 +103,9 @@ class AttentionCall:
     device, so that no call copies or syncs it: ``seed_tensor``).
     drop_layout: None, or (q_total, k_total, row_offset, col_offset) when this dense call is a
     block of a longer sequence and its dropout mask is that block of the whole one.
-    mods: the call's score/mask modifications and sinks (kernels/core/mods.py).
+    mods: the call's score/mask modifications and sinks (kernels/core/mods.py); with FP8
+    inputs also their descales (``mods.descale``, kernels/core/fp8.py).
+    out_dtype: None, or the output's dtype (None: q's, bfloat16 for FP8 q: ``out_dtype_of``).
     """
     causal: bool
     softmax_scale: float
@@ -97,6 +115,7 @@ class AttentionCall:
     drop_layout: Optional[tuple] = None
     chunk_size: Optional[int] = None
     mods: CallMods = NO_MODS
+    out_dtype: Optional[torch.dtype] = None
 
     def with_seed(self, seed) -> "AttentionCall":
         """This call with its dropout ``seed`` (an int, or a 0-d int64 tensor)."""
@@ -152,7 +171,8 @@ def call_spec(call: AttentionCall, num_splits: int = 0) -> str:
     return repr((call.causal, call.softmax_scale, call.dropout_p, call.window,
                  call.drop_layout, call.chunk_size, mods.softcap,
                  mods.score_mod.name if mods.score_mod is not None else "",
-                 mods.mask_mod.name if mods.mask_mod is not None else "", int(num_splits)))
+                 mods.mask_mod.name if mods.mask_mod is not None else "", int(num_splits),
+                 "" if call.out_dtype is None else str(call.out_dtype).replace("torch.", "")))
 
 
 _SPECS = {}   # spec -> (call without tensors, num_splits): parsed once per spec
@@ -164,32 +184,39 @@ def parse_spec(spec: str):
     hit = _SPECS.get(spec)
     if hit is None:
         (causal, scale, dropout_p, window, drop_layout, chunk_size, softcap, score_mod,
-         mask_mod, num_splits) = ast.literal_eval(spec)
+         mask_mod, num_splits, out_dtype) = ast.literal_eval(spec)
         mods = CallMods(softcap=softcap, score_mod=lookup(score_mod, ScoreMod),
                         mask_mod=lookup(mask_mod, MaskMod))
         if len(_SPECS) >= _MAX_SPECS:
             _SPECS.clear()
         hit = _SPECS[spec] = (AttentionCall(causal, scale, dropout_p, 0, window, drop_layout,
-                                            chunk_size, mods), num_splits)
+                                            chunk_size, mods,
+                                            getattr(torch, out_dtype) if out_dtype else None),
+                              num_splits)
     return hit
 
 
 def without_tensors(call: AttentionCall) -> AttentionCall:
-    """``call`` less its per-call tensors (seed, ALiBi slopes, sinks, aux): what a plan keeps."""
+    """``call`` less its per-call tensors (seed, ALiBi slopes, sinks, aux, FP8 descales): what
+    a plan keeps."""
     mods = call.mods
     if mods.has_tensors:
-        mods = dataclasses.replace(mods, alibi_slopes=None, sinks=None, aux=())
+        mods = dataclasses.replace(mods, alibi_slopes=None, sinks=None, aux=(), descale=None)
     return dataclasses.replace(call, seed=0, mods=mods)
 
 
-def with_tensors(call: AttentionCall, sinks, alibi_slopes, aux) -> AttentionCall:
+def with_tensors(call: AttentionCall, sinks, alibi_slopes, aux, descale=None) -> AttentionCall:
     """A plan's ``call`` with this call's mods' tensors (sinks fp32, slopes fp32 contiguous,
-    as ``validation.check_mods`` converts them: no-ops on converted ones)."""
-    if sinks is None and alibi_slopes is None and not aux:
+    as ``validation.check_mods`` converts them: no-ops on converted ones) and FP8 ``descale``
+    (a ``mods.Descale``; None, or one whose three entries are None: no descales)."""
+    if descale is not None and all(d is None for d in descale):
+        descale = None
+    if sinks is None and alibi_slopes is None and not aux and descale is None:
         return call
     return dataclasses.replace(call, mods=dataclasses.replace(
         call.mods, sinks=None if sinks is None else sinks.float(), aux=tuple(aux),
-        alibi_slopes=None if alibi_slopes is None else alibi_slopes.float().contiguous()))
+        alibi_slopes=None if alibi_slopes is None else alibi_slopes.float().contiguous(),
+        descale=descale))
 
 
 # ------------------------------------------------------------------ the kernels' grouped args

@@ -245,6 +245,18 @@ ALIBI = ScoreMod("alibi", _alibi_fn, _alibi_torch)
 
 
 # --------------------------------------------------------------------------- a call's mods
+class Descale(NamedTuple):
+    """FP8 descales of one call (FlashAttention-3's ``q_descale`` / ``k_descale`` /
+    ``v_descale``): each None (= 1) or an fp32 tensor of shape (B, heads_kv) -- B the batch, or
+    the number of packed sequences -- with any strides (a per-tensor scale is a stride-0
+    expanded view). The true value of an FP8 element of q (or k, v) of batch entry b and kv
+    head kv_h (query head h reads kv_h = h // group) is ``x * descale[b, kv_h]``. An FP8 KV
+    cache with fp16 / bf16 queries has q None (kernels/core/fp8.py)."""
+    q: Optional[torch.Tensor] = None
+    k: Optional[torch.Tensor] = None
+    v: Optional[torch.Tensor] = None
+
+
 class ModFns(NamedTuple):
     """The kernels' view of one score mod (part of the ``ScoreSpec`` constexpr)."""
     fn: object
@@ -262,6 +274,7 @@ class CallMods:
     mask_mod: Optional[MaskMod] = None
     sinks: Optional[torch.Tensor] = None          # fp32 (heads_q,)
     aux: tuple = field(default=())
+    descale: Optional[Descale] = None             # FP8 descales (forward only)
 
     @property
     def any(self) -> bool:
@@ -272,7 +285,8 @@ class CallMods:
     def has_tensors(self) -> bool:
         """Whether the call carries tensors (ALiBi slopes, sinks, aux) that a launch plan
         must take per call rather than once."""
-        return self.alibi_slopes is not None or self.sinks is not None or bool(self.aux)
+        return (self.alibi_slopes is not None or self.sinks is not None or bool(self.aux)
+                or self.descale is not None)
 
     def score_mods(self):
         """[(ScoreMod, its aux)] in the pipeline's order: softcap, ALiBi, the user's."""
