@@ -24,6 +24,23 @@ def assert_parity(out, ref, ref_lowp, *, factor=OUT_FACTOR, extra=0.0, name="out
         f"({factor}x PyTorch-{out.dtype} error + floor) + derived allowance {extra:.3e}")
 
 
+def assert_fp8_parity(out, ref, out_pt, *, factor=2.0, name="output"):
+    """FlashAttention-3's FP8 rule (hopper/test_flash_attn.py): ``ref`` the float64 oracle on
+    the FP8-rounded inputs times their descales, ``out_pt`` the same math with FP8
+    intermediates (P rounded to e4m3 as the kernel rounds it); pass when max|out - ref| <=
+    factor * max|out_pt - ref| + atol, atol = 2 * the rounding noise of (ref + 0.3 - 0.3) in
+    out's dtype (FA3 uses factor 3 with soft-capping). NaNs always fail."""
+    assert out.shape == ref.shape, f"{name}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    assert not torch.isnan(out).any(), f"{name}: NaN in the result"
+    r = ref.to(out.dtype)
+    atol = 2 * (r + 0.3 - 0.3 - r).abs().max().item() if r.numel() else 0.0
+    err = (out.double() - ref.double()).abs().max().item() if out.numel() else 0.0
+    base = (out_pt.double() - ref.double()).abs().max().item() if out.numel() else 0.0
+    assert err <= factor * base + atol, (
+        f"{name}: max error {err:.3e} vs float64 oracle exceeds {factor} x the FP8 PyTorch "
+        f"error {base:.3e} + atol {atol:.3e}")
+
+
 def interpreter_unusable_reason():
     """Why Triton's CPU interpreter cannot run the kernels here, or None. Triton <= 3.6's
     interpreter converts 1-element index arrays with int(), which NumPy >= 2.4 rejects (every

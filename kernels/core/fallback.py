@@ -31,7 +31,15 @@ differentiable in s); the sinks' own gradient is not the fallback's (kernels/ops
 The visibility rule and the dropout row ids mirror kernels/core/tiles.py and
 kernels/core/dropout.py; the dropout bits come from ``dropout_mask_block`` there (the kernels'
 Philox counter in PyTorch; ``reference.dropout`` is the tests' independent oracle of it).
+
+FP8 inputs (e4m3; kernels/core/fp8.py) take ``_fp8_forward``: the inputs upcast to fp32 and
+multiplied by their descales (per batch entry or sequence and kv head), then the blockwise
+path, whose weights are rounded as the kernel's P operand when q is e4m3 too (P scaled by
+``fp8.P_SCALE``, rounded to e4m3, scaled back; the row sums stay those of the unrounded
+weights); the output in the call's ``out_dtype``. An FP8 cache's append quantizes fp16 / bf16
+rows as the kernel does (``fp8.quantize_e4m3_torch``).
 """
+import dataclasses
 import contextlib
 import functools
 import math
@@ -40,7 +48,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from .call import lse_shape, make_problem, new_like, new_out
+from .call import FP8_DTYPE, lse_shape, make_problem, new_like, new_out
+from .fp8 import P_SCALE, quantize_e4m3_torch
 from .dropout import DROPOUT_BITS, draw_groups, dropout_mask_block, dropout_threshold
 
 # Score elements per block of query rows: two fp32 buffers of this size (4 MiB each) and one
@@ -161,8 +170,11 @@ class _Dense:
     has that layout, (B, H_kv, group * rows, keys): row ``g * rows + r`` is query head
     ``h0 + kv_head * group + g``, query row ``i0 + r``."""
 
-    def __init__(self, q, k, v, call, row_base, groups, col_offset=0, b0=0, h0=0):
+    def __init__(self, q, k, v, call, row_base, groups, col_offset=0, b0=0, h0=0,
+                 p_fp8=False):
         self.B, self.H, self.q_len, self.D = q.shape
+        # The weights are rounded as the FP8 kernel's P @ V operand (``_fp8_forward``).
+        self.p_fp8 = p_fp8
         self.H_kv, self.k_len = k.shape[1], k.shape[2]
         self.group = self.H // self.H_kv if self.H_kv else 1
         self.q, self.k, self.v = q.detach(), k.detach(), v.detach()
@@ -190,7 +202,7 @@ class _Dense:
         g = slice(hs.start * self.group, hs.stop * self.group)
         sub = _Dense(self.q[bs, g], self.k[bs, hs], self.v[bs, hs], self.call,
                      self.row_base[bs, g], self.groups, self.col_offset,
-                     self.b0 + bs.start, self.h0 + g.start)
+                     self.b0 + bs.start, self.h0 + g.start, self.p_fp8)
         return sub, (bs, g), (bs, hs)
 
     def work(self, blocks=None):
@@ -735,12 +747,20 @@ def _forward_blocks(pb, o, lse, blocks):
             continue
         q_s = pb.rows(pb.q, i0, i1) * pb.scale
         s = pb.scores(q_s, i0, i1, k0, k1, buf)
-        m = s.amax(-1, keepdim=True)
+        m_s = m = s.amax(-1, keepdim=True)
         if sink is not None:
             m = torch.maximum(m, sink)  # NaN stays NaN: torch.maximum propagates it
         m = _finite_or_zero(m)
         _exp_(s.sub_(m), flush=bool(pb.score_mods))
         total = s.sum(-1, keepdim=True)
+        if pb.p_fp8:
+            # The kernel rounds exp(x - max of the scores seen) * P_SCALE (the sinks join only
+            # at the end) to e4m3: the same here, with the row's max of the scores.
+            c = (m - _finite_or_zero(m_s)).exp_().masked_fill_(m_s == float("-inf"), 1.0)
+            c.mul_(P_SCALE)
+            s.mul_(c)
+            s.copy_(s.to(FP8_DTYPE))
+            s.div_(c)
         if sink is not None:
             total.add_((sink - m).exp_())
         pb.put_rows(lse, i0, i1, (m + total.log()).squeeze(-1))
@@ -904,7 +924,7 @@ _ROW_BASES = {}
 _MAX_ROW_BASES = 16
 
 
-def _problems(q, k, v, cu_q, cu_k, call, batch0=0):
+def _problems(q, k, v, cu_q, cu_k, call, batch0=0, p_fp8=False):
     """(dense problem, q-row slice, k-row slice) per batch or packed sequence. Dense: one
     problem for the whole batch, whose first entry is the call's batch entry ``batch0`` (the
     mods' b); packed: one per sequence on (1, H, len, D) views, b the sequence. The dropout
@@ -924,7 +944,8 @@ def _problems(q, k, v, cu_q, cu_k, call, batch0=0):
             if len(_ROW_BASES) >= _MAX_ROW_BASES:
                 _ROW_BASES.clear()
             _ROW_BASES[key] = rows
-        return [(_Dense(q, k, v, call, *rows, b0=batch0), slice(None), slice(None))]
+        return [(_Dense(q, k, v, call, *rows, b0=batch0, p_fp8=p_fp8), slice(None),
+                 slice(None))]
     drop = make_problem(q, k, v, cu_q, cu_k, 0, 0).drop_args(call, q)
     H = q.shape[1]
     head_rows = torch.arange(H, device=q.device) * drop.row_stride_h + drop.row0
@@ -935,7 +956,7 @@ def _problems(q, k, v, cu_q, cu_k, call, batch0=0):
         rk = slice(bounds_k[s], bounds_k[s + 1])
         row_base = (head_rows + bounds_q[s]).view(1, H)
         views = [x[r].transpose(0, 1).unsqueeze(0) for x, r in ((q, rq), (k, rk), (v, rk))]
-        out.append((_Dense(*views, call, row_base, drop.groups, b0=s), rq, rk))
+        out.append((_Dense(*views, call, row_base, drop.groups, b0=s, p_fp8=p_fp8), rq, rk))
     return out
 
 
@@ -947,6 +968,8 @@ def _view(x, r, packed):
 def forward(q, k, v, cu_q, cu_k, call, o):
     """(o, lse) as the forward kernel returns them for ``call`` (an ``AttentionCall``,
     kernels/core/call.py); ``o`` (q's layout with v's head_dim) is written in place."""
+    if k.dtype == FP8_DTYPE:
+        return _fp8_forward(q, k, v, cu_q, cu_k, call, o)
     if _small_applies(q, k, v, cu_q, call):
         result = _small_forward(q, k, v, call, o)
         if result is not None:
@@ -972,18 +995,59 @@ def forward_recorded(q, k, v, call, need_lse=True):
     return None
 
 
-def _forward(q, k, v, cu_q, cu_k, call, o, batch0=0):
-    """``forward``, the dense batch being entries ``batch0``... of the call (the mods' b)."""
-    if _sdpa_applies(q, k, cu_q, call, v):
+def _forward(q, k, v, cu_q, cu_k, call, o, batch0=0, p_fp8=False):
+    """``forward``, the dense batch being entries ``batch0``... of the call (the mods' b);
+    ``p_fp8``: the weights rounded as the FP8 kernel's (``_fp8_forward``)."""
+    if k.dtype == FP8_DTYPE:
+        return _fp8_forward(q, k, v, cu_q, cu_k, call, o, batch0)
+    if not p_fp8 and _sdpa_applies(q, k, cu_q, call, v):
         return _sdpa_forward(q, k, v, call.causal, call.softmax_scale, o)
     if o is None:
         o = new_out(q, v.shape[-1])
     packed = cu_q is not None
     lse = torch.empty(lse_shape(q, packed), dtype=torch.float32, device=q.device)
-    for pb, rq, _ in _problems(q, k, v, cu_q, cu_k, call, batch0):
+    for pb, rq, _ in _problems(q, k, v, cu_q, cu_k, call, batch0, p_fp8):
         lse_v = lse[:, rq].unsqueeze(0) if packed else lse
         _forward_dense(pb, _view(o, rq, packed), lse_v)
     return o, lse
+
+
+def _dequantize(x, descale, cu, group, batch0):
+    """fp32 ``x`` times its descale: x dense (B, heads, n, D) or packed (total, heads, D) with
+    row offsets ``cu``; descale None or (num_batch or sequences, H_kv), entry (batch0 + b,
+    h // group) for head h of batch entry (or sequence) b."""
+    x = x.float()
+    if descale is None:
+        return x
+    d = descale.to(device=x.device, dtype=torch.float32)
+    if cu is None:
+        d = d[batch0:batch0 + x.shape[0]].repeat_interleave(group, 1)
+        return x * d[:, :, None, None]
+    lens = (cu[1:] - cu[:-1]).long()
+    seq = torch.repeat_interleave(torch.arange(lens.numel(), device=x.device), lens)
+    d = d[seq].repeat_interleave(group, 1)                        # (total, heads)
+    return x * d[:, :, None]
+
+
+def _fp8_forward(q, k, v, cu_q, cu_k, call, o, batch0=0):
+    """``forward`` of FP8 inputs (kernels/core/fp8.py): q, k, v e4m3 (FlashAttention-3's FP8
+    forward), or k, v e4m3 with fp16 / bf16 q (an FP8 KV cache); descales from
+    ``call.mods.descale``; ``o`` None or an output in ``call.out_dtype``. See the module
+    docstring."""
+    descale = call.mods.descale
+    descale = (None, None, None) if descale is None else descale
+    packed = cu_q is not None
+    hq, hk = (q.shape[1], k.shape[1])
+    group = hq // hk if hk else 1
+    q32 = _dequantize(q, descale[0], cu_q, group, batch0) if q.dtype == FP8_DTYPE else q.float()
+    k32 = _dequantize(k, descale[1], cu_k, 1, batch0)
+    v32 = _dequantize(v, descale[2], cu_k, 1, batch0)
+    plain = dataclasses.replace(call, mods=dataclasses.replace(call.mods, descale=None))
+    if o is None:
+        o = new_out(q, v.shape[-1], call.out_dtype)
+    o32, lse = _forward(q32, k32, v32, cu_q, cu_k, plain, None, batch0,
+                        p_fp8=q.dtype == FP8_DTYPE)
+    return o.copy_(o32), lse
 
 
 def backward(do, q, k, v, o, lse, cu_q, cu_k, call, dq, dk, dv, daux=None):
@@ -1021,6 +1085,7 @@ def kvcache_forward(q, k_cache, v_cache, cache_seqlens, k, v, call, o, block_tab
                                      block_table)
     B, H, q_len, _ = q.shape
     lens = cache_seqlens.tolist()
+    k, v = _cache_rows(k_cache, k, v, call)
     if k is not None:
         for b, n in enumerate(lens):
             k_cache[b, :, n:n + q_len] = k[b]
@@ -1034,6 +1099,15 @@ def kvcache_forward(q, k_cache, v_cache, cache_seqlens, k, v, call, o, block_tab
     return o, lse
 
 
+def _cache_rows(cache, k, v, call):
+    """The new rows (k, v) as the cache stores them: quantized into an e4m3 cache from another
+    dtype (``fp8.quantize_e4m3_torch`` with the call's k / v descales), else as given."""
+    if k is None or cache.dtype != FP8_DTYPE or k.dtype == FP8_DTYPE:
+        return k, v
+    descale = call.mods.descale or (None, None, None)
+    return quantize_e4m3_torch(k, descale[1]), quantize_e4m3_torch(v, descale[2])
+
+
 def paged_kvcache_forward(q, k_cache, v_cache, cache_seqlens, k, v, call, o, block_table):
     """``kvcache_forward`` on paged caches (num_blocks, page_size, H_kv, D or Dv) with
     block_table int32 (B, max_blocks) (kernels/core/paged.py): the new rows are written into
@@ -1045,6 +1119,7 @@ def paged_kvcache_forward(q, k_cache, v_cache, cache_seqlens, k, v, call, o, blo
     lens = cache_seqlens.tolist()
     table = block_table.long()
     new = q_len if k is not None else 0
+    k, v = _cache_rows(k_cache, k, v, call)
     lse = torch.empty((B, H, q_len), dtype=torch.float32, device=q.device)
     for b, n in enumerate(lens):
         pos = torch.arange(n + new, device=q.device)

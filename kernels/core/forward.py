@@ -21,6 +21,8 @@ from .configs import (FWD_TUNE_KEY, PACK_GQA_MAX_Q_LEN, autotune_enabled, clamp_
                       fixed_configs, fwd_configs, nominal_tiles, num_splits_heuristic,
                       prune_configs, tma_capable)
 from .dropout import load_seed
+from .fp8 import (FP8_NONE, P_SCALE_C, descale_args, fp8_spec, load_descale, one_descale,
+                  p_operand)
 from .score import dropout_keep, finish_rows, mask_scores, online_softmax, scaled_scores
 from .tiles import (clamp_ranges, edge_bound, key_range, mask_key_bounds, program_ids,
                     seq_bounds)
@@ -51,14 +53,14 @@ def load_rows(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr,
 @triton.jit
 def _attn_fwd(Q, K, V, O, LSE,
               stride_q, stride_k, stride_v, stride_o, stride_lse,
-              seq, score, drop, split,
+              seq, score, drop, split, fp8,
               BUCKETS,  # autotune key only: Problem.tune_buckets
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
               HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
               SPEC: tl.constexpr, KEYS: tl.constexpr, PACK_GQA: tl.constexpr,
               SPLIT: tl.constexpr, DROPOUT: tl.constexpr, WIDEN: tl.constexpr,
-              DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr):
+              DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, FP8: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program = BLOCK_M query rows of one (batch or packed sequence, query head), against
     the keys they see (or, with SPLIT, one of ``split.num_splits`` even shares of those keys).
     Grid: (cdiv(rows, BLOCK_M) * (num_splits if SPLIT else 1), heads, batch or sequences),
@@ -95,6 +97,12 @@ def _attn_fwd(Q, K, V, O, LSE,
     packed (cu_q); b is the packed sequence, its keys number k_lens[b] (seq.cu_k is not read).
     A constexpr (one compile per page size), so that the per-key division is a shift for
     powers of two: with a runtime page size, 128 x 128 tiles spilled on sm_90 (q_len 4, GQA).
+    FP8 (``fp8.Fp8Spec``; kernels/core/fp8.py), with ``fp8`` the descales (``DescaleArgs``)
+    of the program's (b, kv_h): mode 1, Q, K, V e4m3: S by an fp8 dot with q_descale *
+    k_descale folded into the score scale, P * 256 rounded to e4m3 for an fp8 P @ V, acc *
+    v_descale / 256 at the end; mode 2, K, V e4m3 and Q fp16 / bf16: K, V tiles upcast to Q's
+    dtype after each load, k_descale in the score scale, acc * v_descale at the end. l_i, lse
+    and split partials are those of the descaled scores. No dropout with FP8.
     """
     VARLEN: tl.constexpr = KEYS.varlen
     SEQUSED_K: tl.constexpr = KEYS.k_lens
@@ -167,6 +175,16 @@ def _attn_fwd(Q, K, V, O, LSE,
         q = load_rows(Q + q_rows[:, None] + offs_d[None, :], offs_r, n_rows, offs_d, HEAD_DIM,
                       True, not EVEN_D)
     q = widen(q, WIDEN)
+    FP8_MODE: tl.constexpr = FP8.mode
+    N_MODS: tl.constexpr = len(SPEC.mods)
+    if FP8_MODE != 0:
+        tl.static_assert(not DROPOUT)
+        # One descale per (batch entry or sequence, kv head): scalars for the whole program
+        # (with PACK_GQA too: its rows share kv_h).
+        qk_descale = load_descale(fp8.k, fp8.k_strides, b, kv_h)
+        if FP8_MODE == 1:
+            qk_descale = qk_descale * load_descale(fp8.q, fp8.q_strides, b, kv_h)
+        v_descale = load_descale(fp8.v, fp8.v_strides, b, kv_h)
     if TMA:
         # Descriptors of this (sequence, kv head)'s K and V rows: the bounds are k_len rows
         # (at least 1: an empty sequence's descriptor is never read) and the true head dims.
@@ -229,9 +247,15 @@ def _attn_fwd(Q, K, V, O, LSE,
                               + offs_n0[:, None] * stride_k[2] + offs_d[None, :],
                               offs_n, k_len, offs_d, HEAD_DIM, MASKED[RANGE], not EVEN_D)
             k = widen(k, WIDEN)
-            x, x_scale = scaled_scores(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION),
-                                       b, h_tile, offs_m[:, None], offs_n[None, :], diag,
+            if FP8_MODE == 2:
+                k = k.to(q.dtype)   # e4m3 -> fp16 / bf16 (fp32 when widened): exact
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            if FP8_MODE != 0 and N_MODS != 0:
+                qk = qk * qk_descale   # the mods see the true scores
+            x, x_scale = scaled_scores(qk, b, h_tile, offs_m[:, None], offs_n[None, :], diag,
                                        score, SPEC)
+            if FP8_MODE != 0 and N_MODS == 0:
+                x_scale = x_scale * qk_descale   # folded: a scalar product per tile
             x = mask_scores(x, b, h_tile, offs_m[:, None], offs_n[None, :], k_len, diag, q_edge,
                             score, SPEC, MASKED[RANGE])
             p, alpha, m_i, l_i = online_softmax(x, x_scale, m_i, l_i, SPEC, MASKED[RANGE])
@@ -250,12 +274,22 @@ def _attn_fwd(Q, K, V, O, LSE,
                 v = load_rows(v_base + start_n.to(tl.int64) * stride_v[2]
                               + offs_n0[:, None] * stride_v[2] + offs_dv[None, :],
                               offs_n, k_len, offs_dv, HEAD_DIM_V, MASKED[RANGE], not EVEN_DV)
-            v = widen(v, WIDEN)
-            acc = tl.dot(dot_operand(p, v, WIDEN), v, acc, input_precision=DOT_PRECISION)
+            if FP8_MODE == 1:
+                # P in e4m3 (scaled by P_SCALE into e4m3's range), fp8 x fp8 -> fp32.
+                acc = tl.dot(p_operand(p, FP8.interpret), v, acc)
+            else:
+                v = widen(v, WIDEN)
+                if FP8_MODE == 2:
+                    v = v.to(q.dtype)
+                acc = tl.dot(dot_operand(p, v, WIDEN), v, acc, input_precision=DOT_PRECISION)
 
     # Rows that saw no key (causal with q_len > k_len, empty sequences, a split without keys
     # for them) have l_i = 0: output 0, lse -inf (or the sink's logit).
     o_scale, lse = finish_rows(m_i, l_i, h, score, SPEC.sinks and not SPLIT)
+    if FP8_MODE == 1:
+        o_scale = o_scale * (v_descale / P_SCALE_C)
+    elif FP8_MODE == 2:
+        o_scale = o_scale * v_descale
     acc = acc * (drop.scale * o_scale)[:, None]
     lse_rows = row_base + offs_m
     dv_ok = offs_dv < HEAD_DIM_V
@@ -270,7 +304,8 @@ def _attn_fwd(Q, K, V, O, LSE,
             + (q_start + offs_m).to(tl.int64) * stride_o[2]
         o_mask = row_ok[:, None] & dv_ok[None, :]
         tl.store(O + o_rows[:, None] + offs_dv[None, :],
-                 round_for_store(acc, WIDEN).to(O.dtype.element_ty), mask=o_mask)
+                 round_for_store(acc, FP8.round_out if FP8_MODE != 0 else WIDEN
+                                 ).to(O.dtype.element_ty), mask=o_mask)
 
 
 def tma_mode(pb, pack_gqa=False) -> int:
@@ -398,8 +433,15 @@ class ForwardPlan:
         # The output's strides are part of the compiled kernel's specialisation: every call
         # allocates it as this one does (``out``, when given, must have the same strides).
         if out is None:
-            out = new_out(q, Dv)
+            out = new_out(q, Dv, call.out_dtype)
         self.o_stride = out.stride()
+        self.out_dtype = out.dtype
+        fp8 = fp8_spec(q.dtype, k.dtype, out.dtype)
+        # FP8 is forward only and without dropout (the public layer refuses both).
+        assert not (fp8.mode != FP8_NONE and call.dropout), "dropout with FP8 inputs"
+        self.fp8_mode = fp8.mode
+        # The descales: per call when the call has them, 1.0 otherwise (a dummy without FP8).
+        self.fp8 = descale_args(None, one_descale(q.device) if fp8.mode else dummy)
         o_strides = pb.strides(packed_view(out) if pb.varlen else out)
         self.pb = pb._replace(q=None, k=None, v=None)
         self.seq = None if pb.varlen or k_lens is not None else pb.seq_args(dummy)
@@ -422,7 +464,8 @@ class ForwardPlan:
                          varlen=pb.varlen, k_lens=k_lens is not None,
                          page_size=k.shape[2] if paged else 0),
                      PACK_GQA=bool(pack_gqa), SPLIT=num_splits > 1, DROPOUT=call.dropout_mode,
-                     WIDEN=widen_bf16(q.dtype), DOT_PRECISION=dot_precision(q.dtype), TMA=tma)
+                     WIDEN=widen_bf16(q.dtype), DOT_PRECISION=dot_precision(q.dtype), TMA=tma,
+                     FP8=fp8)
 
         def grid(cfg):
             return (triton.cdiv(rows, cfg["BLOCK_M"]) * num_splits, heads, pb.batch)
@@ -437,7 +480,7 @@ class ForwardPlan:
         else:   # KERNELS_AUTOTUNE=0: the pruned list's first config that compiles
             configs = fixed_configs(fwd_configs(), prune_configs, dict(
                 fixed, Q=pb.q, K=pb.k, V=pb.v, O=q, LSE=dummy, seq=self.seq, score=self.score,
-                drop=self.drop, split=self.split))
+                drop=self.drop, split=self.split, fp8=self.fp8))
         self.step = KernelStep(_attn_fwd, grid, fixed, configs=configs, tuned=_attn_fwd_tuned,
                                scratch=bool(tma))
 
@@ -451,7 +494,7 @@ class ForwardPlan:
             assert self.empty or out.stride() == self.o_stride, (out.stride(), self.o_stride)
             o = out
         else:
-            o = new_out(q, Dv)
+            o = new_out(q, Dv, self.out_dtype if not self.empty else call.out_dtype)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
         if self.empty:
             return o, lse
@@ -477,7 +520,9 @@ class ForwardPlan:
                   score=self.score if self.score is not None else score_args(call, self.dummy),
                   drop=self.drop if not self.dropout else DropArgs(
                       seed_tensor(call.seed, q.device) if seed is None else seed, *self.drop[1:]),
-                  split=split))
+                  split=split,
+                  fp8=self.fp8 if call.mods.descale is None
+                  else descale_args(call.mods.descale, self.fp8.q)))
         if self.num_splits > 1:
             combine_splits(split.o_part, split.lse_part, o4, lse, call.mods.sinks)
         return o, lse

@@ -9,7 +9,9 @@ writes each new row into its page, the forward reads K/V tiles page by page.
 import triton
 import triton.language as tl
 
-from .common import block_d
+from .call import FP8_DTYPE
+from .common import block_d, interpreter_active
+from .fp8 import descale_args, load_descale, one_descale, quantize_e4m3
 from .forward import ForwardPlan
 from .launch import KernelStep
 from .paged import page_rows, paged_view
@@ -19,9 +21,10 @@ _APPEND_BLOCK_M = 16
 
 @triton.jit
 def _append_kv(K_CACHE, V_CACHE, K, V, SEQLENS, stride_kc, stride_vc, stride_k, stride_v,
-               n_new, max_len, BLOCK_TABLE, bt_stride, page_size,
+               n_new, max_len, BLOCK_TABLE, bt_stride, page_size, descale,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-               BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, PAGED: tl.constexpr):
+               BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, PAGED: tl.constexpr,
+               QUANT: tl.constexpr, INTERPRET: tl.constexpr):
     """K_CACHE[b, h, SEQLENS[b] + i] = K[b, h, i] (and V) for i < n_new.
 
     K_CACHE (B, H_kv, max_len, HEAD_DIM), K (B, H_kv, n_new, HEAD_DIM); V_CACHE, V the same
@@ -34,6 +37,9 @@ def _append_kv(K_CACHE, V_CACHE, K, V, SEQLENS, stride_kc, stride_vc, stride_k, 
     column stride (kernels/core/paged.py), ``max_len`` the logical capacity max_blocks *
     page_size; position pos of row b is row pos % page_size of page
     block_table[b, pos // page_size].
+    QUANT: the caches are e4m3 and K, V fp16 / bf16: each row is stored quantized,
+    ``x / descale[b, h]`` clamped to +-448 and rounded to e4m3 (``descale``: the
+    ``fp8.DescaleArgs`` of the call; kernels/core/fp8.py), INTERPRET as ``fp8.to_e4m3``.
     """
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
@@ -51,6 +57,9 @@ def _append_kv(K_CACHE, V_CACHE, K, V, SEQLENS, stride_kc, stride_vc, stride_k, 
                 mask=mask)
     v = tl.load(V + b * stride_v[0] + h * stride_v[1] + src * stride_v[2] + offs_dv[None, :],
                 mask=mask_v)
+    if QUANT:
+        k = quantize_e4m3(k, load_descale(descale.k, descale.k_strides, b, h), INTERPRET)
+        v = quantize_e4m3(v, load_descale(descale.v, descale.v_strides, b, h), INTERPRET)
     if PAGED:
         # Rows outside [0, max_len) read no page and are never stored (row_ok).
         page, page_row = page_rows(BLOCK_TABLE, bt_stride, page_size, b,
@@ -65,15 +74,24 @@ def _append_kv(K_CACHE, V_CACHE, K, V, SEQLENS, stride_kc, stride_vc, stride_k, 
     tl.store(V_CACHE + dst_v + h * stride_vc[1] + offs_dv[None, :], v, mask=mask_v)
 
 
-def append_kv(k_cache, v_cache, cache_seqlens, k, v, block_table=None):
+def append_kv(k_cache, v_cache, cache_seqlens, k, v, block_table=None, descale=None):
     """Write k (B, H_kv, n_new, D), v (B, H_kv, n_new, Dv) into the caches (B, H_kv,
     max_len, D or Dv) at positions
     cache_seqlens[b] ... cache_seqlens[b] + n_new - 1 of each row b, in place. With
     ``block_table`` (int32 (B, max_blocks), unit column stride) the caches are the paged ones
-    (num_blocks, page_size, H_kv, D or Dv) and max_len = max_blocks * page_size."""
+    (num_blocks, page_size, H_kv, D or Dv) and max_len = max_blocks * page_size.
+    e4m3 caches with fp16 / bf16 k, v: the rows are quantized with ``descale`` (a
+    ``mods.Descale``, its k and v (B, H_kv) or None = 1; ``_quantizes``); rows already in the
+    cache's dtype are copied as they are."""
     step = _append_step(k_cache, v_cache, k, v, block_table)
     if step is not None:
-        _run_append(step, k_cache, v_cache, cache_seqlens, k, v, block_table)
+        _run_append(step, k_cache, v_cache, cache_seqlens, k, v, block_table, descale)
+
+
+def _quantizes(cache, new) -> bool:
+    """Whether the append quantizes: an e4m3 cache given rows of another dtype (FP8 rows come
+    quantized already, with the cache's scales, and are copied raw)."""
+    return cache.dtype == FP8_DTYPE and new.dtype != FP8_DTYPE
 
 
 def _append_step(k_cache, v_cache, k, v, block_table):
@@ -93,20 +111,29 @@ def _append_step(k_cache, v_cache, k, v, block_table):
         stride_kc=k_cache.stride()[:3], stride_vc=v_cache.stride()[:3], stride_k=k.stride()[:3],
         stride_v=v.stride()[:3], n_new=n_new, max_len=max_len, bt_stride=bt_stride,
         page_size=page_size, HEAD_DIM=D, BLOCK_D=block_d(D), HEAD_DIM_V=Dv,
-        BLOCK_DV=block_d(Dv), BLOCK_M=_APPEND_BLOCK_M, PAGED=block_table is not None),
+        BLOCK_DV=block_d(Dv), BLOCK_M=_APPEND_BLOCK_M, PAGED=block_table is not None,
+        QUANT=_quantizes(k_cache, k), INTERPRET=interpreter_active()),
         configs=[None])
 
 
-def _run_append(step, k_cache, v_cache, cache_seqlens, k, v, block_table):
+def _run_append(step, k_cache, v_cache, cache_seqlens, k, v, block_table, descale=None):
     if block_table is not None:
         k_cache, v_cache = paged_view(k_cache), paged_view(v_cache)
+    # The descales' pointers (1.0 for a missing one; never read without QUANT).
+    ds = descale_args(descale, one_descale(k.device) if _quantizes(k_cache, k)
+                      else cache_seqlens)
     step(k.device, dict(K_CACHE=k_cache, V_CACHE=v_cache, K=k, V=v, SEQLENS=cache_seqlens,
-                        BLOCK_TABLE=cache_seqlens if block_table is None else block_table))
+                        BLOCK_TABLE=cache_seqlens if block_table is None else block_table,
+                        descale=ds))
 
 
 def kvcache_forward(q, k_cache, v_cache, cache_seqlens, k, v, call, *, num_splits,
                     block_table=None):
     """Append (k, v) if given, then attend: (out (B, H_q, q_len, Dv), lse (B, H_q, q_len)).
+
+    FP8 caches (e4m3, kernels/core/fp8.py): ``call.mods.descale`` (``mods.Descale``) holds
+    k / v descales (B, H_kv) (None = 1), and q's for e4m3 q; out in ``call.out_dtype``
+    (``call.new_out``). New rows of another dtype than the cache's are quantized into it.
 
     Row b sees its first n_b = cache_seqlens[b] (+ q_len with k, v) cache positions, bottom-right
     causal over them, as ``call`` (an ``AttentionCall`` without dropout) says. Inputs validated
@@ -149,7 +176,8 @@ class KVCachePlan:
     def __call__(self, q, k_cache, v_cache, cache_seqlens, k, v, call, *, block_table=None):
         block_table = _unit_columns(block_table)
         if self.append is not None:
-            _run_append(self.append, k_cache, v_cache, cache_seqlens, k, v, block_table)
+            _run_append(self.append, k_cache, v_cache, cache_seqlens, k, v, block_table,
+                        call.mods.descale)
         k_lens = cache_seqlens if not self.new else (cache_seqlens + self.new)
         if block_table is not None:
             k_cache, v_cache = paged_view(k_cache), paged_view(v_cache)
