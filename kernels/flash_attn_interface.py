@@ -51,8 +51,12 @@ raises there: ``RuntimeError`` in the varlen functions (its custom op's argument
 ``RuntimeError`` naming ``block_table``, as FlashAttention's guard does (a device-to-host read
 of the lengths on a GPU, as there).
 
-Not supported (``NotImplementedError`` naming the argument): FlashAttention 3's arguments (FP8
-descales, ``qv``, ``scheduler_metadata``, ...). Errors FlashAttention raises (a dtype other
+FP8: FlashAttention 3's ``q_descale``, ``k_descale``, ``v_descale`` (float32 (batch,
+heads_k)) with ``torch.float8_e4m3fn`` q, k, v in ``flash_attn_func`` and
+``flash_attn_varlen_func`` (forward only; output bf16), and an FP8 cache (with fp16 / bf16 or
+FP8 q) in ``flash_attn_with_kvcache``: ``kernels.attention``'s FP8 path (docs/features.md).
+Not supported (``NotImplementedError`` naming the argument): FlashAttention 3's other arguments
+(``qv``, ``scheduler_metadata``, ...). Errors FlashAttention raises (a dtype other
 than fp16 / bf16 -- fp32 is accepted here --, q, k, v dtypes or head dims that differ, heads_q
 not a multiple of heads_k, wrong ranks) are raised as the same type, RuntimeError, with our
 own message. Where FlashAttention is stricter than our
@@ -77,11 +81,12 @@ __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_
            "pad_input", "WINDOW_MASK"]
 
 # FlashAttention 3's arguments that FlashAttention 2's API does not have and we cannot honour.
-_FA3_ONLY = ("qv", "q_descale", "k_descale", "v_descale", "scheduler_metadata",
+_FA3_ONLY = ("qv", "scheduler_metadata",
              "attention_chunk", "sm_margin", "pack_gqa", "sink_token_length", "rotary_seqlens",
              "page_table", "seqused_q", "seqused_k", "cu_seqlens_k_new", "max_seqlen_q",
              "cu_seqlens_q", "s_aux", "learnable_sink")
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn)
+_FP8 = torch.float8_e4m3fn
 # Keys per identity slice of the probabilities' slow path (our head_dim_v limit).
 _PROBS_KEYS = 512
 # Window edges beyond this are unbounded (and keep kv_range / q_range arithmetic in int32).
@@ -196,18 +201,19 @@ def _reject_fa3(kwargs):
         raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(kwargs))}")
 
 
-def _check(q, k, v, dims, layout):
-    """FlashAttention's checks, its exception type (RuntimeError), our messages."""
+def _check(q, k, v, dims, layout, fp8_cache=False):
+    """FlashAttention's checks, its exception type (RuntimeError), our messages.
+    ``fp8_cache``: k, v may be an FP8 cache read by q of another dtype."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != dims:
             raise RuntimeError(f"{name} must be {dims}-D {layout}, got shape {tuple(t.shape)}")
     if q.dtype not in _DTYPES:
-        raise RuntimeError(f"q must be float16 or bfloat16 (float32 is accepted too), got "
-                           f"{q.dtype}")
+        raise RuntimeError(f"q must be float16 or bfloat16 (float32 and float8_e4m3fn are "
+                           f"accepted too), got {q.dtype}")
     for name, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype:
+        if t.dtype != q.dtype and not (fp8_cache and t.dtype == _FP8):
             raise RuntimeError(f"q and {name} must have the same dtype, got {q.dtype} and "
                                f"{t.dtype}")
         if t.shape[-1] != q.shape[-1]:
@@ -316,7 +322,8 @@ def _probs_varlen(q, k, cu_q, cu_k, max_q, max_k, dropout_p, seed, kw):
 # ---------------------------------------------------------------------------- dense
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                    return_attn_probs=False, **fa3_kwargs):
+                    return_attn_probs=False, *, q_descale=None, k_descale=None,
+                    v_descale=None, **fa3_kwargs):
     """FlashAttention 2's ``flash_attn_func`` on our kernels (differentiable).
 
     Args:
@@ -334,6 +341,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         deterministic: accepted; our backward is always deterministic.
         return_attn_probs: also return softmax_lse and S_dmask (module docstring: the
             probabilities with dropout, by a slow path for tests; else an empty tensor).
+        q_descale, k_descale, v_descale: FlashAttention 3's FP8 descales, float32 (batch,
+            heads_k), with float8_e4m3fn q, k, v (forward only, output bfloat16).
 
     Returns:
         out (batch, seqlen_q, heads, head_dim); with ``return_attn_probs``: (out, softmax_lse
@@ -343,16 +352,25 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     _reject_fa3(fa3_kwargs)
     _check(q, k, v, 4, "(batch, seqlen, heads, head_dim)")
     return _dense(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p,
-                  softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs)
+                  softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
+                  _fp8_kw(q, q_descale, k_descale, v_descale))
+
+
+def _fp8_kw(q, q_descale, k_descale, v_descale):
+    """The FP8 descales as ``kernels.attention`` keywords (none for other dtypes: their
+    validation then says a descale applies to FP8 only)."""
+    if q_descale is None and k_descale is None and v_descale is None:
+        return {}
+    return dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
 
 
 def _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-           return_attn_probs):
+           return_attn_probs, fp8_kw=None):
     """The dense functions in our layout (batch, heads, seq, head_dim)."""
     causal, window, mask_mod, mod_aux = _window_args(window_size, causal, q.device)
     kw = dict(causal=causal, softmax_scale=softmax_scale, window=window,
               softcap=_softcap(softcap), alibi_slopes=alibi_slopes, mask_mod=mask_mod,
-              mod_aux=mod_aux)
+              mod_aux=mod_aux, **(fp8_kw or {}))
     seed = _seed(dropout_p, return_attn_probs)
     out, lse = attention(q, k, v, dropout_p=dropout_p, seed=seed, return_lse=True, **kw)
     if not return_attn_probs:
@@ -391,7 +409,8 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                            softcap=0.0, alibi_slopes=None, deterministic=False,
-                           return_attn_probs=False, block_table=None, **fa3_kwargs):
+                           return_attn_probs=False, block_table=None, *, q_descale=None,
+                           k_descale=None, v_descale=None, **fa3_kwargs):
     """FlashAttention 2's ``flash_attn_varlen_func`` on ``kernels.attention_varlen``.
 
     Args:
@@ -403,7 +422,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             (num_blocks, page_block_size, heads_k, head_dim) (any page size), sequence s's
             keys its first cu_seqlens_k[s + 1] - cu_seqlens_k[s] positions, position j being
             row j % page_block_size of page block_table[s, j // page_block_size]; forward only,
-            without dropout (``attention_varlen(..., block_table=)``).
+            without dropout (``attention_varlen(..., block_table=)``); its pages may be FP8
+            (float8_e4m3fn) under fp16 / bf16 q, with k_descale / v_descale.
+        q_descale, k_descale, v_descale: FP8 descales, float32 (batch, heads_k), as in
+            ``flash_attn_func``.
         Others: as in ``flash_attn_func``; alibi_slopes may be (batch, heads).
 
     Returns:
@@ -419,7 +441,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                 raise RuntimeError(f"{name} must be 4-D (num_blocks, page_block_size, heads_k, "
                                    f"head_dim) with block_table (paged), got "
                                    f"{tuple(getattr(t, 'shape', ()))}")
-        _check(q, k.flatten(0, 1), v.flatten(0, 1), 3, "(total, heads, head_dim)")
+        _check(q, k.flatten(0, 1), v.flatten(0, 1), 3, "(total, heads, head_dim)",
+               fp8_cache=True)
     else:
         _check(q, k, v, 3, "(total, heads, head_dim)")
     _index_tensor("cu_seqlens_q", cu_seqlens_q, q.device, (None,))
@@ -427,7 +450,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     causal, window, mask_mod, mod_aux = _window_args(window_size, causal, q.device)
     kw = dict(causal=causal, softmax_scale=softmax_scale, window=window,
               softcap=_softcap(softcap), alibi_slopes=alibi_slopes, mask_mod=mask_mod,
-              mod_aux=mod_aux)
+              mod_aux=mod_aux, **_fp8_kw(q, q_descale, k_descale, v_descale))
     if paged:
         _index_tensor("block_table", block_table, q.device, (cu_seqlens_q.numel() - 1, None))
         if dropout_p:
@@ -511,7 +534,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_leftpad=None, block_table=None, softmax_scale=None,
                             causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-                            return_softmax_lse=False, **fa3_kwargs):
+                            return_softmax_lse=False, *, q_descale=None, k_descale=None,
+                            v_descale=None, **fa3_kwargs):
     """FlashAttention 2's ``flash_attn_with_kvcache`` on ``kernels.attention_with_kvcache``
     (forward only, as FlashAttention's).
 
@@ -537,6 +561,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         rotary_interleaved: True: rotate dims (0, 1), (2, 3), ...; False: GPT-NeoX halves.
         num_splits: split-KV (0: heuristic, 1: none).
         return_softmax_lse: also return lse fp32 (batch, heads, seqlen_q).
+        q_descale, k_descale, v_descale: FlashAttention 3's FP8 descales, float32 (batch,
+            heads_k): an FP8 (float8_e4m3fn) cache read by fp16 / bf16 q (new k, v in q's
+            dtype, quantized into the cache as x / descale), or FP8 q too (new k, v in FP8).
         Others: as in ``flash_attn_func``.
 
     Returns:
@@ -553,7 +580,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if paged and cache_batch_idx is not None:
         raise RuntimeError("cache_batch_idx cannot be combined with block_table (a paged "
                            "cache's rows are chosen by the block table)")
-    _check(q, k_cache, v_cache, 4, "(batch, seqlen, heads, head_dim)")
+    _check(q, k_cache, v_cache, 4, "(batch, seqlen, heads, head_dim)", fp8_cache=True)
     if (k is None) != (v is None):
         raise RuntimeError("k and v (new keys and values) must be given together")
     if k is not None:
@@ -631,7 +658,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if k.shape[1] == q.shape[1] and cache_batch_idx is None:
             new_k, new_v = k.transpose(1, 2), v.transpose(1, 2)   # our kernel appends them
         else:
-            _append(k_cache, v_cache, k, v, lens, cache_batch_idx, block_table)
+            _append(k_cache, v_cache, k, v, lens, cache_batch_idx, block_table, k_descale,
+                    v_descale)
             lens = lens + k.shape[1]
     if cache_batch_idx is not None:
         # No paged path: the selected rows are gathered (a copy; the appends went in above).
@@ -641,15 +669,28 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                       causal=causal, softmax_scale=softmax_scale, window=window,
                                       num_splits=num_splits, return_lse=True,
                                       softcap=_softcap(softcap), alibi_slopes=alibi_slopes,
-                                      mask_mod=mask_mod, mod_aux=mod_aux, **extra)
+                                      mask_mod=mask_mod, mod_aux=mod_aux,
+                                      **_fp8_kw(q, q_descale, k_descale, v_descale), **extra)
     out = out.transpose(1, 2)
     return (out, lse) if return_softmax_lse else out
 
 
-def _append(k_cache, v_cache, k, v, lens, cache_batch_idx, block_table):
+def _quantized(x, cache, descale):
+    """``x`` (batch, n_new, heads_k, head_dim) as the cache stores it: into an FP8 cache from
+    another dtype, x / descale[b, h] clamped to e4m3's range (the kernels' append rule)."""
+    if cache.dtype != _FP8 or x.dtype == _FP8:
+        return x.to(cache.dtype)
+    x = x.float()
+    if descale is not None:
+        x = x / descale[:, None, :, None]
+    return x.clamp(-448.0, 448.0).to(_FP8)
+
+
+def _append(k_cache, v_cache, k, v, lens, cache_batch_idx, block_table, k_descale=None,
+            v_descale=None):
     """Write k, v (batch, n_new, heads_k, head_dim) into the caches in place at positions
     lens[b] ... lens[b] + n_new - 1 of row b (cache row cache_batch_idx[b], or the pages of
-    block_table[b])."""
+    block_table[b]); quantized into an FP8 cache (``_quantized``)."""
     B, n_new = k.shape[:2]
     pos = lens.long()[:, None] + torch.arange(n_new, device=k.device)     # (B, n_new)
     if block_table is not None:
@@ -660,8 +701,8 @@ def _append(k_cache, v_cache, k, v, lens, cache_batch_idx, block_table):
         rows = cache_batch_idx.long()[:, None].expand(B, n_new)
     else:
         rows = torch.arange(B, device=k.device)[:, None].expand(B, n_new)
-    k_cache[rows, pos] = k.to(k_cache.dtype)
-    v_cache[rows, pos] = v.to(v_cache.dtype)
+    k_cache[rows, pos] = _quantized(k, k_cache, k_descale)
+    v_cache[rows, pos] = _quantized(v, v_cache, v_descale)
 
 
 # ---------------------------------------------------------------------------- padding helpers

@@ -10,13 +10,14 @@ from .core.call import default_softmax_scale  # noqa: F401  (re-exported for int
 from .core.backend import _use_fallback  # noqa: F401  (the backend decision; tools patch it)
 from .pipeline import (SEED_LIMIT, attention_plan, check_arguments, check_grad_shapes,  # noqa: F401
                        integration_backward, integration_forward, integration_plan,
-                       kvcache_runner, paged_varlen, plans, run_attention, run_kvcache,
-                       _packed)
+                       kvcache_descales, kvcache_runner, paged_varlen, plans, run_attention,
+                       run_kvcache, _packed)
 
 
 def attention(q, k, v, *, causal=True, dropout_p=0.0, softmax_scale=None, seed=None,
               window=None, num_splits=0, return_lse=False, softcap=None, sinks=None,
-              chunk_size=None, alibi_slopes=None, score_mod=None, mask_mod=None, mod_aux=()):
+              chunk_size=None, alibi_slopes=None, score_mod=None, mask_mod=None, mod_aux=(),
+              q_descale=None, k_descale=None, v_descale=None, out_dtype=None):
     """Fused scaled-dot-product attention: softmax(mask(q kᵀ · scale)) → dropout → @ v.
 
     Never materialises the (q_len × k_len) matrix; differentiable (FlashAttention-2-style
@@ -99,6 +100,14 @@ def attention(q, k, v, *, causal=True, dropout_p=0.0, softmax_scale=None, seed=N
         alibi_slopes: None, or float32 (heads_q,) or (batch, heads_q): ALiBi (FlashAttention's
             convention), the bias ``-slope * |i + k_len - q_len - j|`` added to the (soft-capped)
             score before masking. Not differentiable.
+        q_descale, k_descale, v_descale, out_dtype: FP8 attention (FlashAttention-3's forward):
+            q, k, v all ``torch.float8_e4m3fn`` (no other FP8 format), each standing for its
+            values times its descale, a float32 (batch, heads_kv) tensor (None = 1) applied in
+            the kernel (q·k's in the softmax scale, v's on the output); the weights P are
+            rounded to e4m3 (scaled by 2**8) for the P @ V product. out_dtype: torch.bfloat16
+            (default) or torch.float16. Forward only (gradients raise: train in bf16), no
+            dropout. GPUs with FP8 tensor cores (sm_89 and later) run the FP8 kernel; others,
+            and the CPU, the same quantized math in PyTorch (warned once). docs/features.md.
         score_mod, mask_mod, mod_aux: a user's ``kernels.ScoreMod`` / ``kernels.MaskMod``
             (@triton.jit functions with PyTorch twins; contract in kernels/core/mods.py) and
             the tuple of tensors they read. The score mod applies after softcap and ALiBi, the
@@ -114,11 +123,14 @@ def attention(q, k, v, *, causal=True, dropout_p=0.0, softmax_scale=None, seed=N
         A NaN in a query row that sees a key gives NaN in that row of out and lse on every
         path, as in ``reference.attention`` (tests/core/test_layouts_property.py).
     """
+    descale = (None if q_descale is None and k_descale is None and v_descale is None
+               else (q_descale, k_descale, v_descale))
     plan, mods = attention_plan(q, k, v, (causal, dropout_p, softmax_scale, window, num_splits,
                                           softcap, chunk_size, score_mod, mask_mod, None),
-                                sinks, alibi_slopes, mod_aux)
+                                sinks, alibi_slopes, mod_aux, descale=descale,
+                                out_dtype=out_dtype)
     out, lse = run_attention(plan, mods, q, k, v, seed, sinks, alibi_slopes, mod_aux,
-                             need_lse=return_lse)
+                             need_lse=return_lse, descale=descale)
     return (out, lse) if return_lse else out
 
 
@@ -126,7 +138,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
                      *, causal=True, dropout_p=0.0, softmax_scale=None, seed=None, window=None,
                      return_lse=False, softcap=None, sinks=None, chunk_size=None,
                      alibi_slopes=None, score_mod=None, mask_mod=None, mod_aux=(),
-                     block_table=None, seqused_k=None):
+                     block_table=None, seqused_k=None, q_descale=None, k_descale=None,
+                     v_descale=None, out_dtype=None):
     """Attention over packed sequences of different lengths (FlashAttention's varlen layout).
 
     Sequence s is rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]`` of q and
@@ -181,11 +194,13 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
         lse (only with ``return_lse``): float32 (heads_q, total_q), natural log, -inf for rows
             that see no key. Not differentiable.
     """
+    descale = (None if q_descale is None and k_descale is None and v_descale is None
+               else (q_descale, k_descale, v_descale))
     if block_table is not None:
         out, lse = paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
                                 max_seqlen_q, (causal, dropout_p, softmax_scale, window, 0,
                                                softcap, chunk_size, score_mod, mask_mod, None),
-                                sinks, alibi_slopes, mod_aux)
+                                sinks, alibi_slopes, mod_aux, descale, out_dtype)
         return (out, lse) if return_lse else out
     if seqused_k is not None:
         raise ValueError("seqused_k goes with block_table (key counts of a paged cache); "
@@ -193,15 +208,19 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     packed = _packed(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k)
     options = (causal, dropout_p, softmax_scale, window, 0, softcap, chunk_size, score_mod,
                mask_mod, None)
-    plan, mods = attention_plan(q, k, v, options, sinks, alibi_slopes, mod_aux, packed)
-    out, lse = run_attention(plan, mods, q, k, v, seed, sinks, alibi_slopes, mod_aux, packed)
+    plan, mods = attention_plan(q, k, v, options, sinks, alibi_slopes, mod_aux, packed,
+                                descale=descale, out_dtype=out_dtype)
+    out, lse = run_attention(plan, mods, q, k, v, seed, sinks, alibi_slopes, mod_aux, packed,
+                             descale=descale)
     return (out, lse) if return_lse else out
 
 
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, *, causal=True,
                            softmax_scale=None, window=None, num_splits=0, return_lse=False,
                            softcap=None, sinks=None, chunk_size=None, alibi_slopes=None,
-                           score_mod=None, mask_mod=None, mod_aux=(), block_table=None):
+                           score_mod=None, mask_mod=None, mod_aux=(), block_table=None,
+                           q_descale=None, k_descale=None, v_descale=None, k_scale=None,
+                           v_scale=None, out_dtype=None):
     """Attention of new query tokens against a preallocated KV cache (generation), optionally
     appending their keys and values first; FlashAttention's serving API in our layout.
 
@@ -240,6 +259,14 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, *
             (batch, heads_kv, q_len, .) layout and are written into their pages. The kernels
             read and write the pages in place (no gathered copy), with split-KV,
             grouped-query heads and every option above; one compile per page size.
+        k_descale, v_descale / k_scale, v_scale: an **FP8 cache** (k_cache, v_cache
+            ``torch.float8_e4m3fn``) read by float16 / bfloat16 q: its entries stand for their
+            values times these scales, per (batch, heads_kv) (FlashAttention-3's
+            ``k_descale`` / ``v_descale``: float32 (batch, heads_kv)) or per tensor (vLLM's
+            ``k_scale`` / ``v_scale``: a float or a one-element float32 tensor); None = 1.
+            New k, v come in q's dtype and are quantized into the cache in the kernel
+            (x / scale, clamped to e4m3's +-448). With FP8 q too (``q_descale``,
+            ``out_dtype`` as in ``attention``), new k, v come in FP8, already quantized.
 
     Returns:
         out (batch, heads_q, q_len, head_dim_v) in q's dtype [, lse]. heads = 0 (q of shape
@@ -248,11 +275,13 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, *
         ``attention`` or ``attention_varlen``); works under ``torch.inference_mode()`` and
         ``torch.compile(fullgraph=True)`` (a custom op that declares it mutates the caches).
     """
+    descale = kvcache_descales(q, k_cache, block_table, q_descale, k_descale, v_descale,
+                               k_scale, v_scale)
     runner, mods = kvcache_runner(q, k_cache, v_cache, cache_seqlens, k, v, block_table, (
         causal, softmax_scale, window, num_splits, softcap, chunk_size, score_mod, mask_mod),
-        sinks, alibi_slopes, mod_aux)
+        sinks, alibi_slopes, mod_aux, descale, out_dtype)
     out, lse = run_kvcache(runner, mods, q, k_cache, v_cache, cache_seqlens, k, v, block_table,
-                           sinks, alibi_slopes, mod_aux)
+                           sinks, alibi_slopes, mod_aux, descale)
     return (out, lse) if return_lse else out
 
 

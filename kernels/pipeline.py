@@ -17,6 +17,7 @@
   (``_gradients``).
 """
 import collections
+import dataclasses
 import threading
 import warnings
 
@@ -25,10 +26,11 @@ import torch
 from .core.backend import AttentionPlan, KVCacheRunner, PagedVarlenRunner
 from .core.call import (AttentionCall, call_spec, default_softmax_scale, lse_shape, new_like,
                         new_out, parse_spec, with_tensors, without_tensors)
-from .core.mods import aux_grad_buffers, aux_grad_mask, sinks_grad
-from .validation import (SEED_LIMIT, check_cache_lengths, check_cu_seqlens, check_drop_layout,
-                         check_kvcache, check_mods, check_num_splits, check_paged_varlen,
-                         check_seed, validate_attention)
+from .core.mods import Descale, aux_grad_buffers, aux_grad_mask, sinks_grad
+from .validation import (FP8_DTYPE, SEED_LIMIT, check_cache_lengths, check_cu_seqlens,
+                         check_drop_layout, check_fp8, check_kvcache, check_mods,
+                         check_num_splits, check_paged_varlen, check_seed, expand_scale,
+                         validate_attention)
 
 PACKED_LAYOUT = "(total_rows, heads, head_dim) (packed sequences)"
 # Options of an attention call, in the order the public functions pass them.
@@ -118,6 +120,30 @@ def _options_key(options, sinks, alibi_slopes, mod_aux):
             tuple(map(_signature, mod_aux)) if mod_aux else ())
 
 
+def _fp8_key(descale, out_dtype):
+    """The key part of a call's FP8 arguments: () for the calls without any (no cost)."""
+    if descale is None and out_dtype is None:
+        return ()
+    return (None if descale is None else tuple(map(_opt_sig, descale)), out_dtype)
+
+
+def _with_fp8(mods, descale):
+    """``mods`` with the call's checked descales (``check_fp8``), if any."""
+    return mods if descale is None else dataclasses.replace(mods, descale=Descale(*descale))
+
+
+_FP8_NO_GRAD = (
+    "FP8 (float8_e4m3fn) attention is forward-only, as FlashAttention-3's and -4's are: no "
+    "gradient flows through FP8 q, k or v. Train in bfloat16 (kernels.attention with bf16 "
+    "q, k, v is differentiable), or run the FP8 call under torch.no_grad() / "
+    "torch.inference_mode().")
+
+
+def _refuse_fp8_grad(*tensors):
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        raise RuntimeError(_FP8_NO_GRAD)
+
+
 def _keyable(*tensors):
     """Whether a call on these tensors can use a cached plan outside the custom ops: plain
     tensors on CPU or CUDA, outside torch.compile tracing."""
@@ -130,10 +156,12 @@ def _keyable(*tensors):
 # --------------------------------------------------------------------------------------------
 # Resolve: validation, defaults, the call's description
 # --------------------------------------------------------------------------------------------
-def resolve_attention(q, k, v, options, sinks, alibi_slopes, mod_aux, packed=None, seed=None):
+def resolve_attention(q, k, v, options, sinks, alibi_slopes, mod_aux, packed=None, seed=None,
+                      descale=None, out_dtype=None):
     """Validate an ``attention`` (``packed`` None) or ``attention_varlen`` call (``packed`` =
     (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) as ``check_cu_seqlens`` returns
-    them). Returns (its ``AttentionPlan``, its ``CallMods`` with the converted tensors)."""
+    them); ``descale`` (q, k, v descales) and ``out_dtype``: an FP8 call's (``check_fp8``).
+    Returns (its ``AttentionPlan``, its ``CallMods`` with the converted tensors)."""
     (causal, dropout_p, softmax_scale, window, num_splits, softcap, chunk_size, score_mod,
      mask_mod, drop_layout) = options
     if packed is None:
@@ -145,15 +173,22 @@ def resolve_attention(q, k, v, options, sinks, alibi_slopes, mod_aux, packed=Non
         batch = packed[0].numel() - 1
     mods, chunk_size = check_mods(q, causal, window, softcap, sinks, chunk_size, alibi_slopes,
                                   score_mod, mask_mod, mod_aux, batch=batch)
+    descale, out_dtype = check_fp8(q.dtype, k.dtype, descale, out_dtype, batch,
+                                   k.shape[-2 if packed is not None else 1], q.device,
+                                   dropout_p)
+    mods = _with_fp8(mods, descale)
     check_num_splits(num_splits)
     drop_layout = check_drop_layout(drop_layout, q, k, packed is not None)
     if softmax_scale is None:
         softmax_scale = default_softmax_scale(q.shape[-1])
     call = AttentionCall(causal, float(softmax_scale), float(dropout_p), 0,
                          int(window) if window is not None else None,
-                         None if drop_layout is None else tuple(drop_layout), chunk_size, mods)
+                         None if drop_layout is None else tuple(drop_layout), chunk_size, mods,
+                         out_dtype=out_dtype)
     max_seqlens = (None, None) if packed is None else tuple(packed[2:])
-    return AttentionPlan(without_tensors(call), num_splits, max_seqlens), mods
+    plan = AttentionPlan(without_tensors(call), num_splits, max_seqlens)
+    plan.fp8 = k.dtype == FP8_DTYPE
+    return plan, mods
 
 
 def check_arguments(q, k, v, causal, dropout_p, softmax_scale, seed):
@@ -175,7 +210,8 @@ def _packed(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k):
             *check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k))
 
 
-def attention_plan(q, k, v, options, sinks=None, alibi_slopes=None, mod_aux=(), packed=None):
+def attention_plan(q, k, v, options, sinks=None, alibi_slopes=None, mod_aux=(), packed=None,
+                   descale=None, out_dtype=None):
     """(plan, mods) of a call: the cached plan (mods None: the call's own tensors are used as
     they come) when the call can be keyed, else a resolved uncached one (it runs through the
     custom ops, whose bodies look up their own)."""
@@ -184,13 +220,15 @@ def attention_plan(q, k, v, options, sinks=None, alibi_slopes=None, mod_aux=(), 
             key = (_signature(q), _signature(k), _signature(v),
                    *_options_key(options, sinks, alibi_slopes, mod_aux),
                    None if packed is None else (_signature(packed[0]), _signature(packed[1]),
-                                                *packed[2:]))
+                                                *packed[2:]), *_fp8_key(descale, out_dtype))
         except (TypeError, AttributeError, RuntimeError):   # not tensors, or no storage
             key = None
         if key is not None:
             return plans.get_or_build(key, lambda: resolve_attention(
-                q, k, v, options, sinks, alibi_slopes, mod_aux, packed)[0]), None
-    return resolve_attention(q, k, v, options, sinks, alibi_slopes, mod_aux, packed)
+                q, k, v, options, sinks, alibi_slopes, mod_aux, packed, descale=descale,
+                out_dtype=out_dtype)[0]), None
+    return resolve_attention(q, k, v, options, sinks, alibi_slopes, mod_aux, packed,
+                             descale=descale, out_dtype=out_dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -236,11 +274,13 @@ def seed_tensor(dropout_p, seed, device):
 # Run: the eager route and the custom ops, one backward
 # --------------------------------------------------------------------------------------------
 def run_attention(plan, mods, q, k, v, seed, sinks, alibi_slopes, mod_aux, packed=None,
-                  need_lse=True):
+                  need_lse=True, descale=None):
     """(out, lse) of a planned call (``attention_plan``'s): eager (``mods`` None: a cached
     plan), with autograd when a gradient is wanted, else through the custom ops. lse may be
-    None unless ``need_lse``."""
+    None unless ``need_lse``. ``descale``: an FP8 call's (q, k, v) descales."""
     cu = (None, None) if packed is None else packed[:2]
+    if plan.fp8:
+        return _run_fp8(plan, mods, q, k, v, sinks, alibi_slopes, mod_aux, packed, descale)
     seed_t = (_NO_SEED if seed is None and plan.dropout_p == 0.0
               else seed_tensor(plan.dropout_p, seed, q.device))
     if mods is not None:   # not keyable: the custom ops (torch.compile, subclasses, torch.func)
@@ -268,6 +308,20 @@ def run_attention(plan, mods, q, k, v, seed, sinks, alibi_slopes, mod_aux, packe
         return _PlannedAttention.apply(q, k, v, call.mods.sinks, seed_t, plan, call, route,
                                        aux_grad, *cu, *mod_aux)
     return plan.forward(q, k, v, seed_t, call, *cu)
+
+
+def _run_fp8(plan, mods, q, k, v, sinks, alibi_slopes, mod_aux, packed, descale):
+    """An FP8 call (forward only): the plan directly, or the forward op."""
+    _refuse_fp8_grad(q, k, v, sinks, *mod_aux)
+    cu = (None, None) if packed is None else packed[:2]
+    if mods is not None:
+        descale = mods.descale or (None, None, None)
+        return _fwd_op(q, k, v, *cu, *((-1, -1) if packed is None else packed[2:]), _NO_SEED,
+                       mods.alibi_slopes, mods.sinks, list(mods.aux),
+                       call_spec(plan.call, plan.num_splits), *descale)
+    call = with_tensors(plan.call, sinks, alibi_slopes, mod_aux,
+                        descale=None if descale is None else Descale(*descale))
+    return plan.forward(q, k, v, _NO_SEED, call, *cu)
 
 
 class _NoDoubleBackward(torch.autograd.Function):
@@ -340,7 +394,7 @@ class _PlannedAttention(torch.autograd.Function):
                 *(d if w else None for d, w in zip(daux or [None] * len(aux), ctx.aux_grad)))
 
 
-def _op_plan(kind, spec, ints, tensors, sinks, alibi_slopes, mod_aux, make):
+def _op_plan(kind, spec, ints, tensors, sinks, alibi_slopes, mod_aux, make, descale=None):
     """The plan or runner of a custom op's call (validated when the public function traced or
     called it): from the plan cache by ``kind``, ``spec``, ``ints`` and the signatures of
     ``tensors`` (None where absent), sinks, slopes and mod_aux, else ``make(call,
@@ -348,26 +402,38 @@ def _op_plan(kind, spec, ints, tensors, sinks, alibi_slopes, mod_aux, make):
     key = (kind, spec, ints, *(None if t is None else _signature(t) for t in tensors),
            None if alibi_slopes is None else _signature(alibi_slopes),
            None if sinks is None else _signature(sinks),
-           tuple(map(_signature, mod_aux)) if mod_aux else ())
+           tuple(map(_signature, mod_aux)) if mod_aux else (), *_fp8_key(descale, None))
     plan = plans.get_or_build(key, lambda: make(*parse_spec(spec)))
-    return plan, with_tensors(plan.call, sinks, alibi_slopes, mod_aux)
+    return plan, with_tensors(plan.call, sinks, alibi_slopes, mod_aux,
+                              descale=None if descale is None else Descale(*descale))
 
 
-def _in_fake_layout(out, q, head_dim_v):
+def _in_fake_layout(out, q, head_dim_v, out_dtype=None):
     """``out`` in the fake's layout (``new_out(q, ...)``): the kernels' output has it but for a
     q without a unit last stride, which they read through a copy."""
     if q.stride(-1) != 1:
-        expected = new_out(q, head_dim_v)
+        expected = new_out(q, head_dim_v, out_dtype)
         if out.stride() != expected.stride():
             return expected.copy_(out)
     return out
 
 
-def _attention_op_plan(q, k, v, cu_q, cu_k, max_q, max_k, alibi_slopes, sinks, mod_aux, spec):
+def _attention_op_plan(q, k, v, cu_q, cu_k, max_q, max_k, alibi_slopes, sinks, mod_aux, spec,
+                       descale=None):
     """``_op_plan`` of ``fused_attention::fwd`` / ``bwd``: an ``AttentionPlan``."""
+    def make(call, num_splits):
+        plan = AttentionPlan(call, num_splits, (max_q, max_k))
+        plan.fp8 = k.dtype == FP8_DTYPE
+        return plan
     return _op_plan("op", spec, (max_q, max_k), (q, k, v, cu_q, cu_k), sinks, alibi_slopes,
-                    mod_aux, lambda call, num_splits: AttentionPlan(call, num_splits,
-                                                                    (max_q, max_k)))
+                    mod_aux, make, descale)
+
+
+def _descales(q_descale, k_descale, v_descale):
+    """The ops' three optional descales as ``_op_plan``'s ``descale`` (None: none given)."""
+    if q_descale is None and k_descale is None and v_descale is None:
+        return None
+    return (q_descale, k_descale, v_descale)
 
 
 # The ops are defined with ``torch.library.Library`` (CPU and CUDA kernels, fakes for tracing)
@@ -395,18 +461,21 @@ def _define(name, schema, impl, fake):
 
 
 def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seed,
-              alibi_slopes, sinks, mod_aux, spec):
+              alibi_slopes, sinks, mod_aux, spec, q_descale=None, k_descale=None,
+              v_descale=None):
     """``fused_attention::fwd``: (out, lse) of the call ``spec`` (``call_spec``) describes."""
     plan, call = _attention_op_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                    max_seqlen_k, alibi_slopes, sinks, mod_aux, spec)
+                                    max_seqlen_k, alibi_slopes, sinks, mod_aux, spec,
+                                    _descales(q_descale, k_descale, v_descale))
     out, lse = plan.forward(q, k, v, seed, call, cu_seqlens_q, cu_seqlens_k)
-    return _in_fake_layout(out, q, v.shape[-1]), lse
+    return _in_fake_layout(out, q, v.shape[-1], call.out_dtype), lse
 
 
 def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seed,
-              alibi_slopes, sinks, mod_aux, spec):
-    return new_out(q, v.shape[-1]), q.new_empty(lse_shape(q, cu_seqlens_q is not None),
-                                                 dtype=torch.float32)
+              alibi_slopes, sinks, mod_aux, spec, q_descale=None, k_descale=None,
+              v_descale=None):
+    return (new_out(q, v.shape[-1], parse_spec(spec)[0].out_dtype),
+            q.new_empty(lse_shape(q, cu_seqlens_q is not None), dtype=torch.float32))
 
 
 def _bwd_impl(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -433,7 +502,8 @@ def _bwd_fake(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
 
 _fwd_op = _define("fwd", "(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, "
                   "Tensor? cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor seed, "
-                  "Tensor? alibi_slopes, Tensor? sinks, Tensor[] mod_aux, str spec) "
+                  "Tensor? alibi_slopes, Tensor? sinks, Tensor[] mod_aux, str spec, "
+                  "Tensor? q_descale=None, Tensor? k_descale=None, Tensor? v_descale=None) "
                   "-> (Tensor, Tensor)", _fwd_impl, _fwd_fake)
 _bwd_op = _define("bwd", "(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, "
                   "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, SymInt max_seqlen_q, "
@@ -508,8 +578,10 @@ def _check_vmappable(named_dims):
 
 @torch.library.register_vmap("fused_attention::fwd")
 def _fwd_vmap(info, in_dims, q, k, v, cu_q, cu_k, max_q, max_k, seed, alibi_slopes, sinks,
-              mod_aux, spec):
-    q_d, k_d, v_d, cu_q_d, cu_k_d, _, _, seed_d, alibi_d, sinks_d, aux_d, _ = in_dims
+              mod_aux, spec, q_descale=None, k_descale=None, v_descale=None):
+    q_d, k_d, v_d, cu_q_d, cu_k_d, _, _, seed_d, alibi_d, sinks_d, aux_d, _ = in_dims[:12]
+    if k.dtype == FP8_DTYPE:
+        raise _vmap_refusal("an FP8 call")
     _check_vmappable((("cu_seqlens", cu_q_d), ("cu_seqlens", cu_k_d), ("seed", seed_d),
                       ("alibi_slopes", alibi_d), ("sinks", sinks_d)))
     if cu_q is not None:
@@ -548,15 +620,19 @@ def _bwd_vmap(info, in_dims, do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, seed
 # The KV cache (forward only)
 # --------------------------------------------------------------------------------------------
 def resolve_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, options, sinks,
-                    alibi_slopes, mod_aux):
+                    alibi_slopes, mod_aux, descale=None, out_dtype=None):
     """Validate an ``attention_with_kvcache`` call; (its ``KVCacheRunner``, its ``CallMods``
-    with the converted tensors)."""
+    with the converted tensors). ``descale``, ``out_dtype``: an FP8 call's (``check_fp8``)."""
     (causal, softmax_scale, window, num_splits, softcap, chunk_size, score_mod,
      mask_mod) = options
     causal = check_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale,
                            window, num_splits, block_table)
     mods, chunk_size = check_mods(q, causal, window, softcap, sinks, chunk_size, alibi_slopes,
                                   score_mod, mask_mod, mod_aux, batch=q.shape[0])
+    descale, out_dtype = check_fp8(q.dtype, k_cache.dtype, descale, out_dtype, q.shape[0],
+                                   k_cache.shape[2 if block_table is not None else 1],
+                                   q.device)
+    mods = _with_fp8(mods, descale)
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a unit stride in head_dim (it is written in "
@@ -564,8 +640,10 @@ def resolve_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, optio
     if softmax_scale is None:
         softmax_scale = default_softmax_scale(q.shape[-1])
     call = AttentionCall(causal, float(softmax_scale), 0.0, 0,
-                         int(window) if window is not None else None, None, chunk_size, mods)
+                         int(window) if window is not None else None, None, chunk_size, mods,
+                         out_dtype=out_dtype)
     runner = KVCacheRunner(without_tensors(call), num_splits)
+    runner.fp8 = k_cache.dtype == FP8_DTYPE
     new = 0 if k is None else q.shape[2]
     if block_table is None:
         runner.lengths = (new, k_cache.shape[2], None, 0, 1)
@@ -576,38 +654,58 @@ def resolve_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, optio
     return runner, mods
 
 
+def kvcache_descales(q, k_cache, block_table, q_descale, k_descale, v_descale, k_scale,
+                     v_scale):
+    """The (q, k, v) descales of an ``attention_with_kvcache`` call, or None: per-tensor scales
+    (vLLM's ``k_scale`` / ``v_scale``) become (batch, heads_kv) views of one element (no copy
+    for a tensor; a float costs a host-to-device copy per call)."""
+    if k_scale is not None or v_scale is not None:
+        k_descale, v_descale = (
+            expand_scale(name, scale, descale, q, k_cache, block_table)
+            for name, scale, descale in (("k_scale", k_scale, k_descale),
+                                         ("v_scale", v_scale, v_descale)))
+    if q_descale is None and k_descale is None and v_descale is None:
+        return None
+    return (q_descale, k_descale, v_descale)
+
+
 def kvcache_runner(q, k_cache, v_cache, cache_seqlens, k, v, block_table, options, sinks,
-                   alibi_slopes, mod_aux):
+                   alibi_slopes, mod_aux, descale=None, out_dtype=None):
     """(runner, mods) as ``attention_plan``: cached (mods None) when the call can be keyed."""
     tensors = (q, k_cache, v_cache, cache_seqlens, k, v, block_table)
     if _keyable(*tensors):
         try:
             key = ("kvcache", *(_opt_sig(t) for t in tensors),
-                   *_options_key(options, sinks, alibi_slopes, mod_aux))
+                   *_options_key(options, sinks, alibi_slopes, mod_aux),
+                   *_fp8_key(descale, out_dtype))
         except (TypeError, AttributeError, RuntimeError):
             key = None
         if key is not None:
             return plans.get_or_build(key, lambda: resolve_kvcache(
                 q, k_cache, v_cache, cache_seqlens, k, v, block_table, options, sinks,
-                alibi_slopes, mod_aux)[0]), None
+                alibi_slopes, mod_aux, descale, out_dtype)[0]), None
     return resolve_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, options,
-                           sinks, alibi_slopes, mod_aux)
+                           sinks, alibi_slopes, mod_aux, descale, out_dtype)
 
 
 def run_kvcache(runner, mods, q, k_cache, v_cache, cache_seqlens, k, v, block_table, sinks,
-                alibi_slopes, mod_aux):
+                alibi_slopes, mod_aux, descale=None):
     """(out, lse) of a planned KV-cache call (the cache lengths checked where on the host)."""
     new, max_len, _, num_blocks, page_size = runner.lengths
     check_cache_lengths(cache_seqlens, new, max_len, block_table, num_blocks, page_size)
     inputs = [t for t in (q, k_cache, v_cache, k, v) if t is not None]
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+    if runner.fp8 and q.dtype == FP8_DTYPE:
+        _refuse_fp8_grad(*inputs)
+    descale = None if descale is None else Descale(*descale)
     if mods is None and not needs_grad:
-        call = with_tensors(runner.call, sinks, alibi_slopes, mod_aux)
+        call = with_tensors(runner.call, sinks, alibi_slopes, mod_aux, descale=descale)
         return runner(q, k_cache, v_cache, cache_seqlens, k, v, call, block_table)
     if mods is None:
-        mods = with_tensors(runner.call, sinks, alibi_slopes, mod_aux).mods
+        mods = with_tensors(runner.call, sinks, alibi_slopes, mod_aux, descale=descale).mods
     args = (q, k_cache, v_cache, cache_seqlens, k, v, block_table, mods.alibi_slopes,
-            mods.sinks, list(mods.aux), call_spec(runner.call, runner.num_splits))
+            mods.sinks, list(mods.aux), call_spec(runner.call, runner.num_splits),
+            *(mods.descale or (None, None, None)))
     if needs_grad:
         with torch.no_grad():
             out, lse = _kvcache_op(*args)
@@ -615,24 +713,38 @@ def run_kvcache(runner, mods, q, k_cache, v_cache, cache_seqlens, k, v, block_ta
     return _kvcache_op(*args)
 
 
+def _runner_maker(cls, *args):
+    """``make`` of ``_op_plan`` for a forward-only runner: ``cls(call, num_splits, *args)``,
+    marked FP8 as ``resolve_kvcache`` marks it."""
+    def make(call, num_splits, fp8):
+        runner = cls(call, num_splits, *args)
+        runner.fp8 = fp8
+        return runner
+    return make
+
+
 def _kvcache_impl(q, k_cache, v_cache, cache_seqlens, k, v, block_table, alibi_slopes, sinks,
-                  mod_aux, spec):
+                  mod_aux, spec, q_descale=None, k_descale=None, v_descale=None):
     """``fused_attention::kvcache``: append (k, v) into the caches (in place), then attend."""
+    make = _runner_maker(KVCacheRunner)
     runner, call = _op_plan("kvcache-op", spec, (), (q, k_cache, v_cache, cache_seqlens, k, v,
                                                      block_table), sinks, alibi_slopes, mod_aux,
-                            KVCacheRunner)
+                            lambda call, n: make(call, n, k_cache.dtype == FP8_DTYPE),
+                            _descales(q_descale, k_descale, v_descale))
     return runner(q, k_cache, v_cache, cache_seqlens, k, v, call, block_table)
 
 
 def _kvcache_fake(q, k_cache, v_cache, cache_seqlens, k, v, block_table, alibi_slopes, sinks,
-                  mod_aux, spec):
-    return new_out(q, v_cache.shape[-1]), q.new_empty(tuple(q.shape[:3]), dtype=torch.float32)
+                  mod_aux, spec, q_descale=None, k_descale=None, v_descale=None):
+    return (new_out(q, v_cache.shape[-1], parse_spec(spec)[0].out_dtype),
+            q.new_empty(tuple(q.shape[:3]), dtype=torch.float32))
 
 
 _kvcache_op = _define(
     "kvcache", "(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, "
     "Tensor? k, Tensor? v, Tensor? block_table, Tensor? alibi_slopes, Tensor? sinks, "
-    "Tensor[] mod_aux, str spec) -> (Tensor, Tensor)", _kvcache_impl, _kvcache_fake)
+    "Tensor[] mod_aux, str spec, Tensor? q_descale=None, Tensor? k_descale=None, "
+    "Tensor? v_descale=None) -> (Tensor, Tensor)", _kvcache_impl, _kvcache_fake)
 
 
 _KVCACHE_NO_BACKWARD = (
@@ -683,7 +795,8 @@ class _ForwardOnly(torch.autograd.Function):
 # Packed queries over a paged cache (forward only)
 # --------------------------------------------------------------------------------------------
 def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
-                 max_seqlen_q, options, sinks, alibi_slopes, mod_aux):
+                 max_seqlen_q, options, sinks, alibi_slopes, mod_aux, descale=None,
+                 out_dtype=None):
     """(out, lse) of ``attention_varlen(..., block_table=)``: resolved once per signature
     (the key holds the longest query sequence, read on the host once per cu_seqlens_q
     tensor), the key counts checked per call where they are on the host."""
@@ -695,7 +808,8 @@ def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, seqused_k, blo
         try:
             max_q = check_cu_seqlens(cu_seqlens_q, cu_seqlens_q, q, q, max_seqlen_q, None)[0]
             key = ("paged-varlen", *(_opt_sig(t) for t in tensors), max_q,
-                   *_options_key(options, sinks, alibi_slopes, mod_aux))
+                   *_options_key(options, sinks, alibi_slopes, mod_aux),
+                   *_fp8_key(descale, out_dtype))
         except (TypeError, AttributeError, RuntimeError, ValueError, IndexError):
             key = None   # the checks below say what is wrong
     runner = None if key is None else plans.get(key)
@@ -706,13 +820,17 @@ def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, seqused_k, blo
         mods, chunk_size = check_mods(q, causal, window, softcap, sinks, chunk_size,
                                       alibi_slopes, score_mod, mask_mod, mod_aux,
                                       batch=cu_seqlens_q.numel() - 1)
+        checked, out_dtype = check_fp8(q.dtype, k_cache.dtype, descale, out_dtype,
+                                       cu_seqlens_q.numel() - 1, k_cache.shape[2], q.device)
+        mods = _with_fp8(mods, checked)
         check_num_splits(num_splits)
         if softmax_scale is None:
             softmax_scale = default_softmax_scale(q.shape[-1])
         call = AttentionCall(causal, float(softmax_scale), 0.0, 0,
                              int(window) if window is not None else None, None, chunk_size,
-                             mods)
+                             mods, out_dtype=out_dtype)
         runner = PagedVarlenRunner(without_tensors(call), num_splits, max_q)
+        runner.fp8 = k_cache.dtype == FP8_DTYPE
         if key is not None:
             plans.put(key, runner)
     if seqused_k is None:
@@ -720,15 +838,18 @@ def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, seqused_k, blo
     num_blocks, page_size = k_cache.shape[:2]
     check_cache_lengths(seqused_k, 0, block_table.shape[1] * page_size, block_table,
                         num_blocks, page_size)
-    call = with_tensors(runner.call, sinks, alibi_slopes, mod_aux)
+    call = with_tensors(runner.call, sinks, alibi_slopes, mod_aux,
+                        descale=None if descale is None else Descale(*descale))
     inputs = [t for t in (q, k_cache, v_cache) if t.requires_grad]
     needs_grad = torch.is_grad_enabled() and bool(inputs)
+    if runner.fp8 and q.dtype == FP8_DTYPE:
+        _refuse_fp8_grad(*inputs)
     if key is not None and not needs_grad:
         return runner(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, call)
     mods = call.mods
     args = (q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, runner.max_seqlen_q,
             mods.alibi_slopes, mods.sinks, list(mods.aux),
-            call_spec(runner.call, runner.num_splits))
+            call_spec(runner.call, runner.num_splits), *(mods.descale or (None, None, None)))
     if needs_grad:
         with torch.no_grad():
             out, lse = _varlen_paged_op(*args)
@@ -737,25 +858,31 @@ def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, seqused_k, blo
 
 
 def _varlen_paged_impl(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table,
-                       max_seqlen_q, alibi_slopes, sinks, mod_aux, spec):
+                       max_seqlen_q, alibi_slopes, sinks, mod_aux, spec, q_descale=None,
+                       k_descale=None, v_descale=None):
+    make = _runner_maker(PagedVarlenRunner, max_seqlen_q)
     runner, call = _op_plan(
         "paged-varlen-op", spec, max_seqlen_q, (q, k_cache, v_cache, cu_seqlens_q, seqused_k,
                                                 block_table), sinks, alibi_slopes, mod_aux,
-        lambda call, num_splits: PagedVarlenRunner(call, num_splits, max_seqlen_q))
+        lambda call, n: make(call, n, k_cache.dtype == FP8_DTYPE),
+        _descales(q_descale, k_descale, v_descale))
     out, lse = runner(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, call)
-    return _in_fake_layout(out, q, v_cache.shape[-1]), lse
+    return _in_fake_layout(out, q, v_cache.shape[-1], call.out_dtype), lse
 
 
 def _varlen_paged_fake(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table,
-                       max_seqlen_q, alibi_slopes, sinks, mod_aux, spec):
-    return new_out(q, v_cache.shape[-1]), q.new_empty(lse_shape(q, True), dtype=torch.float32)
+                       max_seqlen_q, alibi_slopes, sinks, mod_aux, spec, q_descale=None,
+                       k_descale=None, v_descale=None):
+    return (new_out(q, v_cache.shape[-1], parse_spec(spec)[0].out_dtype),
+            q.new_empty(lse_shape(q, True), dtype=torch.float32))
 
 
 _varlen_paged_op = _define(
     "varlen_paged", "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, "
     "Tensor seqused_k, Tensor block_table, SymInt max_seqlen_q, Tensor? alibi_slopes, "
-    "Tensor? sinks, Tensor[] mod_aux, str spec) -> (Tensor, Tensor)", _varlen_paged_impl,
-    _varlen_paged_fake)
+    "Tensor? sinks, Tensor[] mod_aux, str spec, Tensor? q_descale=None, "
+    "Tensor? k_descale=None, Tensor? v_descale=None) -> (Tensor, Tensor)",
+    _varlen_paged_impl, _varlen_paged_fake)
 
 
 # --------------------------------------------------------------------------------------------
@@ -770,6 +897,10 @@ def integration_plan(q, k, v, causal, dropout_p, softmax_scale, window, cu_seqle
     packed = None if cu_seqlens_q is None else _packed(cu_seqlens_q, cu_seqlens_k, q, k,
                                                          max_seqlen_q, max_seqlen_k)
     plan, mods = attention_plan(q, k, v, options, packed=packed)
+    if plan.fp8:
+        raise TypeError(f"FP8 (float8_e4m3fn) inputs are forward-only: they go through "
+                        f"kernels.attention / attention_varlen; this entry point has a backward "
+                        f"and takes float16, bfloat16 or float32, got q {q.dtype}")
     return plan, mods, packed, seed_tensor(plan.dropout_p, seed, q.device)
 
 

@@ -13,6 +13,12 @@ from .core.common import MAX_HEAD_DIM
 from .core.mods import CallMods, MaskMod, ScoreMod
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# FP8 attention (forward only) takes OCP e4m3, FlashAttention-3's format; Triton's float8e4nv.
+FP8_DTYPE = torch.float8_e4m3fn
+_OTHER_FP8 = tuple(getattr(torch, n) for n in ("float8_e5m2", "float8_e4m3fnuz",
+                                                "float8_e5m2fnuz") if hasattr(torch, n))
+# What an FP8 call may return: FlashAttention-3's bf16 (the default), or fp16 on request.
+FP8_OUT_DTYPES = (torch.bfloat16, torch.float16)
 # Seeds are 64-bit Philox keys; keep them non-negative so they round-trip through int64.
 SEED_LIMIT = 2 ** 63
 # Triton's grid dimensions 1 and 2 (heads, batch) are limited to 65535 programs.
@@ -26,8 +32,12 @@ def check_tensor(name, t, dims, layout):
     if t.dim() != dims:
         raise ValueError(f"{name} must be {dims}-D {layout}, got {t.dim()}-D tensor of shape "
                          f"{tuple(t.shape)}")
-    if t.dtype not in _DTYPES:
-        raise TypeError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
+    if t.dtype not in _DTYPES and t.dtype != FP8_DTYPE:
+        if t.dtype in _OTHER_FP8:
+            raise TypeError(f"{name}: FP8 attention takes torch.float8_e4m3fn (OCP e4m3, "
+                            f"FlashAttention-3's format), got {t.dtype}")
+        raise TypeError(f"{name} must be float16, bfloat16, float32 or float8_e4m3fn, got "
+                        f"{t.dtype}")
     if t.device.type not in ("cuda", "cpu"):
         raise ValueError(f"{name} must be on a CUDA device (or the CPU for the interpreter / "
                          f"PyTorch fallback), got device {t.device}")
@@ -46,11 +56,15 @@ def as_bool(name, value):
 
 
 def validate_attention(q, k, v, causal, dropout_p, softmax_scale, seed, window, *, dims=4,
-                       layout="(batch, heads, seq_len, head_dim)", head_axis=1):
-    """Checks shared by ``attention`` and ``attention_varlen``; returns causal as a bool."""
+                       layout="(batch, heads, seq_len, head_dim)", head_axis=1,
+                       fp8_cache=False):
+    """Checks shared by ``attention`` and ``attention_varlen``; returns causal as a bool.
+    ``fp8_cache``: k and v may be an FP8 cache read by q of another dtype (``check_fp8``)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t, dims, layout)
-    if not (q.dtype == k.dtype == v.dtype):
+    if fp8_cache and k.dtype == v.dtype == FP8_DTYPE:
+        pass
+    elif not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, "
                         f"v {v.dtype}")
     if not (q.device == k.device == v.device):
@@ -140,6 +154,94 @@ def _check_head_vector(name, t, q, heads_q, shapes):
                          f"(heads_q = {heads_q}), got {tuple(t.shape)}")
     if t.device != q.device:
         raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
+
+
+_DESCALE_NAMES = ("q_descale", "k_descale", "v_descale")
+
+
+def check_fp8(q_dtype, kv_dtype, descale, out_dtype, rows, heads_kv, device, dropout_p=0.0):
+    """FP8 checks of a call whose q has ``q_dtype`` and k / v (or the caches) ``kv_dtype``.
+
+    FP8 calls: q, k, v all float8_e4m3fn (FlashAttention-3's FP8 forward), or float8_e4m3fn
+    k / v (an FP8 KV cache) with float16 / bfloat16 q. ``descale``: None, or (q_descale,
+    k_descale, v_descale), each None (= 1) or a float32 tensor (``rows``, heads_kv) on
+    ``device`` (rows: the batch, or the number of packed sequences), any strides (a per-tensor
+    scale expanded to that shape is read in place); q_descale only with FP8 q. ``out_dtype``:
+    None (FP8 q: bfloat16; else q's dtype), bfloat16 or float16 for FP8 q.
+    Returns (descale or None, out_dtype or None)."""
+    if kv_dtype != FP8_DTYPE:
+        if q_dtype == FP8_DTYPE:
+            raise TypeError(f"FP8 q needs FP8 (float8_e4m3fn) k and v, got q {q_dtype}, k / v "
+                            f"{kv_dtype}")
+        for name, t in zip(_DESCALE_NAMES, descale or ()):
+            if t is not None:
+                raise ValueError(f"{name} applies to FP8 (float8_e4m3fn) inputs, got q "
+                                 f"{q_dtype} and k / v {kv_dtype}")
+        if out_dtype is not None and out_dtype != q_dtype:
+            raise ValueError(f"out_dtype applies to FP8 (float8_e4m3fn) q; for q {q_dtype} "
+                             f"the output has q's dtype, got out_dtype={out_dtype}")
+        return None, None
+    if dropout_p != 0.0:
+        raise NotImplementedError(f"dropout with FP8 inputs is not supported (FP8 attention is "
+                                  f"forward-only inference, as FlashAttention-3's), got "
+                                  f"dropout_p={dropout_p}")
+    if q_dtype == FP8_DTYPE:
+        out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
+        if out_dtype not in FP8_OUT_DTYPES:
+            raise ValueError(f"out_dtype of an FP8 call must be torch.bfloat16 (the default) or "
+                             f"torch.float16, got {out_dtype}")
+    else:
+        if q_dtype not in (torch.float16, torch.bfloat16):
+            raise TypeError(f"an FP8 (float8_e4m3fn) KV cache takes float16 or bfloat16 q (or "
+                            f"FP8 q), got q {q_dtype}")
+        if out_dtype is not None and out_dtype != q_dtype:
+            raise ValueError(f"with {q_dtype} q the output has q's dtype, got "
+                             f"out_dtype={out_dtype}")
+        out_dtype = None
+        if descale is not None and descale[0] is not None:
+            raise ValueError(f"q_descale applies to FP8 q; q is {q_dtype} (its FP8 cache's "
+                             f"scales are k_descale / v_descale)")
+    if descale is None or all(t is None for t in descale):
+        return None, out_dtype
+    for name, t in zip(_DESCALE_NAMES, descale):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a float32 tensor ({rows}, {heads_kv}) = "
+                            f"(batch, heads_kv), got {type(t).__name__}")
+        if t.dtype != torch.float32 or tuple(t.shape) != (rows, heads_kv):
+            raise ValueError(f"{name} must be float32 of shape (batch, heads_kv) = "
+                             f"({rows}, {heads_kv}), got {t.dtype} {tuple(t.shape)}")
+        if t.device != device:
+            raise ValueError(f"{name} must be on q's device {device}, got {t.device}")
+        if t.requires_grad:
+            raise ValueError(f"{name} requires grad, but FP8 attention is forward-only: pass "
+                             f"it detached")
+    return tuple(descale), out_dtype
+
+
+def expand_scale(name, scale, descale, q, k_cache, block_table):
+    """A per-tensor FP8 cache scale (``k_scale`` / ``v_scale``: a float or a one-element
+    float32 tensor) as a (batch, heads_kv) view for the kernels; ``descale`` (the same scale
+    per (batch, head)) must then be None. The cache's shape is checked later."""
+    if scale is None:
+        return descale
+    if descale is not None:
+        raise ValueError(f"{name} (per tensor) and {name[0]}_descale (per (batch, head)) are "
+                         f"two forms of one scale: pass one of them")
+    rows = q.shape[0] if isinstance(q, torch.Tensor) and q.dim() == 4 else 1
+    heads_kv = (k_cache.shape[2 if block_table is not None else 1]
+                if isinstance(k_cache, torch.Tensor) and k_cache.dim() == 4 else 1)
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1 or scale.dtype != torch.float32:
+            raise ValueError(f"{name} must be a float or a one-element float32 tensor, got "
+                             f"{scale.dtype} {tuple(scale.shape)}")
+        return scale.reshape(1, 1).expand(rows, heads_kv)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) \
+            or not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"{name} must be a finite float > 0 or a one-element float32 tensor, "
+                         f"got {scale!r}")
+    return torch.full((1, 1), float(scale), device=q.device).expand(rows, heads_kv)
 
 
 def check_mods(q, causal, window, softcap, sinks, chunk_size, alibi_slopes, score_mod, mask_mod,
@@ -314,6 +416,8 @@ def check_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scal
     check_tensor("q", q, 4, layout)
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         check_tensor(name, t, 4, _PAGED_LAYOUT if paged else layout)
+    # An FP8 cache read by fp16 / bf16 q (``check_fp8`` checks the pair).
+    fp8_cache = k_cache.dtype == FP8_DTYPE and q.dtype != FP8_DTYPE
     if k_cache.shape[:-1] != v_cache.shape[:-1] or k_cache.dtype != v_cache.dtype:
         raise ValueError(f"k_cache and v_cache must have one shape (but for head_dim) and "
                          f"dtype, got k_cache "
@@ -331,20 +435,25 @@ def check_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scal
     if k is not None:
         for name, t, dim in (("k", k, D), ("v", v, v_cache.shape[3])):
             check_tensor(name, t, 4, layout)
-            if t.shape != (B, heads_kv, q_len, dim) or t.dtype != k_cache.dtype:
+            # New rows come in the cache's dtype, or, into an FP8 cache, in q's (quantized
+            # into it with k_descale / v_descale).
+            new_dtype = q.dtype if fp8_cache else k_cache.dtype
+            if t.shape != (B, heads_kv, q_len, dim) or t.dtype != new_dtype:
                 raise ValueError(f"{name} must be (batch, heads_kv, q_len, head_dim) = "
-                                 f"{(B, heads_kv, q_len, dim)} in the cache's dtype "
-                                 f"{k_cache.dtype}, got {tuple(t.shape)} {t.dtype}")
-    if q.dtype != k_cache.dtype or q.shape[0] != B or q.shape[3] != D:
-        raise ValueError(f"q must match the caches' dtype, batch and head_dim: q "
-                         f"{tuple(q.shape)} {q.dtype}, caches {tuple(k_cache.shape)} "
-                         f"{k_cache.dtype}")
+                                 f"{(B, heads_kv, q_len, dim)} in "
+                                 f"{'q' if fp8_cache else 'the cache'}'s dtype "
+                                 f"{new_dtype}, got {tuple(t.shape)} {t.dtype}")
+    if (q.dtype != k_cache.dtype and not fp8_cache) or q.shape[0] != B or q.shape[3] != D:
+        raise ValueError(f"q must match the caches' dtype (or read an FP8 cache), batch and "
+                         f"head_dim: q {tuple(q.shape)} {q.dtype}, caches "
+                         f"{tuple(k_cache.shape)} {k_cache.dtype}")
     if paged:
         # The shared checks on (batch, heads_kv, page_size, D) views of the pages.
         k_cache_pages = num_blocks, page_size = k_cache.shape[:2]
         k_cache, v_cache = (t.transpose(1, 2)[:1].expand(B, -1, -1, -1)
                             for t in (k_cache, v_cache))
-    causal = validate_attention(q, k_cache, v_cache, causal, 0.0, softmax_scale, None, window)
+    causal = validate_attention(q, k_cache, v_cache, causal, 0.0, softmax_scale, None, window,
+                                fp8_cache=fp8_cache)
     check_num_splits(num_splits)
     if not isinstance(cache_seqlens, torch.Tensor):
         raise TypeError(f"cache_seqlens must be a torch.Tensor, got "
@@ -425,7 +534,8 @@ def check_paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, seqused_
     # The dense checks on one page viewed as (page_size, heads_kv, D): dtypes, devices, heads.
     causal = validate_attention(q, k_cache[0] if len(k_cache) else k_cache.new_empty(
         k_cache.shape[1:]), v_cache[0] if len(v_cache) else v_cache.new_empty(v_cache.shape[1:]),
-        causal, dropout_p, softmax_scale, None, window, dims=3, layout=_PAGED_LAYOUT)
+        causal, dropout_p, softmax_scale, None, window, dims=3, layout=_PAGED_LAYOUT,
+        fp8_cache=True)
     if not isinstance(cu_seqlens_q, torch.Tensor):
         raise TypeError(f"cu_seqlens_q must be a torch.Tensor, got "
                         f"{type(cu_seqlens_q).__name__}")

@@ -24,7 +24,7 @@ from . import fallback
 from .backward import BackwardPlan
 from .call import lse_shape, new_like, new_out
 from .common import check_interpreter_setting, interpreter_active
-from .configs import unsupported_gpu_reason
+from .configs import gpu_of, unsupported_gpu_reason
 from .forward import ForwardPlan
 from .kvcache import KVCachePlan, VarlenPagedPlan
 
@@ -37,6 +37,30 @@ class FallbackNotice(UserWarning):
 
 _warned_fallback = False
 _warned_gpu = False
+_warned_fp8 = False
+# FP8 tensor cores (mma / wgmma with e4m3 operands): Ada (sm_89) and later.
+FP8_MIN_CAPABILITY = (8, 9)
+
+
+def fp8_unsupported_reason(device):
+    """Why FP8 calls do not run the Triton kernels on this CUDA device, or None."""
+    gpu = gpu_of(device)
+    if torch.version.hip is None and gpu.capability >= FP8_MIN_CAPABILITY:
+        return None
+    return (f"{torch.cuda.get_device_name(device)} ({gpu.name}) has no FP8 tensor-core path "
+            f"here (FP8 kernels need sm_89 or later on NVIDIA; AMD is not checked with FP8)")
+
+
+def _fp8_notice():
+    global _warned_fp8
+    if not _warned_fp8:
+        _warned_fp8 = True
+        warnings.warn("kernels: FP8 calls on this device run the PyTorch fallback, which "
+                      "computes the FP8 kernel's quantized math (FP8-rounded inputs, descales, "
+                      "weights rounded to e4m3 for the P @ V product) in higher precision: "
+                      "the same results within the FP8 parity rule, but not an FP8 kernel and "
+                      "no FP8 speed-up. Said once per process.", RuntimeWarning,
+                      stacklevel=_caller_stacklevel())
 # Frames of these files are ours or PyTorch's (custom-op dispatch, nn.Module calls, compiled
 # graphs): a warning skips them to land on the caller's own line.
 _INTERNAL = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
@@ -52,12 +76,18 @@ def _caller_stacklevel():
     return level
 
 
-def _use_fallback(t):
+def _use_fallback(t, fp8=False):
     """Whether a call on ``t``'s device takes the PyTorch fallback: CPU tensors without
     Triton's interpreter, and CUDA tensors on GPUs the Triton kernels do not serve (before
-    sm_80: ``configs.unsupported_gpu_reason``); warned once, at the caller's line."""
+    sm_80: ``configs.unsupported_gpu_reason``; with ``fp8``, an FP8 call, GPUs without FP8
+    tensor cores: ``configs.fp8_unsupported_reason``); warned once, at the caller's line."""
     global _warned_fallback, _warned_gpu
     device = t.device
+    if fp8 and device.type == "cuda" and unsupported_gpu_reason(device) is None:
+        if fp8_unsupported_reason(device) is None:
+            return False
+        _fp8_notice()
+        return True
     if device.type == "cuda":
         reason = unsupported_gpu_reason(device)   # from configs' per-device cache
         if reason is not None and not _warned_gpu:
@@ -70,6 +100,8 @@ def _use_fallback(t):
     if device.type == "cpu":
         check_interpreter_setting()
     if device.type == "cpu" and not interpreter_active():
+        if fp8:
+            _fp8_notice()
         if not _warned_fallback:
             warnings.warn("kernels: note: CPU tensors run the PyTorch fallback, which computes "
                           "the same attention (same results, same dropout mask); the fused "
@@ -115,13 +147,14 @@ class AttentionPlan:
         self.fwd = None
         self.bwd = {}
         self.cuda_route = None
+        self.fp8 = False   # FP8 inputs (forward only): set by the pipeline's resolve
 
     def route(self, q):
         """``_use_fallback(q)``: decided once per plan on a GPU (a plan is for one device),
         per call on the CPU (TRITON_INTERPRET is read at each call)."""
         route = self.cuda_route
         if route is None or not q.is_cuda:
-            route = _use_fallback(q)
+            route = _use_fallback(q, self.fp8)
             if q.is_cuda:
                 self.cuda_route = route
         return route
@@ -130,8 +163,8 @@ class AttentionPlan:
         """(out, lse) for this call's tensors; ``call``: the plan's with this call's mods'
         tensors; ``route``: the ``_use_fallback`` decision when the caller made it."""
         if q.shape[1] == 0:  # no query heads: an empty problem, like batch = 0
-            return new_out(q, v.shape[-1]), q.new_empty(lse_shape(q, cu_q is not None),
-                                                         dtype=torch.float32)
+            return (new_out(q, v.shape[-1], call.out_dtype),
+                    q.new_empty(lse_shape(q, cu_q is not None), dtype=torch.float32))
         if self.route(q) if route is None else route:
             # o None: the fallback's own buffer when its layout is new_out's (no copy)
             return fallback.forward(q, k, v, cu_q, cu_k, call.with_seed(seed_t), None)
@@ -197,15 +230,16 @@ class KVCacheRunner:
     def __init__(self, call, num_splits=0):
         self.call, self.num_splits = call, int(num_splits)
         self.plan = None
+        self.fp8 = False   # an FP8 cache: set by the pipeline's resolve
 
     def __call__(self, q, k_cache, v_cache, cache_seqlens, k, v, call, block_table=None):
         """(out, lse); ``call``: the runner's with this call's mods' tensors."""
         if q.shape[1] == 0:  # no query heads (and so no kv heads: no cache entry to append)
-            return (new_out(q, v_cache.shape[-1]),
+            return (new_out(q, v_cache.shape[-1], call.out_dtype),
                     q.new_empty(tuple(q.shape[:3]), dtype=torch.float32))
-        if _use_fallback(q):
+        if _use_fallback(q, self.fp8):
             return fallback.kvcache_forward(q, k_cache, v_cache, cache_seqlens, k, v, call,
-                                            new_out(q, v_cache.shape[-1]),
+                                            new_out(q, v_cache.shape[-1], call.out_dtype),
                                             block_table=block_table)
         q = unit_last(q)
         k = None if k is None else unit_last(k)
@@ -224,14 +258,15 @@ class PagedVarlenRunner:
     def __init__(self, call, num_splits, max_seqlen_q):
         self.call, self.num_splits, self.max_seqlen_q = call, int(num_splits), max_seqlen_q
         self.plan = None
+        self.fp8 = False   # an FP8 cache: set by the pipeline's resolve
 
     def __call__(self, q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, call):
         """(out (total_q, heads_q, Dv), lse (heads_q, total_q)); ``call``: the runner's with
         this call's mods' tensors."""
         if q.shape[1] == 0:
-            return new_out(q, v_cache.shape[-1]), q.new_empty(lse_shape(q, True),
-                                                               dtype=torch.float32)
-        if _use_fallback(q):
+            return (new_out(q, v_cache.shape[-1], call.out_dtype),
+                    q.new_empty(lse_shape(q, True), dtype=torch.float32))
+        if _use_fallback(q, self.fp8):
             return fallback.varlen_paged_forward(q, k_cache, v_cache, cu_seqlens_q, seqused_k,
                                                  block_table, call)
         q = unit_last(q)
