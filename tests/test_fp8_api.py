@@ -187,3 +187,44 @@ def test_kvcache_fp8_append_and_per_tensor_scale():
     untouched[[5]] = False
     assert torch.equal(kc1[0, :, untouched].view(torch.uint8),
                        k_cache[0, :, untouched].view(torch.uint8))
+
+
+def test_varlen_descales_per_sequence():
+    """attention_varlen's descales are per packed sequence: each sequence's rows equal the
+    dense call on that sequence alone with its descale row."""
+    torch.manual_seed(1)
+    lens = [5, 12]
+    Hq, Hkv, D = 4, 2, 16
+    q, k, v = _fp8(sum(lens), Hq, D), _fp8(sum(lens), Hkv, D), _fp8(sum(lens), Hkv, D)
+    qd, kd, vd = _descales(len(lens), Hkv)
+    cu = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32)
+    out = kernels.attention_varlen(q, k, v, cu, cu, q_descale=qd, k_descale=kd, v_descale=vd)
+    for s in range(len(lens)):
+        rows = slice(int(cu[s]), int(cu[s + 1]))
+        one = kernels.attention(*(t[rows].transpose(0, 1)[None] for t in (q, k, v)),
+                                q_descale=qd[s:s + 1], k_descale=kd[s:s + 1],
+                                v_descale=vd[s:s + 1])
+        torch.testing.assert_close(out[rows].float(), one[0].transpose(0, 1).float(),
+                                   atol=1e-2, rtol=1e-2)
+
+
+def test_flash_attn_kvcache_fp8_host_append():
+    """flash_attn_with_kvcache's own append (seqlen_new != seqlen_q) quantizes into an FP8 cache
+    as the kernels' append does: the same cache bytes and output as the kernel route."""
+    torch.manual_seed(2)
+    B, L, Hq, Hkv, D = 2, 24, 4, 2, 16
+    kd, vd = torch.rand(B, Hkv) + 0.5, torch.rand(B, Hkv) + 0.5
+    k_cache, v_cache = _fp8(B, L, Hkv, D), _fp8(B, L, Hkv, D)
+    lens = torch.tensor([3, 10], dtype=torch.int32)
+    k_new = torch.randn(B, 2, Hkv, D).to(torch.bfloat16)
+    v_new = torch.randn(B, 2, Hkv, D).to(torch.bfloat16)
+    q2 = torch.randn(B, 2, Hq, D).to(torch.bfloat16)
+    kc1, vc1 = k_cache.clone(), v_cache.clone()   # the kernels' append (seqlen_new == seqlen_q)
+    out1 = fa.flash_attn_with_kvcache(q2, kc1, vc1, k_new, v_new, cache_seqlens=lens,
+                                      causal=True, k_descale=kd, v_descale=vd)
+    kc2, vc2 = k_cache.clone(), v_cache.clone()   # the host append (seqlen_q 1 != 2)
+    fa.flash_attn_with_kvcache(q2[:, -1:], kc2, vc2, k_new, v_new, cache_seqlens=lens,
+                               causal=True, k_descale=kd, v_descale=vd)
+    assert torch.equal(kc1.view(torch.uint8), kc2.view(torch.uint8))
+    assert torch.equal(vc1.view(torch.uint8), vc2.view(torch.uint8))
+    assert out1.dtype == torch.bfloat16 and torch.isfinite(out1.float()).all()
