@@ -17,7 +17,7 @@ from .providers import Case, SdpaProvider
 from .sweep import add_speedups, new_row
 from .measure import free_memory
 
-FEATURES = ("gqa", "window", "chunk", "varlen", "mla", "decode", "hf")
+FEATURES = ("gqa", "window", "chunk", "varlen", "mla", "decode", "fp8", "hf")
 # On CPU ``hf`` is left out of the default (~8 s of interpreted attention; --features hf).
 DEFAULT_FEATURES = {"cuda": FEATURES, "cpu": tuple(f for f in FEATURES if f != "hf")}
 FEATURE_MODES = ("fwd", "fwd_bwd")
@@ -35,7 +35,10 @@ SHAPES = {
         # tokens and the other features' 16 heads.
         mla=dict(batch=4, heads=16, seq_len=4096, head_dim=192, head_dim_v=128),
         decode=dict(batches=(1, 8), heads=32, heads_kv=8, head_dim=128, num_splits=0,
-                    cache_lens=tuple(1024 << i for i in range(8)))),  # 1k ... 128k
+                    cache_lens=tuple(1024 << i for i in range(8))),  # 1k ... 128k
+        # The FP8 targets' points: causal prefill at 4k, d128; decode at 32k keys.
+        fp8=dict(batch=4, heads=16, seq_len=4096, head_dim=128, decode_batch=8,
+                 decode_heads=32, heads_kv=8, cache_len=32768)),
     # CPU: a handful of 16x16 tiles per call (each interpreted call still takes 0.1-1 s).
     "cpu": dict(
         gqa=dict(batch=1, heads=2, heads_kv=1, seq_len=32, head_dim=32),
@@ -48,7 +51,9 @@ SHAPES = {
         # num_splits forced to 4 (4 tiles of 16 keys at cache 64): the heuristic gives 1 in
         # the interpreter, and the split + merge path is the one to exercise.
         decode=dict(batches=(1, 2), heads=4, heads_kv=1, head_dim=16, num_splits=4,
-                    cache_lens=(64, 128))),
+                    cache_lens=(64, 128)),
+        fp8=dict(batch=1, heads=2, seq_len=32, head_dim=32, decode_batch=2, decode_heads=2,
+                 heads_kv=1, cache_len=64)),
 }
 GQA_SDPA = {"cuda": ("sdpa_flash", "sdpa_efficient", "sdpa_cudnn"),
             "cpu": ("sdpa_math", "sdpa_flash")}  # also the mla rows' SDPA backends
@@ -68,7 +73,12 @@ TARGETS = {"gqa": ("speedup_vs_mha", 1.0, "GQA at least as fast as MHA with the 
                                              "zero-padded to q's 192 (speedup_vs_padded >= 1)"),
            "varlen": ("tflops_vs_dense_each", 0.9, "varlen TFLOP/s within 10% of the dense "
                                                   "kernel's at the same lengths "
-                                                  "(tflops_vs_dense_each >= 0.9)")}
+                                                  "(tflops_vs_dense_each >= 0.9)"),
+           # (the decode row's own target: FP8_CACHE_TARGET)
+           "fp8": ("speedup_vs_bf16", 1.5, "FP8 forward at least 1.5x our bf16 forward "
+                                           "(speedup_vs_bf16 >= 1.5)")}
+FP8_CACHE_TARGET = (1.6, "an FP8 cache at least 1.6x the bf16 cache's tokens/s "
+                         "(speedup_vs_bf16 >= 1.6)")
 
 
 def mixed_lengths(total, lo, hi, seed):
@@ -339,6 +349,53 @@ def _varlen_specs(sh, device, dtype):
     return case, specs, flops
 
 
+def _fp8_specs(sh, device, dtype):
+    """FP8 (e4m3, descales 1) against our bf16 at the same inputs, forward only (the fwd_bwd
+    rows say "forward only"): causal prefill (``kernels`` / ``kernels_fp8``) and one decode
+    step against a filled cache (``kernels_cache`` / ``kernels_cache_fp8``: half the bytes)."""
+    B, H, L, D = sh["batch"], sh["heads"], sh["seq_len"], sh["head_dim"]
+    Bd, Hd, Hkv, C = sh["decode_batch"], sh["decode_heads"], sh["heads_kv"], sh["cache_len"]
+    bf16, f8 = torch.bfloat16, torch.float8_e4m3fn
+    g = torch.Generator(device=device).manual_seed(L)
+    q, k, v, do = (_randn(g, (B, H, L, D), device, bf16) for _ in range(4))
+    qd, do_d = (_randn(g, (Bd, Hd, 1, D), device, bf16) for _ in range(2))
+    kc, vc = (_randn(g, (Bd, Hkv, C, D), device, bf16) for _ in range(2))
+    lens = torch.full((Bd,), C, dtype=torch.int32, device=device)
+    case = Case(batch=B, heads=H, seq_len=L, head_dim=D, dtype=bf16, dropout_p=0.0,
+                device=device)
+
+    def prefill(dt):
+        def build():
+            import kernels
+            leaves = [_leaf(x.to(dt)) for x in (q, k, v)]
+            return (lambda: [kernels.attention(*leaves, causal=True)]), tuple(leaves)
+        return build
+
+    def decode(dt):
+        def build():
+            import kernels
+            cache, qq = [x.to(dt) for x in (kc, vc)], _leaf(qd)
+            return (lambda: [kernels.attention_with_kvcache(qq, *cache, lens, causal=True)]), (
+                qq,)
+        return build
+
+    def fwd_only(exc, _):
+        return "forward only" if "forward-only" in str(exc) else None
+    pre = dict(fp8_case="prefill", heads_kv=H)
+    dec = dict(fp8_case="decode", batch=Bd, heads=Hd, heads_kv=Hkv, q_len=1, cache_len=C,
+               kv_bytes=kv_read_bytes(Bd, Hkv, C, D, 2))
+    specs = [_Spec("kernels", prefill(bf16), [do], extra=pre),
+             _Spec("kernels_fp8", prefill(f8), [do], unsupported=fwd_only, extra=pre),
+             _Spec("kernels_cache", decode(bf16), [do_d], unsupported=fwd_only, extra=dec),
+             _Spec("kernels_cache_fp8", decode(f8), [do_d], unsupported=fwd_only,
+                   extra=dict(dec, kv_bytes=dec["kv_bytes"] // 2))]
+    flops = {(m, "prefill"): attention_flops(B, H, L, L, D, causal=True, mode=m)
+             for m in FEATURE_MODES}
+    flops.update({(m, "decode"): attention_flops(Bd, Hd, 1, C, D, causal=False)
+                  for m in FEATURE_MODES})
+    return case, specs, flops
+
+
 def _mla_specs(sh, device, dtype, sdpa_names):
     """A value head dim of its own (DeepSeek's MLA: q, k of ``head_dim``, v of ``head_dim_v``):
     ours native vs ours with v zero-padded to ``head_dim``, and SDPA's backends."""
@@ -424,7 +481,8 @@ def feature_rows(device, dtype, features=FEATURES, opts=None, deadline=float("in
              "window": lambda sh: _window_specs(sh, device, dtype),
              "chunk": lambda sh: _chunk_specs(sh, device, dtype),
              "varlen": lambda sh: _varlen_specs(sh, device, dtype),
-             "mla": lambda sh: _mla_specs(sh, device, dtype, sdpa)}
+             "mla": lambda sh: _mla_specs(sh, device, dtype, sdpa),
+             "fp8": lambda sh: _fp8_specs(sh, device, dtype)}
     rows = []
     for feature in features:
         sh = shapes.get(feature)
@@ -474,6 +532,8 @@ def _flops_key(feature, mode, row):
         return mode, row["window"]
     if feature == "chunk":
         return mode, row["chunk_size"]
+    if feature == "fp8":
+        return mode, row["fp8_case"]
     return mode
 
 
@@ -511,6 +571,16 @@ def _compare(feature, rows, device, sh):
                     by.get(("kernels_chunks_batched", mode)), mine, "ms")
         elif feature == "mla":
             mine, other = by.get(("kernels", mode)), by.get(("kernels_padded", mode))
+            value = ratio(other, mine, "ms")
+        elif feature == "fp8":
+            cache = by.get(("kernels_cache_fp8", mode))
+            if cache is not None:   # its own target (FP8_CACHE_TARGET)
+                speedup = cache["speedup_vs_bf16"] = ratio(by.get(("kernels_cache", mode)),
+                                                           cache, "ms")
+                cache["target"] = FP8_CACHE_TARGET[1]
+                cache["target_met"] = (speedup >= FP8_CACHE_TARGET[0]
+                                       if gpu and speedup is not None else None)
+            mine, other = by.get(("kernels_fp8", mode)), by.get(("kernels", mode))
             value = ratio(other, mine, "ms")
         else:
             mine = by.get(("kernels_varlen", mode))

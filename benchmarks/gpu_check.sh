@@ -53,6 +53,7 @@
 #   modules     the module and GPT-124M step rows, dropout 0 and 0.1; modules/
 #   host        benchmarks/host.py: the host's time per call through the public API (ours vs
 #               SDPA and the book's module, a tiny shape), ~40 s; host/
+#   fp8         FP8 (e4m3) vs our bf16: causal prefill 4k d128, decode at 32k keys; fp8/
 #   tma_ab      last, when >= 60 s are left: ours and flash at seq 128 / 512 / 1k, d128 and
 #               d64, with (tma1/) and without (tma0/) descriptors
 # Each stage's limit is what is left less a reserve for the stages after it (STAGE_RESERVE).
@@ -88,7 +89,7 @@ TEST_WORKERS=${TEST_WORKERS:-8}
 TEST_ARGS=${TEST_ARGS:-}
 DRY_RUN=${DRY_RUN:-0}
 STAGES=" ${GPU_CHECK_STAGES:-versions ceilings tests bench} "
-STAGES=${STAGES/ speed / versions precompile sweep dropout modules host tma_ab }
+STAGES=${STAGES/ speed / versions precompile sweep dropout modules host fp8 tma_ab }
 if [[ "$STAGES" == *" suite "* ]]; then
     STAGES=${STAGES/ suite / versions tests }
     TESTS_TIMEOUT=${TESTS_TIMEOUT_SUITE:-$(( BUDGET - 15 ))}
@@ -235,6 +236,15 @@ print(\"device\", torch.cuda.get_device_name() if torch.cuda.is_available() else
         # book's module at a tiny shape, where the GPU waits on the host (benchmarks/host.py).
         stage "host cost per call" "$(limit_reserving 60 20)" "${PYM[@]}" benchmarks.host \
             --device cuda --budget 20 --out-dir "$WORK/host"
+        pack
+    fi
+    if wanted fp8; then
+        # FP8 forward and an FP8 KV cache against our bf16 (benchmarks/features.py, "fp8").
+        local fp8_limit
+        fp8_limit=$(limit_reserving 90 10)
+        stage "fp8 vs bf16" "$fp8_limit" "${PYM[@]}" benchmarks --out-dir "$WORK/fp8" \
+            --no-plots --skip-parity --no-sweep --no-modules --features fp8 \
+            --time-budget $(( fp8_limit - 15 ))
         pack
     fi
     if wanted tma_ab; then

@@ -218,13 +218,14 @@ def format_tables(rows, metric="tflops", memory=False):
     return "\n".join(out)
 
 
-FEATURE_BENCHES = ("gqa", "window", "chunk", "varlen", "mla", "hf")
+FEATURE_BENCHES = ("gqa", "window", "chunk", "varlen", "mla", "fp8", "hf")
 # (field, format) of the comparison shown on ours' rows, per bench.
 _COMPARISONS = {"gqa": ("speedup_vs_mha", "{:.3g}x MHA"), "window": ("speedup_vs_full",
                                                                      "{:.3g}x full"),
                 "chunk": ("speedup_vs_full", "{:.3g}x full"),
                 "varlen": ("tflops_vs_dense_each", "{:.3g}x dense"),
                 "mla": ("speedup_vs_padded", "{:.3g}x padded v"),
+                "fp8": ("speedup_vs_bf16", "{:.3g}x bf16"),
                 "hf": ("speedup_vs_sdpa", "{:.3g}x sdpa")}
 
 
@@ -233,6 +234,8 @@ def _feature_shape(r):
         return f"{r['batch']} seqs/{r.get('total_tokens')} tok x{r['heads']} d{r['head_dim']}"
     heads = f"{r['heads']}/{r['heads_kv']}" if r.get("heads_kv") not in (None, r["heads"]) else (
         str(r["heads"]))
+    if r.get("cache_len"):   # an fp8 decode row: one query against the cache
+        return f"{r['batch']}x{heads} q1 k{r['cache_len']} d{r['head_dim']}"
     win = f" w{r['window']}" if r.get("window") else ""
     win += f" c{r['chunk_size']}" if r.get("chunk_size") else ""
     dv = f"/v{r['head_dim_v']}" if r.get("head_dim_v") not in (None, r["head_dim"]) else ""
@@ -240,7 +243,7 @@ def _feature_shape(r):
 
 
 def format_features(rows):
-    """The feature rows (gqa, window, chunk, varlen, mla, hf), with each target."""
+    """The feature rows (gqa, window, chunk, varlen, mla, fp8, hf), with each target."""
     sel = [r for r in rows if r["bench"] in FEATURE_BENCHES]
     if not sel:
         return ""
