@@ -7,7 +7,8 @@ config: 20-50 us of host time per launch, more than a short attention's GPU time
 decide; its ``KernelStep`` does the first launch through Triton (compiling and autotuning as
 usual), keeps the compiled kernel, its config and grid, and from then on calls the compiled
 kernel's launcher directly with the arguments in the kernel's parameter order, as Triton itself
-would (``JITFunction.run``: ``kernel.run(grid..., stream, function, metadata, ...)``).
+would (``JITFunction.run``: ``kernel.run(grid..., stream, function, metadata, ...)``) -- its C
+entry, past the launcher's per-launch Python (``_c_entry``).
 
 This is sound because a plan is only reused for calls whose every specialised property is the
 same: the plan's key holds the shapes, strides, dtypes and devices (hence the ints Triton
@@ -104,20 +105,11 @@ class KernelStep:
             if ctx is None:
                 ctx = launch_context()
             if ctx is not None and ctx[0] == self.device:
-                launcher, (g0, g1, g2), function, metadata, template, slots = direct
+                launch, template, slots = direct
                 values = list(template)
                 for pos, name in slots:
                     values[pos] = per_call[name]
-                if self.scratch:
-                    var = _scratch_var()
-                    token = var.set(self._alloc)
-                    try:
-                        launcher(g0, g1, g2, ctx[1], function, metadata, None, None, None,
-                                 *values)
-                    finally:
-                        var.reset(token)
-                else:
-                    launcher(g0, g1, g2, ctx[1], function, metadata, None, None, None, *values)
+                launch(ctx[1], values)
                 return
         self._first(device, per_call)
 
@@ -159,8 +151,74 @@ class KernelStep:
         if {n for _, n in slots} != set(args) - set(fixed):
             return   # a per-call argument the kernel does not take: keep Triton's own checks
         self.device = _driver().get_current_device()
-        self.direct = (run, grid, kernel.function, kernel.packed_metadata, tuple(template),
-                       slots)
+        launch = _c_entry(run, grid, kernel.function, kernel.packed_metadata,
+                          self._alloc if self.scratch else None)
+        self.direct = (launch, tuple(template), slots)
+
+
+def _c_entry(run, grid, function, metadata, alloc):
+    """``launch(stream, args)``: the compiled kernel's launch of ``args`` (its parameters in
+    order) on ``grid``, as ``run(*grid, stream, function, metadata, None, None, None, *args)``
+    makes it with no launch hooks (hence no launch metadata) -- but calling the launcher's C
+    entry (``run.launch``) itself: ``run.__call__`` (Triton's ``CudaLauncher``) costs a few
+    microseconds of Python per launch (scratch closures, allocator look-ups) for what is
+    fixed here. The C entry gets exactly what ``__call__`` would give it: cooperative-grid and
+    PDL flags from the kernel's metadata, the global scratch from ``alloc`` (Triton's allocator
+    protocol: ``alloc(programs * ctas * bytes per program, alignment, stream)``; None where the
+    kernel needs none), no profile scratch. Where ``run`` does more than that (a profile
+    scratch: a profiler's instrumented kernel; GSan; a launcher of another shape) or the
+    Triton version's C protocol is not one of the two below, ``run`` itself is called."""
+    g0, g1, g2 = grid
+
+    def through_run(stream, args):
+        if alloc is None:
+            run(g0, g1, g2, stream, function, metadata, None, None, None, *args)
+            return
+        var = _scratch_var()
+        token = var.set(alloc)
+        try:
+            run(g0, g1, g2, stream, function, metadata, None, None, None, *args)
+        finally:
+            var.reset(token)
+
+    c_launch = getattr(run, "launch", None)
+    size = getattr(run, "global_scratch_size", None)
+    if (c_launch is None or size is None or getattr(run, "profile_scratch_size", 1) != 0
+            or getattr(run, "gsan_enabled", False) or (size > 0 and alloc is None)):
+        return through_run
+    if size == 0:
+        alloc = None   # Triton asks the allocator only for a scratch size above 0
+    coop, pdl = run.launch_cooperative_grid, run.launch_pdl
+    scratch_bytes = g0 * g1 * g2 * getattr(run, "num_ctas", 1) * size
+    align = run.global_scratch_align
+    if TRITON_VERSION == "3.6":
+        # launch(grid, stream, function, coop, pdl, global scratch, profile scratch,
+        #        metadata, launch metadata, enter hook, exit hook, *kernel args)
+        if alloc is None:
+            def launch(stream, args):
+                c_launch(g0, g1, g2, stream, function, coop, pdl, None, None, metadata, None,
+                         None, None, *args)
+        else:
+            def launch(stream, args):
+                c_launch(g0, g1, g2, stream, function, coop, pdl,
+                         alloc(scratch_bytes, align, stream), None, metadata, None, None, None,
+                         *args)
+        return launch
+    if TRITON_VERSION in ("3.8", "3.9"):
+        # launch(grid, stream, function, coop, pdl, metadata, launch metadata, enter hook,
+        #        exit hook, global scratch, profile scratch, annotations, signature, args)
+        annotations, signature = run.arg_annotations, run.kernel_signature
+        if alloc is None:
+            def launch(stream, args):
+                c_launch(g0, g1, g2, stream, function, coop, pdl, metadata, None, None, None,
+                         None, None, annotations, signature, tuple(args))
+        else:
+            def launch(stream, args):
+                c_launch(g0, g1, g2, stream, function, coop, pdl, metadata, None, None, None,
+                         alloc(scratch_bytes, align, stream), None, annotations, signature,
+                         tuple(args))
+        return launch
+    return through_run
 
 
 class _ScratchPerStream:

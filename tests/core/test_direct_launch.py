@@ -218,7 +218,8 @@ def child(out_path, only=None):
         errors = _compare(stub_cuda, stub, self, per_call, first, second)
         if len(through_triton) != n_triton:
             errors.append(f"the direct launch went through Triton: {through_triton[n_triton:]}")
-        state["steps"].append(dict(kernel=name, handle=first[0]["handle"] if first else None,
+        state["steps"].append(dict(kernel=name, entry=self.direct[0].__name__,
+                                   handle=first[0]["handle"] if first else None,
                                    params=len(first[0]["params"]) if first else 0,
                                    scratch=stub.variants[first[0]["handle"]]["scratch"]
                                    if first else 0, errors=errors))
@@ -315,6 +316,11 @@ def test_direct_launches_equal_tritons(report):
             failures.append(f"{case['name']}: no KernelStep launched")
         for step in case["steps"]:
             compared.add(step["kernel"])
+            # The launcher's C entry itself, not Triton's Python around it (launch.py
+            # ``_c_entry``: "through_run" means this version's launcher looked otherwise).
+            if step.get("entry") != "launch":
+                failures.append(f"{case['name']} / {step['kernel']}: direct launch through "
+                                f"{step.get('entry')!r}, not the launcher's C entry")
             failures += [f"{case['name']} / {step['kernel']}: {e}" for e in step["errors"]]
         second = case.get("second_call")
         if second:
