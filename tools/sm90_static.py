@@ -44,6 +44,9 @@ CPU torch, made once by ``python3 -m venv VENV && VENV/bin/pip install triton==3
     # every GPU generation at once (7 processes, --jobs at a time; the table has an arch column):
     VENV/bin/python tools/sm90_static.py --project . --kept-only \
         --arch 75,80,86,89,90,100,120 --json all.json
+    # FP8 forward variants (fp8: q, k, v e4m3; fp8kv: an e4m3 KV cache read by bf16 q):
+    VENV/bin/python tools/sm90_static.py --project . --kept-only --dtypes fp8,fp8kv \
+        --fwd-flags "causal;plain" --bwd-flags "" --arch 89,90,100,120
     # one consumer GPU, fp16 only:
     VENV/bin/python tools/sm90_static.py --project . --kept-only \
         --arch 86 --dtypes fp16 --bwd-dtypes fp16
@@ -217,6 +220,11 @@ def analyze(kernel):
         sass_stl=len(re.findall(r"\bSTL(?:\.\w+)*\s", sass)),
         hgmma=len(re.findall(r"\bHGMMA", sass)),
         hmma=len(re.findall(r"\bHMMA", sass)),
+        # FP8 tensor-core ops: PTX wgmma / mma.sync with e4m3 operands (SASS QGMMA on
+        # Hopper, QMMA on Ada / Blackwell consumer parts).
+        fp8_mma=len(re.findall(r"(?:wgmma\.mma_async|\bmma\.sync|\btcgen05\.mma)\S*e4m3", ptx))
+        + len(re.findall(r"\btcgen05\.mma\.cta_group::\d\.kind::f8f6f4", ptx)),
+        sass_fp8=len(re.findall(r"\bQ(?:G)?MMA", sass)),
         c7515="C7515" in log,
         warp_specialized=("ttg.warp_specialize" in ttgir) or ("nvws." in ttgir),
         global_scratch=getattr(md, "global_scratch_size", 0) or 0,
@@ -382,7 +390,11 @@ def run_project(project, dtypes, head_dims, fwd_flags, bwd_dtypes, bwd_flags, se
         return call
 
     attention_forward, attention_backward = _contract(_fwd), _contract(_bwd)
-    tdt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    # fp8: q, k, v e4m3 (bf16 output); fp8kv: an e4m3 KV cache read by bf16 q (forward only,
+    # no dropout: those flags are skipped).
+    tdt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+           "fp8": torch.float8_e4m3fn}
+    qkv_dt = {"fp8kv": ("bf16", "fp8", "fp8")}
 
     def t(d, dtype):
         return torch.empty((batch, heads, seq, d), dtype=dtype)
@@ -392,9 +404,11 @@ def run_project(project, dtypes, head_dims, fwd_flags, bwd_dtypes, bwd_flags, se
             for d in head_dims:
                 for flags in fwd_flags:
                     causal, p = "causal" in flags, (0.1 if "dropout" in flags else 0.0)
+                    if dt.startswith("fp8") and p:
+                        continue
                     LABEL.clear()
                     LABEL.update(side="project", dtype=dt, head_dim=d, flags=flags)
-                    q, k, v = t(d, tdt[dt]), t(d, tdt[dt]), t(d, tdt[dt])
+                    q, k, v = (t(d, tdt[x]) for x in qkv_dt.get(dt, (dt, dt, dt)))
                     attention_forward(q, k, v, causal=causal, softmax_scale=d ** -0.5,
                                       dropout_p=p, seed=0x5DEECE66D123 if p else 0)
         for dt in bwd_dtypes:
@@ -496,6 +510,8 @@ def _row(r):
         notes.append(f"gscratch {r['global_scratch']}")
     if r.get("tmem"):
         notes.append(f"tmem {r['tmem']}")
+    if r.get("fp8_mma") or r.get("sass_fp8"):
+        notes.append(f"fp8 mma {r['fp8_mma']} (SASS Q*MMA {r['sass_fp8']})")
     return base + [r["regs"], f"{r['spill_st']}/{r['spill_ld']}", r["smem"], r["blocks_per_sm"],
                    r["mma_kind"] or "-", r["wgmma"], r["mma_sync"], r["tcgen05"], r["tma"],
                    r["cp_async"], f"{r['sass_ldl']}/{r['sass_stl']}", " ".join(notes)]
@@ -657,7 +673,9 @@ def main(argv=None):
                         f"{cc} ({x.gpus})" for cc, x in ARCHS.items()) + " (default 90)")
     ap.add_argument("--jobs", type=int, default=0,
                     help="archs compiled at once, one process each (default: min(archs, CPUs))")
-    ap.add_argument("--dtypes", default="bf16,fp16", help="forward dtypes (project)")
+    ap.add_argument("--dtypes", default="bf16,fp16",
+                    help="forward dtypes (project): bf16, fp16, fp32, fp8 (q, k, v e4m3), "
+                         "fp8kv (bf16 q, e4m3 k, v)")
     ap.add_argument("--head-dims", default="64,128")
     ap.add_argument("--fwd-flags", default="causal;causal+dropout;plain;dropout",
                     help="';'-separated: causal, causal+dropout, plain, dropout")

@@ -258,6 +258,8 @@ class ScoreArgs(NamedTuple):
     # fp32 gradient buffers parallel to the call's mod_aux (a dummy where none is wanted),
     # written only by the dQ launch of a backward that computes d(aux) (kernels/core/mods.py)
     daux: tuple = ()
+    # the forward's FP8 descales (kernels/core/fp8.py ``DescaleArgs``; read only with FP8)
+    descale: tuple = ()
 
 
 class ScoreSpec(NamedTuple):

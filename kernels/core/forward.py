@@ -6,6 +6,20 @@ over key/value tiles of BLOCK_N rows, keeping a running row max ``m_i`` and row 
 matrix never leaves registers. Causal tiles entirely above the diagonal are never visited; tiles
 entirely below it run without any masking; only the diagonal band (and the ragged last key tile)
 pays for masks.
+
+FP8 (e4m3; kernels/core/fp8.py) and V's layout. Hopper's FP8 wgmma takes both shared-memory
+operands K-major only (16-bit types can be transposed by the instruction, 8-bit ones cannot).
+S = Q Kᵀ is fine: K stored (keys, head_dim) is K-major for Kᵀ, a free ``memdesc_trans``. For
+P @ V the reduction runs over keys, and V stored (keys, head_dim) is not K-major: Triton 3.6
+loads each V tile into shared memory as stored (TMA or cp.async), reads it back into registers
+and writes it again transposed (``local_load`` + ``local_alloc`` into a transposed NVMMA
+layout) before the wgmma -- one extra shared-memory round trip of the tile (BLOCK_N x
+head_dim bytes) and a barrier per key tile; P comes from registers. Both dots stay e4m3 wgmma
+(tools/sm90_static.py: no spills, no C7515 at d64 / d128). We accept that: the alternative,
+V stored transposed (head_dim, keys) as the Triton tutorial's FP8 path takes it, changes the
+caller's layout (and every KV cache's), and a descriptor cannot transpose 8-bit tiles on the
+way in. An FP8 KV cache read by fp16 / bf16 queries upcasts K and V tiles in registers and
+stores them again to shared memory as 16-bit operands (the same kind of round trip, for K too).
 """
 import math
 
@@ -53,7 +67,7 @@ def load_rows(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr,
 @triton.jit
 def _attn_fwd(Q, K, V, O, LSE,
               stride_q, stride_k, stride_v, stride_o, stride_lse,
-              seq, score, drop, split, fp8,
+              seq, score, drop, split,
               BUCKETS,  # autotune key only: Problem.tune_buckets
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
               HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -97,8 +111,8 @@ def _attn_fwd(Q, K, V, O, LSE,
     packed (cu_q); b is the packed sequence, its keys number k_lens[b] (seq.cu_k is not read).
     A constexpr (one compile per page size), so that the per-key division is a shift for
     powers of two: with a runtime page size, 128 x 128 tiles spilled on sm_90 (q_len 4, GQA).
-    FP8 (``fp8.Fp8Spec``; kernels/core/fp8.py), with ``fp8`` the descales (``DescaleArgs``)
-    of the program's (b, kv_h): mode 1, Q, K, V e4m3: S by an fp8 dot with q_descale *
+    FP8 (``fp8.Fp8Spec``; kernels/core/fp8.py), with ``score.descale`` the descales
+    (``fp8.DescaleArgs``), read at the program's (b, kv_h): mode 1, Q, K, V e4m3: S by an fp8 dot with q_descale *
     k_descale folded into the score scale, P * 256 rounded to e4m3 for an fp8 P @ V, acc *
     v_descale / 256 at the end; mode 2, K, V e4m3 and Q fp16 / bf16: K, V tiles upcast to Q's
     dtype after each load, k_descale in the score scale, acc * v_descale at the end. l_i, lse
@@ -181,10 +195,11 @@ def _attn_fwd(Q, K, V, O, LSE,
         tl.static_assert(not DROPOUT)
         # One descale per (batch entry or sequence, kv head): scalars for the whole program
         # (with PACK_GQA too: its rows share kv_h).
-        qk_descale = load_descale(fp8.k, fp8.k_strides, b, kv_h)
+        ds = score.descale
+        qk_descale = load_descale(ds.k, ds.k_strides, b, kv_h)
         if FP8_MODE == 1:
-            qk_descale = qk_descale * load_descale(fp8.q, fp8.q_strides, b, kv_h)
-        v_descale = load_descale(fp8.v, fp8.v_strides, b, kv_h)
+            qk_descale = qk_descale * load_descale(ds.q, ds.q_strides, b, kv_h)
+        v_descale = load_descale(ds.v, ds.v_strides, b, kv_h)
     if TMA:
         # Descriptors of this (sequence, kv head)'s K and V rows: the bounds are k_len rows
         # (at least 1: an empty sequence's descriptor is never read) and the true head dims.
@@ -374,8 +389,13 @@ def attention_forward(q, k, v, call=None, *, cu_seqlens_q=None, cu_seqlens_k=Non
             packed queries (``cu_seqlens_q``, no ``cu_seqlens_k``; not with dropout) too: one
             table row per sequence, whose key count is k_lens[s]
             (``kvcache.varlen_paged_forward`` takes the caches unviewed).
+        FP8 (kernels/core/fp8.py; forward only, no dropout): q, k, v torch.float8_e4m3fn, or
+            k, v e4m3 with fp16 / bf16 q; their descales in ``call.mods.descale``
+            (``mods.Descale(q, k, v)``, each None = 1 or fp32 (B or num_seqs, heads_kv), any
+            strides), the output dtype in ``call.out_dtype``.
     Returns:
-        (o, lse): o shaped like q with v's head dim, in q's dtype, with q's memory layout when
+        (o, lse): o shaped like q with v's head dim, in ``call.out_dtype`` (default q's dtype;
+        bf16 for e4m3 q: ``call.out_dtype_of``), with q's memory layout when
         q is dense and Dv == D;
         lse fp32 (B, heads_q, q_len), or (heads_q, total_q) for packed sequences: natural-log
         row log-sum-exp, -inf for rows that see no key.
@@ -440,14 +460,14 @@ class ForwardPlan:
         # FP8 is forward only and without dropout (the public layer refuses both).
         assert not (fp8.mode != FP8_NONE and call.dropout), "dropout with FP8 inputs"
         self.fp8_mode = fp8.mode
-        # The descales: per call when the call has them, 1.0 otherwise (a dummy without FP8).
-        self.fp8 = descale_args(None, one_descale(q.device) if fp8.mode else dummy)
+        # The 1.0 that stands in for a descale the call does not give (FP8 only).
+        self.one = one_descale(q.device) if fp8.mode else None
         o_strides = pb.strides(packed_view(out) if pb.varlen else out)
         self.pb = pb._replace(q=None, k=None, v=None)
         self.seq = None if pb.varlen or k_lens is not None else pb.seq_args(dummy)
         # The seed pointer: a dummy here, the call's seed tensor per call with dropout.
         self.drop = pb.drop_args(call, dummy, seed=dummy)
-        self.score = None if call.mods.has_tensors else score_args(call, dummy)
+        self.score = None if call.mods.has_tensors else self.score_args(call)
         self.split = SplitArgs(o_part=dummy, lse_part=dummy, num_splits=num_splits,
                                n_rows=self.lse_numel)
         if paged:
@@ -480,9 +500,16 @@ class ForwardPlan:
         else:   # KERNELS_AUTOTUNE=0: the pruned list's first config that compiles
             configs = fixed_configs(fwd_configs(), prune_configs, dict(
                 fixed, Q=pb.q, K=pb.k, V=pb.v, O=q, LSE=dummy, seq=self.seq, score=self.score,
-                drop=self.drop, split=self.split, fp8=self.fp8))
+                drop=self.drop, split=self.split))
         self.step = KernelStep(_attn_fwd, grid, fixed, configs=configs, tuned=_attn_fwd_tuned,
                                scratch=bool(tma))
+
+    def score_args(self, call):
+        """The kernel's ``score`` for ``call`` (its mods' tensors), with the FP8 descales."""
+        score = score_args(call, self.dummy)
+        if self.one is not None:
+            score = score._replace(descale=descale_args(call.mods.descale, self.one))
+        return score
 
     def __call__(self, q, k, v, call, *, cu_seqlens_q=None, cu_seqlens_k=None, k_lens=None,
                  block_table=None, out=None, seed=None):
@@ -490,14 +517,28 @@ class ForwardPlan:
         ``call`` gives the per-call tensors: the seed (or ``seed``, its tensor on q's device),
         the mods' aux tensors and sinks."""
         Dv = self.Dv
+        if self.empty:
+            return (new_out(q, Dv, call.out_dtype) if out is None else out,
+                    torch.empty(self.lse_shape, dtype=torch.float32, device=q.device))
+        try:
+            o_like_q, lse_like = self.alloc_like
+        except AttributeError:
+            # The first call: the outputs as ``torch.empty_like`` of a tensor, about half
+            # ``torch.empty``'s host cost: o like q where ``new_out`` gives q's layout, the lse
+            # like a float32 scalar expanded to its shape (``empty_like``: contiguous).
+            o_like_q = (self.out_dtype == q.dtype and Dv == q.shape[-1]
+                        and q.stride(-1) == 1)
+            with torch.inference_mode(False):
+                lse_like = torch.empty((), dtype=torch.float32,
+                                       device=q.device).expand(self.lse_shape)
+            assert torch.empty_like(lse_like).is_contiguous()   # the kernel's lse strides
+            self.alloc_like = o_like_q, lse_like
         if out is not None:
-            assert self.empty or out.stride() == self.o_stride, (out.stride(), self.o_stride)
+            assert out.stride() == self.o_stride, (out.stride(), self.o_stride)
             o = out
         else:
-            o = new_out(q, Dv, self.out_dtype if not self.empty else call.out_dtype)
-        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
-        if self.empty:
-            return o, lse
+            o = torch.empty_like(q) if o_like_q else new_out(q, Dv, self.out_dtype)
+        lse = torch.empty_like(lse_like)
         pb = self.pb
         if self.varlen:
             q4, o4 = packed_view(q), packed_view(o)
@@ -517,12 +558,10 @@ class ForwardPlan:
                 lse_part=torch.empty((self.num_splits, self.lse_numel), dtype=torch.float32,
                                      device=q.device))
         self.step(q.device, dict(Q=q4, K=k4, V=v4, O=o4, LSE=lse, seq=seq,
-                  score=self.score if self.score is not None else score_args(call, self.dummy),
+                  score=self.score if self.score is not None else self.score_args(call),
                   drop=self.drop if not self.dropout else DropArgs(
                       seed_tensor(call.seed, q.device) if seed is None else seed, *self.drop[1:]),
-                  split=split,
-                  fp8=self.fp8 if call.mods.descale is None
-                  else descale_args(call.mods.descale, self.fp8.q)))
+                  split=split))
         if self.num_splits > 1:
             combine_splits(split.o_part, split.lse_part, o4, lse, call.mods.sinks)
         return o, lse

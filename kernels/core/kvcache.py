@@ -209,8 +209,10 @@ def varlen_paged_forward(q, k_cache, v_cache, call, *, cu_seqlens_q, max_seqlen_
             splits of a sequence's keys are merged per row by kernels/core/splitkv.py.
         out: optional (total_q, heads_q, Dv) to write into (``new_out``'s strides).
         config: a ``triton.Config`` to force (tests).
+    FP8 caches (e4m3) as in ``kvcache_forward``: descales (num_seqs, heads_kv) in
+    ``call.mods.descale``, the output dtype ``call.out_dtype``.
     Returns:
-        (out (total_q, heads_q, Dv) in q's dtype, lse fp32 (heads_q, total_q)): natural-log
+        (out (total_q, heads_q, Dv) in call.out_dtype, lse fp32 (heads_q, total_q)): natural-log
         row log-sum-exp, -inf for rows that see no key.
     Inputs are validated by the caller (kernels/validation.py for the public functions).
     """
