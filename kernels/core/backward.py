@@ -657,7 +657,17 @@ class BackwardPlan:
             seq = self.pb._replace(cu_q=cu_seqlens_q, cu_k=cu_seqlens_k).seq_args(dummy)
         else:
             dq4, dk4, dv4, seq = dq, dk, dv, self.seq
-        stats = torch.empty(self.stats_shape, device=device, dtype=torch.float32)
+        try:
+            stats_like = self.stats_like
+        except AttributeError:
+            # The first call: the statistics as ``torch.empty_like`` of a float32 scalar
+            # expanded to their shape (contiguous, as ``torch.empty`` gives them), about half
+            # ``torch.empty``'s host cost per call.
+            with torch.inference_mode(False):
+                stats_like = self.stats_like = torch.empty(
+                    (), device=device, dtype=torch.float32).expand(self.stats_shape)
+            assert torch.empty_like(stats_like).is_contiguous()   # the kernels' strides
+        stats = torch.empty_like(stats_like)
         # The device and stream of all three launches, once they launch directly.
         ctx = launch_context() if self.dq.direct is not None else None
         self.pre(device, dict(O=o, DO=do, LSE=lse, STATS=stats, seq=seq), ctx)
