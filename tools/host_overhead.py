@@ -71,7 +71,9 @@ What is stubbed (everything else is the real code of the project, torch and Trit
       the op bodies look up at call time, taking one tensor and returning True for the
       fallback. It is replaced (in every ``kernels`` module that holds it) by its own CUDA
       branch: the original called with a stand-in whose ``.device`` is ``cuda:0`` (a
-      supported sm_90 GPU); if that raises or says "fallback", by ``lambda t: False``
+      supported sm_90 GPU), once per distinct extra arguments, its answer kept (on a GPU a
+      plan decides its route once, as ``q.is_cuda``; CPU tensors would ask at every call and
+      charge the GPU path for it); if that raises or says "fallback", by ``lambda t: False``
       (the header line and the JSON's ``fallback_hook`` say which). Renamed or moved: pass
       ``--fallback-hook MODULE:NAME`` or update FALLBACK_HOOK; the tool fails and says so
       when it is gone. Every warm-up call and every timed batch of an API case must reach the
@@ -221,6 +223,10 @@ def parse_args(argv):
     ap.add_argument("--compiled", action="store_true",
                     help="also time fwd+bwd through torch.compile (ours vs SDPA, first shape): "
                          "the path of users who compile their model")
+    ap.add_argument("--profile", metavar="SUBSTRING",
+                    help="instead of timing: cProfile 2000 calls of each case whose name "
+                         "contains SUBSTRING (first shape) after the warm-up, and print the "
+                         "functions by own time (where a call's host time goes)")
     a = ap.parse_args(argv)
     try:
         a.shape_list = [tuple(int(x) for x in s.lower().split("x")) for s in a.shapes.split(",")]
@@ -456,10 +462,20 @@ def install_fallback_hook(kernels, spec):
         mode = f"constant-false (its CUDA branch raised {type(e).__name__}: {e})"
 
     if mode == "cuda-branch":
-        def use_fallback(t, _orig=orig, _dev=stand_in):
-            return _orig(_dev)
+        # The CUDA branch's answer for the stand-in device, once per extra arguments (e.g. an
+        # FP8 flag): on a GPU a plan decides its route once (``q.is_cuda``: cached), while here
+        # every call's tensors are CPU tensors, which would ask again at every call and charge
+        # the GPU path a cost it does not pay.
+        answers = {}
+
+        def use_fallback(t, *args, _orig=orig, _dev=stand_in, **kwargs):
+            key = (args, tuple(sorted(kwargs.items())))
+            answer = answers.get(key)
+            if answer is None:
+                answer = answers[key] = _orig(_dev, *args, **kwargs)
+            return answer
     else:
-        def use_fallback(t):
+        def use_fallback(t, *args, **kwargs):
             return False
     replaced = []
     for m_name, m in list(sys.modules.items()):
@@ -742,6 +758,32 @@ def git_rev(project):
     return None
 
 
+def profile_cases(cases, calls=2000):
+    """--profile: each case's calls under cProfile, functions by own time (the profiler's own
+    cost inflates every number; read the shares, not the microseconds)."""
+    import cProfile
+    import pstats
+    if not cases:
+        raise Fail("--profile: no case matches")
+    for c in cases:
+        best = float("inf")   # the fastest of 50 batches of 100 calls, without the profiler
+        for _ in range(50):
+            t0 = time.perf_counter()
+            for _ in range(100):
+                c.fn()
+            best = min(best, (time.perf_counter() - t0) * 1e4)
+        print(f"==== {c.name} {c.shape}: {best:.1f} us per call (fastest of 50 batches of 100 "
+              f"calls, no profiler)")
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(calls):
+            c.fn()
+        prof.disable()
+        print(f"==== {c.name} {c.shape}: {calls} calls under cProfile")
+        pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(30)
+    return 0
+
+
 def child(argv):
     info = json.loads(os.environ[CHILD_ENV])
     start, a = info["start"], parse_args(argv)
@@ -789,6 +831,9 @@ def child(argv):
     probe = seed_probe(stub, kernels, probe_tensors, a.seeds)
     for c in cases:                     # variants the probe compiled are warm too now
         run_checked(stub, c, 1, hook)
+    if a.profile:
+        return profile_cases([c for c in cases if a.profile in c.name
+                              and c.shape == cases[0].shape])
     log(f"seed probe {time.time() - t1:.1f} s; timing until the budget ({a.budget:.0f} s) ends")
     compiled_before = len(stub.variants)
     rounds = time_all(stub, cases, a.inner, deadline, a.rounds)
