@@ -105,10 +105,13 @@ class KernelStep:
             if ctx is None:
                 ctx = launch_context()
             if ctx is not None and ctx[0] == self.device:
-                launch, template, slots = direct
+                launch, template, slots, kept = direct
                 values = list(template)
                 for pos, name in slots:
                     values[pos] = per_call[name]
+                for pos, name, first, pointers in kept:
+                    value = per_call[name]
+                    values[pos] = pointers if value is first else value
                 launch(ctx[1], values)
                 return
         self._first(device, per_call)
@@ -150,10 +153,29 @@ class KernelStep:
         slots = tuple((i, n) for i, n in enumerate(names) if n not in fixed)
         if {n for _, n in slots} != set(args) - set(fixed):
             return   # a per-call argument the kernel does not take: keep Triton's own checks
+        # A plan passes some per-call tuples as the same object at every call (its lengths and
+        # dummies: ``ForwardPlan.seq`` ...): for those, the tuple with its tensors as their data
+        # pointers, made once. The launcher takes an int for a pointer as it is, where for a
+        # tensor it calls ``data_ptr()`` and asks the driver about the pointer
+        # (``cuPointerGetAttribute``) at every launch. A tuple is immutable: the same object
+        # holds the same tensors, whose pointers stay (the plan's own, never resized).
+        kept = tuple((i, n, args[n], _as_pointers(args[n])) for i, n in slots
+                     if isinstance(args[n], tuple))
+        slots = tuple((i, n) for i, n in slots if not isinstance(args[n], tuple))
         self.device = _driver().get_current_device()
         launch = _c_entry(run, grid, kernel.function, kernel.packed_metadata,
                           self._alloc if self.scratch else None)
-        self.direct = (launch, tuple(template), slots)
+        self.direct = (launch, tuple(template), slots, kept)
+
+
+def _as_pointers(value):
+    """``value`` (a kernel argument: a tuple, maybe nested) with each tensor as its data
+    pointer (an int: what the launcher reads from a tensor)."""
+    if isinstance(value, torch.Tensor):
+        return value.data_ptr()
+    if isinstance(value, tuple):
+        return tuple(map(_as_pointers, value))
+    return value
 
 
 def _c_entry(run, grid, function, metadata, alloc):

@@ -124,6 +124,16 @@ def _flat(name, ty, value):
     return [] if ty == "constexpr" else [(name, ty, value)]
 
 
+def _fresh(value):
+    """An argument as new objects: a tensor's copy (another pointer), a new tuple."""
+    if hasattr(value, "data_ptr"):
+        return value.clone()
+    if not isinstance(value, tuple):
+        return value
+    items = [_fresh(v) for v in value]
+    return type(value)._make(items) if hasattr(value, "_make") else tuple(items)
+
+
 def _compare(stub_cuda, stub, step, per_call, first, second):
     """Differences between the Triton launch ``first`` and the direct one ``second`` of one
     KernelStep call (a list of strings; empty: equal)."""
@@ -201,8 +211,10 @@ def child(out_path, only=None):
     orig_call = launch.KernelStep.__call__
 
     def doubled(self, device, per_call, ctx=None):
-        """A step's first call: launched through Triton, then directly, with the same
-        arguments; both launches compared."""
+        """A step's first call: launched through Triton, then directly with the same
+        arguments (the same objects: the step keeps the first call's tuples as pointers),
+        compared with Triton's launch; then directly with new tuples of copies (as a plan's
+        per-call tuples and tensors come), decoded against them."""
         if not state["double"] or self.direct is not None:
             return orig_call(self, device, per_call, ctx)
         name = self.jit_fn.__name__
@@ -216,6 +228,14 @@ def child(out_path, only=None):
         orig_call(self, device, per_call, ctx)
         second = stub.records(n1)
         errors = _compare(stub_cuda, stub, self, per_call, first, second)
+        # New tuples of copies: the launch must carry the copies' pointers (decoded against
+        # them by name), not those the step kept from its first call.
+        fresh = {n: _fresh(v) for n, v in per_call.items()}
+        n2 = stub.launches()
+        orig_call(self, device, fresh, ctx)
+        third = stub.records(n2)
+        errors += [f"new tuples: {e}" for e in _compare(stub_cuda, stub, self, fresh, third,
+                                                         third)]
         if len(through_triton) != n_triton:
             errors.append(f"the direct launch went through Triton: {through_triton[n_triton:]}")
         state["steps"].append(dict(kernel=name, entry=self.direct[0].__name__,
