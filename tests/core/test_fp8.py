@@ -292,3 +292,16 @@ def test_fp8_varlen_paged():
             check(o[rq].transpose(0, 1)[None], l[:, rq][None], q[rq].transpose(0, 1)[None], kd,
                   vd, Descale(*(d[s:s + 1] for d in ds)), causal=True,
                   scale=call.softmax_scale, name=f"{name} seq {s}")
+
+
+def test_fp8_per_tensor_descales_as_expanded_views():
+    """A per-tensor scale passed as a stride-0 (B, H_kv) view, and a missing descale (= 1)."""
+    B, H, Hk, L, S, D = 2, 2, 2, 5, 17, 16
+    q, k, v = fp8_randn(B, H, L, D), fp8_randn(B, Hk, S, D), fp8_randn(B, Hk, S, D)
+    one_q = torch.tensor(0.7, device=DEVICE).expand(B, Hk)
+    ds = Descale(one_q, None, descales(B, Hk))
+    call = fp8_call(False, D, ds)
+    out, lse = attention_forward(q, k, v, call)
+    check(out, lse, q, k, v, ds, causal=False, scale=call.softmax_scale)
+    out_f, lse_f = fallback.forward(q, k, v, None, None, call, None)
+    check(out_f, lse_f, q, k, v, ds, causal=False, scale=call.softmax_scale, name="fallback")
