@@ -1023,7 +1023,7 @@ def _dequantize(x, descale, cu, group, batch0):
     if cu is None:
         d = d[batch0:batch0 + x.shape[0]].repeat_interleave(group, 1)
         return x * d[:, :, None, None]
-    lens = (cu[1:] - cu[:-1]).long()
+    lens = (cu[1:] - cu[:-1]).long().to(x.device)
     seq = torch.repeat_interleave(torch.arange(lens.numel(), device=x.device), lens)
     d = d[seq].repeat_interleave(group, 1)                        # (total, heads)
     return x * d[:, :, None]

@@ -116,8 +116,8 @@ def test_e4m3_cast_matches_torch():
     x = torch.cat([torch.randn(2048) * s for s in (1e-3, 0.05, 1.0, 30.0)]
                   + [torch.tensor([1.97, 1.9375, 2.0625, 0.0009765625, 2 ** -10, 500., -1e4,
                                    464., 0.0])])
-    x = torch.cat([x, torch.zeros(16384 - x.numel())])
-    y = torch.empty(x.numel(), dtype=F8)
+    x = torch.cat([x, torch.zeros(16384 - x.numel())]).to(DEVICE)
+    y = torch.empty(x.numel(), dtype=F8, device=DEVICE)
     _cast_kernel[(1,)](x, y, N=x.numel())
     assert torch.equal(y.float(), x.clamp(-448, 448).to(F8).float())
 
@@ -170,16 +170,18 @@ def test_fp8_forward_out_dtype_and_split():
 def test_fp8_forward_packed():
     """Packed sequences (lengths 1, 17, 5 queries): descales per sequence and kv head."""
     lq, lk, H, Hk, D = [1, 17, 5], [9, 17, 30], 2, 1, 32
-    cu_q = torch.tensor([0, *torch.tensor(lq).cumsum(0).tolist()], dtype=torch.int32)
-    cu_k = torch.tensor([0, *torch.tensor(lk).cumsum(0).tolist()], dtype=torch.int32)
+    cu_q = torch.tensor([0, *torch.tensor(lq).cumsum(0).tolist()], dtype=torch.int32,
+                        device=DEVICE)
+    cu_k = torch.tensor([0, *torch.tensor(lk).cumsum(0).tolist()], dtype=torch.int32,
+                        device=DEVICE)
     q, k, v = fp8_randn(sum(lq), H, D), fp8_randn(sum(lk), Hk, D), fp8_randn(sum(lk), Hk, D)
     ds = Descale(descales(3, Hk), descales(3, Hk), descales(3, Hk))
     call = fp8_call(True, D, ds)
-    out, lse = attention_forward(q, k, v, call, cu_seqlens_q=cu_q.to(DEVICE),
-                                 cu_seqlens_k=cu_k.to(DEVICE), max_seqlen_q=17, max_seqlen_k=30)
+    out, lse = attention_forward(q, k, v, call, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                 max_seqlen_q=17, max_seqlen_k=30)
     out_f, lse_f = fallback.forward(q, k, v, cu_q, cu_k, call, None)
     for s in range(3):
-        rq, rk = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
+        rq, rk = slice(int(cu_q[s]), int(cu_q[s + 1])), slice(int(cu_k[s]), int(cu_k[s + 1]))
         seq = [x[r].transpose(0, 1)[None] for x, r in ((q, rq), (k, rk), (v, rk))]
         ds_s = Descale(*(d[s:s + 1] for d in ds))
         for name, o, l in (("kernel", out, lse), ("fallback", out_f, lse_f)):
