@@ -158,14 +158,26 @@ class KernelStep:
         # pointers, made once. The launcher takes an int for a pointer as it is, where for a
         # tensor it calls ``data_ptr()`` and asks the driver about the pointer
         # (``cuPointerGetAttribute``) at every launch. A tuple is immutable: the same object
-        # holds the same tensors, whose pointers stay (the plan's own, never resized).
+        # holds the same tensors, whose pointers stay (the plan's own, never resized). Kept
+        # (hence alive) only where its tensors' storages are a few bytes: a first call's
+        # buffers (split-KV partials, a mod's tensors) are not held.
         kept = tuple((i, n, args[n], _as_pointers(args[n])) for i, n in slots
-                     if isinstance(args[n], tuple))
-        slots = tuple((i, n) for i, n in slots if not isinstance(args[n], tuple))
+                     if isinstance(args[n], tuple) and _tiny(args[n]))
+        slots = tuple((i, n) for i, n in slots if not any(n == k[1] for k in kept))
         self.device = _driver().get_current_device()
         launch = _c_entry(run, grid, kernel.function, kernel.packed_metadata,
                           self._alloc if self.scratch else None)
         self.direct = (launch, tuple(template), slots, kept)
+
+
+def _tiny(value):
+    """Whether every tensor in ``value`` (an argument: a tensor or a tuple of them, maybe
+    nested) lives in a storage of at most 64 bytes (the plans' dummies, seeds)."""
+    if isinstance(value, torch.Tensor):
+        return value.untyped_storage().nbytes() <= 64
+    if isinstance(value, tuple):
+        return all(map(_tiny, value))
+    return True
 
 
 def _as_pointers(value):

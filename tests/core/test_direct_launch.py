@@ -239,6 +239,7 @@ def child(out_path, only=None):
         if len(through_triton) != n_triton:
             errors.append(f"the direct launch went through Triton: {through_triton[n_triton:]}")
         state["steps"].append(dict(kernel=name, entry=self.direct[0].__name__,
+                                   kept=[k[1] for k in self.direct[3]],
                                    handle=first[0]["handle"] if first else None,
                                    params=len(first[0]["params"]) if first else 0,
                                    scratch=stub.variants[first[0]["handle"]]["scratch"]
@@ -351,6 +352,9 @@ def test_direct_launches_equal_tritons(report):
             missing = set(direct_expected) - set(second["launches"])
             if missing:
                 failures.append(f"{case['name']}: second call did not launch {sorted(missing)}")
+    # The steps keep their plans' constant tuples as pointers (checked above, same objects).
+    assert any(step.get("kept") for case in report["cases"] for step in case["steps"]), \
+        "no step kept a per-call tuple as pointers"
     # Every kernel the plans launch, and scratch (TMA) variants among them.
     assert compared >= {"_attn_fwd", "_append_kv", "_bwd_preprocess", "_bwd_dkdv", "_bwd_dq"}, \
         compared
