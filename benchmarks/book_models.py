@@ -7,15 +7,15 @@ the tests' generation loops.
 """
 import copy
 import importlib
+import importlib.util
 
 import torch
 
 from .features import integration_row, ratio
 from .flops import gpt_step_flops, tflops
-from .measure import MEASURE_KEYS, classify_failure, measure
+from .measure import MEASURE_KEYS, classify_failure, free_memory, measure
 from .modules import linear_weights, train_step
 from .providers import Case
-from .measure import free_memory
 
 FAMILIES = ("qwen3", "llama3", "gpt2_kv", "qwen3_batched")
 PACKAGE = "llms-from-scratch==1.0.19"
@@ -53,16 +53,12 @@ _LLAMA32_1B = {"vocab_size": 128_256, "context_length": 131_072, "emb_dim": 2048
                "dtype": torch.bfloat16,
                "rope_freq": {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                              "original_context_length": 8192}}
-_QWEN3_TINY = {"vocab_size": 64, "context_length": 64, "emb_dim": 32, "n_heads": 2,
-               "n_layers": 1, "hidden_dim": 48, "head_dim": 16, "qk_norm": True,
-               "n_kv_groups": 1, "rope_base": 1e6, "dtype": torch.bfloat16}
-_LLAMA3_TINY = {"vocab_size": 64, "context_length": 64, "emb_dim": 32, "n_heads": 2,
-                "n_layers": 1, "hidden_dim": 48, "n_kv_groups": 1, "rope_base": 5e5,
-                "dtype": torch.bfloat16,
-                "rope_freq": {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                              "original_context_length": 16}}
-_GPT2_TINY = {"vocab_size": 64, "context_length": 64, "emb_dim": 32, "n_heads": 2,
-              "n_layers": 1, "drop_rate": 0.1, "qkv_bias": False}
+# The CPU profile's models: the same architectures at these tiny sizes.
+_TINY = {"vocab_size": 64, "context_length": 64, "emb_dim": 32, "n_heads": 2, "n_layers": 1}
+_QWEN3_TINY = dict(_QWEN3_06B, **_TINY, hidden_dim=48, head_dim=16, n_kv_groups=1)
+_LLAMA3_TINY = dict(_LLAMA32_1B, **_TINY, hidden_dim=48, n_kv_groups=1,
+                    rope_freq=dict(_LLAMA32_1B["rope_freq"], original_context_length=16))
+_GPT2_TINY = dict(_TINY, drop_rate=0.1, qkv_bias=False)
 
 
 def _gpt2_124m():
@@ -101,16 +97,11 @@ def _head_dim(cfg):
 
 def package_reason(family):
     """Why ``family``'s rows cannot run here (None: they can)."""
-    try:
-        import llms_from_scratch  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("llms_from_scratch") is None:
         return f"llms-from-scratch not installed (pip install --no-deps {PACKAGE})"
-    if family == "llama3":
-        try:
-            import tiktoken  # noqa: F401
-        except ImportError:
-            return ("tiktoken not installed (llms_from_scratch's llama3 modules import it; "
-                    "pip install tiktoken)")
+    if family == "llama3" and importlib.util.find_spec("tiktoken") is None:
+        return ("tiktoken not installed (llms_from_scratch's llama3 modules import it; "
+                "pip install tiktoken)")
     return None
 
 

@@ -18,6 +18,7 @@ GPU speed.
 """
 import argparse
 import contextlib
+import importlib
 import os
 import subprocess
 import sys
@@ -239,20 +240,13 @@ class Progress:
             print(file=sys.stderr, flush=True)
 
 
-def use_interpreter_if_no_cuda(force_cpu: bool = False) -> bool:
-    """Set TRITON_INTERPRET=1 when there is no CUDA device (or ``force_cpu``); return whether set.
-
-    Must run before the first import of ``kernels``; warns when that already happened.
-    """
-    import torch
-
-    if force_cpu or not torch.cuda.is_available():
-        if os.environ.get("TRITON_INTERPRET") != "1" and "kernels" in sys.modules:
-            print("benchmarks: warning: `kernels` was imported before TRITON_INTERPRET=1 was set; "
-                  "its kernels may not run on CPU", file=sys.stderr)
-        os.environ["TRITON_INTERPRET"] = "1"
-        return True
-    return False
+def use_interpreter():
+    """Set TRITON_INTERPRET=1 (a CPU run). It takes effect at the first import of ``kernels``
+    (all imports of it are lazy): warns when that already happened."""
+    if os.environ.get("TRITON_INTERPRET") != "1" and "kernels" in sys.modules:
+        print("benchmarks: warning: `kernels` was imported before TRITON_INTERPRET=1 was set; "
+              "its kernels may not run on CPU", file=sys.stderr)
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 def _gpu_check(argv):
@@ -260,18 +254,13 @@ def _gpu_check(argv):
     return subprocess.call(["bash", script, *argv])
 
 
-def _host(argv):
-    from .host import main as host_main
-    return host_main(argv)
-
-
-def _modules(argv):
-    from .modules import main as modules_main
-    return modules_main(argv)
+def _main_of(module):
+    """``benchmarks.<module>.main``, imported when its command runs."""
+    return lambda argv: importlib.import_module(f".{module}", __package__).main(argv)
 
 
 # Subcommands other than the sweep; "book" is the sweep's runner with only the book rows.
-COMMANDS = {"host": _host, "modules": _modules, "gpu-check": _gpu_check}
+COMMANDS = {"host": _main_of("host"), "modules": _main_of("modules"), "gpu-check": _gpu_check}
 
 
 def main(argv=None):
@@ -292,26 +281,17 @@ def main(argv=None):
         print("error: --device cuda but torch.cuda.is_available() is False", file=sys.stderr)
         return 2
     device_type = "cuda" if (args.device != "cpu" and torch.cuda.is_available()) else "cpu"
-    # TRITON_INTERPRET must be set before `kernels` is imported (all imports of it are lazy).
-    # On CPU that keeps the interpreter available; `run` then has our calls take the PyTorch
-    # fallback, except where the interpreter is asked for.
-    use_interpreter_if_no_cuda(force_cpu=device_type == "cpu")
-    resolve_args(args, device_type)
-    from .providers import set_tutorial_path
-    set_tutorial_path(args.tutorial)
-    return run(args, device_type, start)
-
-
-def run(args, device_type, start):
-    """Everything after argument parsing (see the module docstring). On CPU, ``kernels`` runs
-    its PyTorch fallback (TRITON_INTERPRET=0 for the run) except in the rows that ask for
-    Triton's interpreter."""
-    from .providers import FALLBACK, cpu_backend
-
     if device_type == "cpu":
-        # Imported while TRITON_INTERPRET=1 (main), so that Triton's interpreter can run our
-        # kernels where asked; TRITON_INTERPRET=0 then sends every other call to the fallback.
-        import kernels  # noqa: F401
+        use_interpreter()
+    resolve_args(args, device_type)
+    from .providers import FALLBACK, cpu_backend, set_tutorial_path
+
+    set_tutorial_path(args.tutorial)
+    if device_type == "cpu":
+        # Imported while TRITON_INTERPRET=1, so that Triton's interpreter can run our kernels
+        # where asked; TRITON_INTERPRET=0 for the run then sends every other call to the
+        # PyTorch fallback.
+        importlib.import_module("kernels")
     with cpu_backend(FALLBACK) if device_type == "cpu" else contextlib.nullcontext():
         return _run(args, device_type, start)
 
@@ -341,7 +321,7 @@ def _run(args, device_type, start):
     from .features import feature_rows
     from .modules import gpt_rows, module_rows
     from .providers import INTERPRETER, cpu_backend
-    from .sweep import SweepConfig, mark_backend, run_sweep
+    from .sweep import SweepConfig, run_sweep
 
     device = "cuda" if device_type == "cuda" else "cpu"
     eprint = report.eprint
@@ -352,8 +332,7 @@ def _run(args, device_type, start):
         torch.set_num_threads(args.cpu_threads)
     deadline = start + args.time_budget if args.time_budget and args.time_budget > 0 else (
         float("inf"))
-    args_dict = {k: v for k, v in vars(args).items()}
-    meta = report.collect_meta(device, args_dict, REPO_DIR, interpreter=args.interpreter)
+    meta = report.collect_meta(device, dict(vars(args)), REPO_DIR, interpreter=args.interpreter)
     eprint(f"benchmarks: device {meta['device']}, torch {meta['torch']}, triton "
            f"{meta['triton']}, cuda {meta['cuda']}, commit {meta['commit']}")
     if device_type == "cpu":
@@ -431,9 +410,9 @@ def _run(args, device_type, start):
             new = feature_rows(device, primary, feature_list, opts, deadline, progress,
                                args.quick,
                                sdpa_names=args.providers if args.explicit_providers else None)
-        if cpu:
-            mark_backend(new, INTERPRETER, lambda r: r["provider"].startswith("kernels")
-                         or r["provider"].endswith("triton_fused"))
+        for r in new if cpu else ():   # which implementation ours ran
+            if r["provider"].startswith("kernels") or r["provider"].endswith("triton_fused"):
+                r["backend"] = INTERPRETER
         feat.extend(new)
         save(done + feat + list(sweep_so_far))
 

@@ -5,6 +5,7 @@ transformers model (``hf``), each against what it should at least match; ``--fea
 (decode, paged: ``fwd``), causal, the sweep's first dtype, measured like every row (measure.py);
 the providers and extra columns are in docs/performance.md. ``target_met`` is None on CPU.
 """
+import importlib.util
 import random
 import time
 
@@ -12,10 +13,10 @@ import torch
 
 from .flops import (attention_flops, gbps, ideal_chunk_speedup, ideal_window_speedup,
                     kv_read_bytes, tflops, varlen_flops)
-from .measure import MEASURE_KEYS, classify_failure, measure, mode_maker
+from .measure import (MEASURE_KEYS, classify_failure, describe, free_memory, measure,
+                      mode_maker)
 from .providers import Case, SdpaProvider
 from .sweep import add_speedups, new_row
-from .measure import free_memory
 
 FEATURES = ("gqa", "window", "chunk", "varlen", "mla", "decode", "fp8", "hf")
 # On CPU ``hf`` is left out of the default (~8 s of interpreted attention; --features hf).
@@ -77,6 +78,12 @@ TARGETS = {"gqa": ("speedup_vs_mha", 1.0, "GQA at least as fast as MHA with the 
            # (the decode row's own target: FP8_CACHE_TARGET)
            "fp8": ("speedup_vs_bf16", 1.5, "FP8 forward at least 1.5x our bf16 forward "
                                            "(speedup_vs_bf16 >= 1.5)")}
+# (ours, baseline): the rows whose ms give a feature's speed-up (varlen: TFLOP/s, in _compare).
+BASELINES = {"gqa": ("kernels", "kernels_mha"), "window": ("kernels", "kernels_causal"),
+             "chunk": ("kernels", "kernels_causal"), "mla": ("kernels", "kernels_padded"),
+             "fp8": ("kernels_fp8", "kernels")}
+# The row field that picks a row's FLOP count in the feature's table (else: by mode alone).
+FLOPS_BY = {"window": "window", "chunk": "chunk_size", "fp8": "fp8_case"}
 FP8_CACHE_TARGET = (1.6, "an FP8 cache at least 1.6x the bf16 cache's tokens/s "
                          "(speedup_vs_bf16 >= 1.6)")
 
@@ -108,18 +115,6 @@ def _leaf(x):
     return x.detach().clone().requires_grad_(True)
 
 
-def _sdpa_gqa(backend_name):
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    backend = getattr(SDPBackend, backend_name)
-
-    def f(q, k, v):
-        with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    return f
-
-
 def _torch_varlen_reason(device):
     try:
         import torch.nn.attention.varlen  # noqa: F401
@@ -134,8 +129,7 @@ def _torch_varlen_refused(exc, caught_warnings):
     """PyTorch's varlen_attn is a young API (its arguments and supported cases vary by
     version and GPU): its refusal of a case is that peer's limitation, not an error of ours."""
     if isinstance(exc, (RuntimeError, TypeError, ValueError, NotImplementedError)):
-        text = " ".join(str(exc).split())
-        return f"varlen_attn: {type(exc).__name__}: {text}"[:200]
+        return f"varlen_attn: {describe(exc)}"[:200]
     return None
 
 
@@ -157,36 +151,40 @@ class _Spec:
         self.unsupported, self.extra = unsupported, extra or {}
 
 
+def _ours(q, k, v, **kw):
+    """A _Spec's ``build``: ``kernels.attention(causal=True, **kw)`` on leaf copies of q, k, v."""
+    def build():
+        import kernels
+
+        leaves = tuple(_leaf(x) for x in (q, k, v))
+        return (lambda: [kernels.attention(*leaves, causal=True, **kw)]), leaves
+    return build
+
+
+def _sdpa_spec(name, case, inputs, douts, extra, **sdpa_kwargs):
+    """The _Spec of SDPA backend ``name`` on leaf copies of ``inputs`` (q, k, v)."""
+    prov = SdpaProvider(name)
+
+    def build():
+        f = prov.function(**sdpa_kwargs)
+        leaves = tuple(_leaf(x) for x in inputs)
+        return (lambda: [f(*leaves)]), leaves
+    return _Spec(name, build, douts, static=prov.static_reason(case),
+                 unsupported=prov.unsupported_reason, extra=extra)
+
+
 def _gqa_specs(sh, device, dtype, sdpa_names):
     B, H, Hkv, L, D = sh["batch"], sh["heads"], sh["heads_kv"], sh["seq_len"], sh["head_dim"]
     g = torch.Generator(device=device).manual_seed(L)
     q, k, v = (_randn(g, (B, h, L, D), device, dtype) for h in (H, Hkv, Hkv))
     do = _randn(g, (B, H, L, D), device, dtype)
-    rep = H // Hkv
     case = Case(batch=B, heads=H, seq_len=L, head_dim=D, dtype=dtype, dropout_p=0.0,
                 device=device)
-
-    def ours(kv_rep):
-        def build():
-            import kernels
-
-            qq = _leaf(q)
-            kk, vv = (_leaf(x.repeat_interleave(kv_rep, 1)) for x in (k, v))
-            return (lambda: [kernels.attention(qq, kk, vv, causal=True)]), (qq, kk, vv)
-        return build
-
-    def sdpa(name):
-        def build():
-            f = _sdpa_gqa(SdpaProvider(name).backend_name)
-            qq, kk, vv = _leaf(q), _leaf(k), _leaf(v)
-            return (lambda: [f(qq, kk, vv)]), (qq, kk, vv)
-        prov = SdpaProvider(name)
-        return _Spec(name, build, [do], static=prov.static_reason(case),
-                     unsupported=prov.unsupported_reason, extra=dict(heads_kv=Hkv))
-
-    specs = [_Spec("kernels", ours(1), [do], extra=dict(heads_kv=Hkv)),
-             _Spec("kernels_mha", ours(rep), [do], extra=dict(heads_kv=H))]
-    specs += [sdpa(n) for n in sdpa_names]
+    k_mha, v_mha = (x.repeat_interleave(H // Hkv, 1) for x in (k, v))
+    specs = [_Spec("kernels", _ours(q, k, v), [do], extra=dict(heads_kv=Hkv)),
+             _Spec("kernels_mha", _ours(q, k_mha, v_mha), [do], extra=dict(heads_kv=H))]
+    specs += [_sdpa_spec(n, case, (q, k, v), [do], dict(heads_kv=Hkv), is_causal=True,
+                         enable_gqa=True) for n in sdpa_names]
     flops = {m: attention_flops(B, H, L, L, D, causal=True, mode=m) for m in FEATURE_MODES}
     return case, specs, flops
 
@@ -198,15 +196,6 @@ def _window_specs(sh, device, dtype):
     case = Case(batch=B, heads=H, seq_len=L, head_dim=D, dtype=dtype, dropout_p=0.0,
                 device=device)
 
-    def ours(window):
-        def build():
-            import kernels
-
-            qq, kk, vv = _leaf(q), _leaf(k), _leaf(v)
-            return (lambda: [kernels.attention(qq, kk, vv, causal=True, window=window)]), (
-                qq, kk, vv)
-        return build
-
     def varlen_build():
         # One packed sequence per batch entry: (B*L, H, D) views of the same values.
         qq, kk, vv = (_leaf(x.transpose(1, 2).reshape(B * L, H, D)) for x in (q, k, v))
@@ -214,8 +203,8 @@ def _window_specs(sh, device, dtype):
         return (lambda: [_torch_varlen(qq, kk, vv, cu, L, W).view(B, L, H, D).transpose(1, 2)]
                 ), (qq, kk, vv)
 
-    specs = [_Spec("kernels", ours(W), [do], extra=dict(heads_kv=H, window=W)),
-             _Spec("kernels_causal", ours(None), [do], extra=dict(heads_kv=H, window=None)),
+    specs = [_Spec("kernels", _ours(q, k, v, window=W), [do], extra=dict(heads_kv=H, window=W)),
+             _Spec("kernels_causal", _ours(q, k, v), [do], extra=dict(heads_kv=H, window=None)),
              _Spec("torch_varlen", varlen_build, [do], static=_torch_varlen_reason(device),
                    unsupported=_torch_varlen_refused, extra=dict(heads_kv=H, window=W))]
     flops = {(m, w): attention_flops(B, H, L, L, D, causal=True, mode=m, window=w)
@@ -235,15 +224,6 @@ def _chunk_specs(sh, device, dtype):
     split = None if L % C == 0 else f"seq_len {L} is not a multiple of chunk_size {C}"
     n = L // C
 
-    def ours(chunk_size):
-        def build():
-            import kernels
-
-            qq, kk, vv = _leaf(q), _leaf(k), _leaf(v)
-            return (lambda: [kernels.attention(qq, kk, vv, causal=True,
-                                               chunk_size=chunk_size)]), (qq, kk, vv)
-        return build
-
     def as_batch(x):
         # (B, H, L, D) -> (B * n, H, C, D): chunk c of batch entry b is sequence b * n + c.
         return x.view(B, H, n, C, D).transpose(1, 2).reshape(B * n, H, C, D).contiguous()
@@ -262,8 +242,8 @@ def _chunk_specs(sh, device, dtype):
 
     extra = dict(heads_kv=H, chunk_size=C)
     varlen_static = split or _torch_varlen_reason(device)
-    specs = [_Spec("kernels", ours(C), [do], extra=extra),
-             _Spec("kernels_causal", ours(None), [do], extra=dict(extra, chunk_size=None)),
+    specs = [_Spec("kernels", _ours(q, k, v, chunk_size=C), [do], extra=extra),
+             _Spec("kernels_causal", _ours(q, k, v), [do], extra=dict(extra, chunk_size=None)),
              _Spec("kernels_chunks_batched", batched_build,
                    [as_batch(do)] if split is None else [], static=split, extra=extra),
              _Spec("torch_varlen", varlen_build,
@@ -364,13 +344,6 @@ def _fp8_specs(sh, device, dtype):
     case = Case(batch=B, heads=H, seq_len=L, head_dim=D, dtype=bf16, dropout_p=0.0,
                 device=device)
 
-    def prefill(dt):
-        def build():
-            import kernels
-            leaves = [_leaf(x.to(dt)) for x in (q, k, v)]
-            return (lambda: [kernels.attention(*leaves, causal=True)]), tuple(leaves)
-        return build
-
     def decode(dt):
         def build():
             import kernels
@@ -384,8 +357,9 @@ def _fp8_specs(sh, device, dtype):
     pre = dict(fp8_case="prefill", heads_kv=H)
     dec = dict(fp8_case="decode", batch=Bd, heads=Hd, heads_kv=Hkv, q_len=1, cache_len=C,
                kv_bytes=kv_read_bytes(Bd, Hkv, C, D, 2))
-    specs = [_Spec("kernels", prefill(bf16), [do], extra=pre),
-             _Spec("kernels_fp8", prefill(f8), [do], unsupported=fwd_only, extra=pre),
+    specs = [_Spec("kernels", _ours(q, k, v), [do], extra=pre),
+             _Spec("kernels_fp8", _ours(*(x.to(f8) for x in (q, k, v))), [do],
+                   unsupported=fwd_only, extra=pre),
              _Spec("kernels_cache", decode(bf16), [do_d], unsupported=fwd_only, extra=dec),
              _Spec("kernels_cache_fp8", decode(f8), [do_d], unsupported=fwd_only,
                    extra=dict(dec, kv_bytes=dec["kv_bytes"] // 2))]
@@ -411,35 +385,9 @@ def _mla_specs(sh, device, dtype, sdpa_names):
     def pad(x):
         return torch.nn.functional.pad(x, (0, D - Dv))
 
-    def ours(padded):
-        def build():
-            import kernels
-
-            qq, kk = _leaf(q), _leaf(k)
-            vv = _leaf(pad(v) if padded else v)
-            return (lambda: [kernels.attention(qq, kk, vv, causal=True)]), (qq, kk, vv)
-        return build
-
-    def sdpa(name):
-        prov = SdpaProvider(name)
-
-        def build():
-            import torch.nn.functional as F
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-
-            backend = getattr(SDPBackend, prov.backend_name)
-            qq, kk, vv = _leaf(q), _leaf(k), _leaf(v)
-
-            def f():
-                with sdpa_kernel(backend):
-                    return [F.scaled_dot_product_attention(qq, kk, vv, is_causal=True)]
-            return f, (qq, kk, vv)
-        return _Spec(name, build, [do], static=prov.static_reason(case),
-                     unsupported=prov.unsupported_reason, extra=extra)
-
-    specs = [_Spec("kernels", ours(False), [do], extra=extra),
-             _Spec("kernels_padded", ours(True), [pad(do)], extra=extra)]
-    specs += [sdpa(n) for n in sdpa_names]
+    specs = [_Spec("kernels", _ours(q, k, v), [do], extra=extra),
+             _Spec("kernels_padded", _ours(q, k, pad(v)), [pad(do)], extra=extra)]
+    specs += [_sdpa_spec(n, case, (q, k, v), [do], extra, is_causal=True) for n in sdpa_names]
     flops = {m: attention_flops(B, H, L, L, D, causal=True, mode=m, head_dim_v=Dv)
              for m in FEATURE_MODES}
     return case, specs, flops
@@ -516,25 +464,14 @@ def feature_rows(device, dtype, features=FEATURES, opts=None, deadline=float("in
                 else:
                     row.update(_measure_spec(spec, mode, device, opts))
                     if row["status"] == "ok":
-                        row["tflops"] = tflops(flops[_flops_key(feature, mode, row)],
-                                               row["ms"])
+                        # window, chunk and fp8 rows: a FLOP count per mask / case
+                        key = (mode, row[FLOPS_BY[feature]]) if feature in FLOPS_BY else mode
+                        row["tflops"] = tflops(flops[key], row["ms"])
                 rows.append(row)
                 frows.append(row)
         free_memory(device)
         _compare(feature, frows, device, sh)
     return rows
-
-
-def _flops_key(feature, mode, row):
-    """The key of a feature's FLOP table for one row: window and chunk rows count their own
-    mask's visible pairs (the full causal row the causal count)."""
-    if feature == "window":
-        return mode, row["window"]
-    if feature == "chunk":
-        return mode, row["chunk_size"]
-    if feature == "fp8":
-        return mode, row["fp8_case"]
-    return mode
 
 
 def _failed_row(feature, sh, dtype, status):
@@ -552,26 +489,17 @@ def _compare(feature, rows, device, sh):
     field, threshold, text = TARGETS[feature]
     gpu = torch.device(device).type == "cuda"
     for mode in FEATURE_MODES:
-        if feature == "gqa":
-            mine, other = by.get(("kernels", mode)), by.get(("kernels_mha", mode))
+        if feature in BASELINES:
+            mine, other = (by.get((name, mode)) for name in BASELINES[feature])
             value = ratio(other, mine, "ms")
-        elif feature == "window":
-            mine, other = by.get(("kernels", mode)), by.get(("kernels_causal", mode))
-            value = ratio(other, mine, "ms")
-            if mine is not None:
-                mine["ideal_speedup"] = ideal_window_speedup(sh["seq_len"], sh["seq_len"],
-                                                             sh["window"])
-        elif feature == "chunk":
-            mine, other = by.get(("kernels", mode)), by.get(("kernels_causal", mode))
-            value = ratio(other, mine, "ms")
-            if mine is not None:
-                mine["ideal_speedup"] = ideal_chunk_speedup(sh["seq_len"], sh["seq_len"],
-                                                            sh["chunk_size"])
-                mine["speedup_vs_batched"] = ratio(
-                    by.get(("kernels_chunks_batched", mode)), mine, "ms")
-        elif feature == "mla":
-            mine, other = by.get(("kernels", mode)), by.get(("kernels_padded", mode))
-            value = ratio(other, mine, "ms")
+        if feature == "window" and mine is not None:
+            mine["ideal_speedup"] = ideal_window_speedup(sh["seq_len"], sh["seq_len"],
+                                                         sh["window"])
+        elif feature == "chunk" and mine is not None:
+            mine["ideal_speedup"] = ideal_chunk_speedup(sh["seq_len"], sh["seq_len"],
+                                                        sh["chunk_size"])
+            mine["speedup_vs_batched"] = ratio(by.get(("kernels_chunks_batched", mode)), mine,
+                                               "ms")
         elif feature == "fp8":
             cache = by.get(("kernels_cache_fp8", mode))
             if cache is not None:   # its own target (FP8_CACHE_TARGET)
@@ -580,9 +508,7 @@ def _compare(feature, rows, device, sh):
                 cache["target"] = FP8_CACHE_TARGET[1]
                 cache["target_met"] = (speedup >= FP8_CACHE_TARGET[0]
                                        if gpu and speedup is not None else None)
-            mine, other = by.get(("kernels_fp8", mode)), by.get(("kernels", mode))
-            value = ratio(other, mine, "ms")
-        else:
+        elif feature == "varlen":
             mine = by.get(("kernels_varlen", mode))
             other = by.get(("kernels_dense_each", mode))
             value = ratio(mine, other, "tflops")
@@ -629,11 +555,6 @@ def decode_targets(batch, cache_len):
     if batch == 1 and cache_len == 32768:
         out.append(("speedup_vs_unsplit", 5.0))
     return out
-
-
-def decode_target_text(targets):
-    """``"bw_fraction >= 0.7 and speedup_vs_unsplit >= 5"``, or None without a target."""
-    return " and ".join(f"{field} >= {t:g}" for field, t in targets) or None
 
 
 def splits_used(device, batch, heads, heads_kv, q_len, cache_len, num_splits, sm_count=None):
@@ -721,29 +642,19 @@ def _decode_spec(name, inputs, num_splits):
             return (lambda: [kernels.attention_with_kvcache(q, kp, vp, lens, causal=True,
                                                             num_splits=num_splits,
                                                             block_table=table)]), ()
-        import torch.nn.functional as F
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        backend = getattr(SDPBackend, SdpaProvider(name).backend_name)
         n_keys = int(lens.max())  # the filled slice (the whole cache here)
         k, v = kc[:, :, :n_keys], vc[:, :, :n_keys]
-
-        def f():
-            # One query row sees every key: is_causal=False is ours' bottom-right causal.
-            with sdpa_kernel(backend):
-                return [F.scaled_dot_product_attention(q, k, v, is_causal=False,
-                                                       enable_gqa=True)]
-        return f, ()
+        # One query row sees every key: is_causal=False is ours' bottom-right causal.
+        f = SdpaProvider(name).function(is_causal=False, enable_gqa=True)
+        return (lambda: [f(q, k, v)]), ()
     unsupported = SdpaProvider(name).unsupported_reason if name.startswith("sdpa_") else None
     return _Spec(name, build, [], unsupported=unsupported)
 
 
-def decode_rows(sh, device, dtype, sdpa_names=DECODE_SDPA, opts=None, deadline=float("inf"),
-                progress=None, copy_gbps=None):
+def decode_rows(sh, device, dtype, sdpa_names, opts, deadline, progress, copy_gbps):
     """Decode rows of one profile's shape ``sh``: for each batch, each cache length (in that
-    order: batch 1 first), ours split / unsplit / dense API and the SDPA backends; see the
-    module docstring. ``copy_gbps`` None: measured once, before the first row that runs."""
-    opts = dict(opts or dict(warmup_ms=10.0, rep_ms=50.0, cpu_reps=1, cpu_max_s=1.0))
+    order: batch 1 first), ours split / unsplit / dense / paged and the SDPA backends.
+    ``copy_gbps`` None: measured once, before the first row that runs."""
     gpu = torch.device(device).type == "cuda"
     H, Hkv, D, ns = sh["heads"], sh["heads_kv"], sh["head_dim"], sh["num_splits"]
     names = DECODE_OURS + tuple(sdpa_names)
@@ -814,7 +725,7 @@ def decode_compare(rows, gpu, copy_gbps):
         by["kernels_paged"]["paged_vs_dense"] = ratio(mine, by["kernels_paged"], "ms")
     add_speedups(rows)
     targets = decode_targets(mine["batch"], mine["seq_len"])
-    mine["target"] = decode_target_text(targets)
+    mine["target"] = " and ".join(f"{field} >= {t:g}" for field, t in targets) or None
     values = [mine.get(field) for field, _ in targets]
     mine["target_met"] = (all(v >= t for v, (_, t) in zip(values, targets))
                           if gpu and targets and None not in values else None)
@@ -842,9 +753,7 @@ INTEGRATION_TARGETS = {False: "not slower than sdpa (speedup_vs_sdpa >= 1)",
 
 def hf_reason():
     """Why the hf rows cannot run here (None: they can)."""
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("transformers") is None:
         return "transformers not installed (pip install .[hf])"
     return None
 

@@ -214,7 +214,8 @@ def mode_maker(forward, mode, dout, grads):
     return make
 
 
-def _describe(exc):
+def describe(exc):
+    """``Type: message`` of ``exc`` on one line, at most 240 characters."""
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text}"[:240]
 
@@ -231,7 +232,7 @@ def classify_failure(exc, caught_warnings=(), unsupported_reason=None):
             return f"unsupported: {reason}"
     if isinstance(exc, NotImplementedError):
         return f"unsupported: {' '.join(str(exc).split())[:200]}"
-    return f"error: {_describe(exc)}"
+    return f"error: {describe(exc)}"
 
 
 def measure(make, device, *, grads=(), warmup_ms=25, rep_ms=100, cpu_reps=3, cpu_max_s=2.0,

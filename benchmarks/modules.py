@@ -12,10 +12,10 @@ import time
 import torch
 
 from .flops import gpt_step_flops, mha_flops, tflops
-from .measure import MEASURE_KEYS, classify_failure, measure, mode_maker, time_interleaved
+from .measure import (MEASURE_KEYS, classify_failure, free_memory, measure, mode_maker,
+                      time_interleaved)
 from .providers import Case
 from .sweep import new_row
-from .measure import free_memory
 
 # Sizes per profile ("cuda", "cpu", "cpu_quick"): (batch, seq_len, emb_dim, heads) of the
 # module benchmark; overrides of GPT_CONFIG_124M and the batch of the GPT step. CPU: PyTorch

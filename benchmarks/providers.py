@@ -8,6 +8,7 @@ picks it for a block of calls). A provider that cannot run a case says ``unsuppo
 <reason>``, known up front (:meth:`Provider.static_reason`) or from its first call's error.
 """
 import contextlib
+import importlib.util
 import os
 import re
 from dataclasses import dataclass
@@ -21,7 +22,6 @@ PROVIDERS = ("kernels", "reference", "reference_compiled", "sdpa_math", "sdpa_ef
 # left out, any of them can still be named in --providers).
 CPU_PROVIDERS = ("kernels", "reference", "sdpa_math", "sdpa_flash")
 FALLBACK, INTERPRETER = "pytorch_fallback", "triton_interpreter"
-SDPA_PROVIDERS = tuple(p for p in PROVIDERS if p.startswith("sdpa_"))
 # Providers that materialise the (seq x seq) score matrix: limited by --quadratic-max-seq.
 QUADRATIC = ("reference", "reference_compiled", "sdpa_math")
 # Providers that need torch.compile: slow to compile on CPU, so only run there when asked for.
@@ -83,19 +83,6 @@ def interpreter_unavailable():
         return ("kernels was imported without TRITON_INTERPRET=1, so its kernels are compiled "
                 "ones (python -m benchmarks sets it on CPU before importing kernels)")
     return None
-
-
-def backend_of(name, device):
-    """What a provider's row ran: ``triton`` (ours on a GPU), ``pytorch_fallback`` (ours on
-    CPU in the sweep), None for the others."""
-    if name == "kernels":
-        return "triton" if torch.device(device).type == "cuda" else FALLBACK
-    return None
-
-
-def provider_label(name, device):
-    """The provider's name for tables and plots: ours on CPU says which implementation ran."""
-    return "kernels (PyTorch fallback)" if backend_of(name, device) == FALLBACK else name
 
 
 def _clean_warning(text: str) -> str:
@@ -220,11 +207,9 @@ class SdpaProvider(Provider):
 
     def static_reason(self, case):
         try:
-            from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: F401
+            from torch.nn.attention import SDPBackend
         except ImportError:
-            return "torch.nn.attention.sdpa_kernel missing in this torch"
-        from torch.nn.attention import SDPBackend
-
+            return "torch.nn.attention (sdpa_kernel) missing in this torch"
         if not hasattr(SDPBackend, self.backend_name):
             return f"SDPBackend.{self.backend_name} missing in this torch"
         on_cpu = torch.device(case.device).type == "cpu"
@@ -234,7 +219,8 @@ class SdpaProvider(Provider):
             return "cuDNN missing in this torch build"
         return None
 
-    def forward(self, case):
+    def function(self, **sdpa_kwargs):
+        """``f(q, k, v)``: SDPA with this backend and ``sdpa_kwargs`` (the feature rows' too)."""
         import torch.nn.functional as F
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -242,9 +228,11 @@ class SdpaProvider(Provider):
 
         def f(q, k, v):
             with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=case.causal,
-                                                      dropout_p=case.dropout_p)
+                return F.scaled_dot_product_attention(q, k, v, **sdpa_kwargs)
         return f
+
+    def forward(self, case):
+        return self.function(is_causal=case.causal, dropout_p=case.dropout_p)
 
     def unsupported_reason(self, exc, caught_warnings):
         text = str(exc)
@@ -267,9 +255,7 @@ class FlexProvider(Provider):
     name = "flex"
 
     def static_reason(self, case):
-        try:
-            import torch.nn.attention.flex_attention  # noqa: F401
-        except ImportError:
+        if importlib.util.find_spec("torch.nn.attention.flex_attention") is None:
             return "torch.nn.attention.flex_attention missing in this torch"
         if case.dropout_p > 0:
             return "FlexAttention has no dropout"
@@ -298,13 +284,12 @@ def load_tutorial(path=None):
     """The Triton tutorial's module from ``path`` (default: the one given by ``--tutorial``),
     imported once per process. It imports pytest for its test decorators (a stand-in is used
     where pytest is missing) and asks the active Triton driver for its device at import."""
-    import importlib.util
     import sys
 
     mod = sys.modules.get("tutorial_fused_attention")
     if mod is None:
         try:
-            import pytest  # noqa: F401  (the tutorial imports it for its test decorators)
+            importlib.import_module("pytest")   # the tutorial imports it for its test decorators
         except ImportError:
             import types
 
@@ -364,16 +349,10 @@ class TutorialProvider(Provider):
 
 def get_provider(name: str) -> Provider:
     """The provider called ``name`` (one of PROVIDERS)."""
-    if name == "kernels":
-        return KernelsProvider()
-    if name == "reference":
-        return ReferenceProvider()
-    if name == "reference_compiled":
-        return ReferenceCompiledProvider()
     if name in _SDPA_BACKENDS:
         return SdpaProvider(name)
-    if name == "flex":
-        return FlexProvider()
-    if name == "triton_tutorial":
-        return TutorialProvider()
+    for cls in (KernelsProvider, ReferenceProvider, ReferenceCompiledProvider, FlexProvider,
+                TutorialProvider):
+        if cls.name == name:
+            return cls()
     raise ValueError(f"unknown provider {name!r}; choose from {', '.join(PROVIDERS)}")

@@ -11,11 +11,12 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from .flops import attention_flops, tflops
-from .measure import MEASURE_KEYS, classify_failure, measure, mode_maker
-from .providers import (COMPILED, QUADRATIC, Case, backend_of, configure_dynamo, get_provider,
-                        provider_label, reset_compiled)
-from .measure import free_memory
+from .measure import MEASURE_KEYS, classify_failure, free_memory, measure, mode_maker
+from .providers import (COMPILED, FALLBACK, QUADRATIC, Case, configure_dynamo, get_provider,
+                        reset_compiled)
 
 ROW_KEYS = ("bench", "provider", "mode", "dtype", "causal", "dropout_p", "batch", "heads",
             "seq_len", "head_dim", "ms", "ms_p20", "ms_p80", "tflops", "peak_mem_bytes",
@@ -83,18 +84,9 @@ def new_row(provider, mode, case, bench="attention"):
     row.update(bench=bench, provider=provider, mode=mode, dtype=case.dtype_name,
                causal=case.causal, dropout_p=case.dropout_p, batch=case.batch,
                heads=case.heads, seq_len=case.seq_len, head_dim=case.head_dim)
-    backend = backend_of(provider, case.device)
-    if bench == "attention" and backend is not None and backend != "triton":
-        row.update(backend=backend, label=provider_label(provider, case.device))
+    if bench == "attention" and provider == "kernels" and torch.device(case.device).type == "cpu":
+        row.update(backend=FALLBACK, label="kernels (PyTorch fallback)")
     return row
-
-
-def mark_backend(rows, backend, is_ours):
-    """Set ``backend`` on the rows ``is_ours(row)`` picks (which ``kernels`` ran, on CPU)."""
-    for r in rows:
-        if is_ours(r):
-            r["backend"] = backend
-    return rows
 
 
 def _static_skip(cfg, name, provider, case):
