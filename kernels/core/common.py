@@ -43,10 +43,24 @@ def block_d(head_dim: int) -> int:
     return max(MIN_BLOCK_D, triton.next_power_of_2(head_dim))
 
 
-def dot_precision(dtype: torch.dtype) -> str:
-    """``tl.dot`` input precision for ``dtype``: fp32 follows torch.get_float32_matmul_precision()
-    ("highest" -> IEEE fp32, otherwise tf32). fp16/bf16 get Triton's default ("tf32"), which
-    only concerns fp32 operands and leaves their tensor-core path alone."""
+# AMD GPUs on which Triton's HIP backend accepts a tf32 (xf32) dot: CDNA3 only; gfx950 and the
+# others allow ieee / bf16x3 / bf16x6 and fail to compile any tl.dot asked for tf32.
+HIP_TF32_ARCHS = ("gfx942",)
+
+
+def dot_precision(dtype: torch.dtype, device=None) -> str:
+    """``tl.dot`` input precision for ``dtype`` on ``device`` (None: the current GPU).
+
+    NVIDIA: fp32 follows torch.get_float32_matmul_precision() ("highest" -> IEEE fp32,
+    otherwise tf32); fp16/bf16 get Triton's default ("tf32"), which only concerns fp32
+    operands and leaves their tensor-core path alone. AMD (a ROCm build of PyTorch): "ieee"
+    (the HIP backend's default; fp16/bf16 MFMA either way), and tf32 for fp32 only where the
+    HIP backend allows it (``HIP_TF32_ARCHS``)."""
+    if torch.version.hip:
+        from .configs import gpu_of   # configs imports this module
+        fast_fp32 = (dtype == torch.float32
+                     and torch.get_float32_matmul_precision() != "highest")
+        return "tf32" if fast_fp32 and gpu_of(device).arch in HIP_TF32_ARCHS else "ieee"
     if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
         return "ieee"
     return "tf32"

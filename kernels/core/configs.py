@@ -33,13 +33,22 @@ from .common import interpreter_active
 # ---------------------------------------------------------------------------------------------
 class Gpu(NamedTuple):
     """What pruning needs to know of a GPU: its compute capability and the shared memory one
-    block may use (bytes; the opt-in maximum)."""
+    block may use (bytes; the opt-in maximum; on AMD the LDS a workgroup may use). On AMD
+    (a ROCm build of PyTorch) ``arch`` is the gfx name ("gfx942") and ``compute_units`` the CU
+    count; the capability PyTorch reports there ((9, 4) on MI300) says nothing about NVIDIA's
+    generations."""
     capability: tuple
     smem_per_block: int
+    arch: str = ""           # AMD only: the gfx architecture name
+    compute_units: int = 0   # AMD only (split-KV counts with it)
+
+    @property
+    def is_amd(self) -> bool:
+        return bool(self.arch)
 
     @property
     def name(self) -> str:
-        return f"sm_{self.capability[0]}{self.capability[1]}"
+        return self.arch or f"sm_{self.capability[0]}{self.capability[1]}"
 
 
 # Shared memory per block (opt-in maximum) by compute capability, from NVIDIA's tables: used
@@ -54,9 +63,36 @@ _NO_DEVICE = (9, 0)
 # path (kernels.ops routes them; kernels/core/fallback.py).
 MIN_CAPABILITY = (8, 0)
 
+# AMD Instinct (CDNA) by gfx name: LDS per workgroup (bytes) and compute units, from AMD's
+# CDNA3 / CDNA4 ISA guides and data sheets: MI300X (gfx942) 64 KiB, 304 CUs; MI355X (gfx950)
+# 160 KiB, 256 CUs. The LDS figure is what Triton's HIP backend compiles against (its
+# ``OutOfResources`` check at load); the table wins over what the runtime reports, which on
+# some ROCm versions is 64 KiB on gfx950 too.
+AMD_ARCHS = {"gfx942": (64 * 1024, 304), "gfx950": (160 * 1024, 256)}
+# An AMD GPU not in the table (gfx90a, RDNA) is pruned with the smallest of these budgets.
+_AMD_DEFAULT = "gfx942"
+
+
+def hip_runtime() -> bool:
+    """Whether PyTorch is a ROCm build: its ``cuda`` devices are then AMD GPUs."""
+    return bool(getattr(torch.version, "hip", None))
+
+
+def _amd_gpu(index):
+    props = torch.cuda.get_device_properties(index)
+    arch = str(getattr(props, "gcnArchName", "") or _AMD_DEFAULT).split(":")[0]
+    lds, cus = AMD_ARCHS.get(arch, AMD_ARCHS[_AMD_DEFAULT])
+    try:
+        capability = tuple(torch.cuda.get_device_capability(index))
+    except (AssertionError, RuntimeError):
+        capability = (props.major, props.minor)
+    return Gpu(capability, lds, arch, int(getattr(props, "multi_processor_count", 0) or cus))
+
 
 @functools.lru_cache(maxsize=None)
 def _gpu(index):
+    if hip_runtime():
+        return _amd_gpu(index)
     try:
         capability = tuple(torch.cuda.get_device_capability(index))
     except (AssertionError, RuntimeError):  # CPU-only torch or no driver
@@ -97,13 +133,16 @@ def tma_capable(device=None) -> bool:
         return False
     if interpreter_active():
         return True
-    return gpu_of(device).capability[0] in TMA_MAJORS
+    gpu = gpu_of(device)
+    # AMD GPUs have no TMA unit: Triton rewrites descriptor loads into pointer loads there,
+    # with more VGPRs and a scratch allocator for nothing.
+    return not gpu.is_amd and gpu.capability[0] in TMA_MAJORS
 
 
 def unsupported_gpu_reason(device) -> Optional[str]:
     """Why the Triton kernels do not run on this CUDA device, or None when they do."""
     gpu = gpu_of(device)
-    if gpu.capability >= MIN_CAPABILITY:
+    if gpu.is_amd or gpu.capability >= MIN_CAPABILITY:
         return None
     return (f"{torch.cuda.get_device_name(device)} ({gpu.name}) has no tensor-core path in "
             f"Triton {triton.__version__} (tl.dot compiles to FMA loops below sm_80)")
@@ -146,6 +185,8 @@ class Family(NamedTuple):
                              # otherwise compute the same rows twice
     fwd_edge_regs: int = 0   # forward with a window / chunk edge: accumulator + score tile
                              # per thread at most this (0: no such budget)
+    wave64: bool = False     # AMD CDNA: 64-lane waves, MFMA, LDS; its entries per launch
+    tables: Optional[dict] = None  # come from ``tables`` (kernel, padded width, dropout)
 
 
 # Hopper (sm_90): 227 KiB per block; tl.dot is wgmma, and Triton gives the chained dots of
@@ -214,6 +255,85 @@ WIDE = dict(fwd=((32, 32, 8, 1), (32, 16, 8, 2)),
             dkdv=((16, 32, 8, 2), (16, 16, 8, 1)),
             dq=((16, 16, 8, 1),))
 
+# AMD CDNA (MI300: gfx942, MI350: gfx950): 64-lane waves, MFMA, LDS. Chosen from what LLVM's
+# AMDGPU backend makes of each entry (tools/amd_static.py, triton 3.9): per arch, kernel,
+# padded head_dim (64: also 16 and 32; 128; 256) and dropout, the entries that compiled with no
+# VGPR or SGPR spill at every flag checked (causal or not), in preference order, the first
+# (the default) also spill-free with grouped heads, packed sequences, split-KV and paged
+# caches where one was (the autotuner times the rest). A workgroup of
+# w waves spreads over a CU's 4 SIMDs, whose 512 registers per lane (architected + accumulation
+# VGPRs) it shares: 512 per lane at 4 waves and one wave per SIMD, 256 with waves_per_eu 2 or
+# 8 waves. Entries may carry a fifth element, waves_per_eu (a HIP compile option: the
+# occupancy LLVM budgets registers for; 0 = its own choice): AMD's own Triton attention runs
+# 128 x 64, 4 waves, 1 stage, waves_per_eu 2 -- here 128 x 64 spilled on gfx942 (at head_dim
+# 64: 1-26 SGPRs; at 128: 70-155 VGPRs), 128 x 32 did not. With num_stages 2 Triton's stream
+# pipeliner buffers K / V in LDS: on gfx950 (160 KiB) 128 x 64 with 2 stages compiled
+# spill-free at head_dim 128 (with dropout too: accumulation VGPRs take the accumulator).
+# Every entry at width 256 with waves_per_eu 2 spilled (hundreds of VGPRs): 64 x 32 on 4 waves
+# without it is the forward's default there.
+_F128_32 = (128, 32, 4, 1, 2)
+_F128_64 = (128, 64, 4, 1, 2)
+_F128_64_S2 = (128, 64, 4, 2, 2)
+_F64_64 = (64, 64, 4, 1, 2)
+_F64_32, _F32_32, _F32_32_W8 = (64, 32, 4, 1), (32, 32, 4, 1), (32, 32, 8, 1)
+_K32_128, _K32_64, _K16_128 = (32, 128, 8, 1), (32, 64, 4, 1), (16, 128, 8, 1)
+_K16_64, _K16_32 = (16, 64, 4, 1), (16, 32, 4, 1)
+_Q128_64, _Q64_32, _Q32_32, _Q16_32 = (128, 64, 8, 1), (64, 32, 4, 1), (32, 32, 4, 1), (16, 32, 4, 1)
+# (kernel, padded width, dropout) -> entries.
+CDNA3_TABLES = {
+    ("fwd", 64, False): (_F128_32, _F64_32, _F32_32),
+    ("fwd", 64, True): (_F128_32, _F32_32, _F32_32_W8),
+    ("fwd", 128, False): (_F128_32, _F64_32, _F32_32),
+    ("fwd", 128, True): (_F128_32, _F32_32_W8),
+    ("fwd", 256, False): (_F64_32, _F32_32),
+    ("fwd", 256, True): (_F64_32, _F32_32_W8),
+    ("dkdv", 64, False): (_K32_128, _K32_64, _K16_64, _K16_32),
+    ("dkdv", 64, True): (_K32_128, _K32_64, _K16_64, _K16_32),
+    ("dkdv", 128, False): (_K32_64, _K16_128, _K16_64, _K16_32),
+    ("dkdv", 128, True): (_K16_128, _K16_64, _K16_32),
+    ("dkdv", 256, False): (_K16_32, _K16_64),
+    ("dkdv", 256, True): (_K16_64, _K16_32),
+    ("dq", 64, False): (_Q64_32, _Q32_32, _Q16_32),
+    ("dq", 64, True): (_Q64_32, _Q32_32, _Q16_32),
+    ("dq", 128, False): (_Q64_32, _Q32_32, _Q16_32),
+    ("dq", 128, True): (_Q64_32, _Q32_32, _Q16_32),
+    ("dq", 256, False): (_Q64_32, _Q32_32, _Q16_32),
+    ("dq", 256, True): (_Q64_32, _Q32_32, _Q16_32),
+}
+CDNA4_TABLES = {
+    ("fwd", 64, False): (_F64_64, _F128_64_S2, _F128_64, _F128_32, _F64_32),
+    ("fwd", 64, True): (_F128_32, _F64_32, _F32_32),
+    ("fwd", 128, False): (_F128_32, _F128_64_S2, _F128_64, _F64_64, _F64_32),
+    ("fwd", 128, True): (_F128_64_S2, _F128_32, _F32_32),
+    ("fwd", 256, False): (_F64_32, _F32_32),
+    ("fwd", 256, True): (_F64_32, _F32_32),
+    ("dkdv", 64, False): (_K32_64, _K32_128, _K16_64, _K16_32),
+    ("dkdv", 64, True): (_K32_64, _K16_64, _K16_32),
+    ("dkdv", 128, False): (_K32_64, _K16_128, _K16_64, _K16_32),
+    ("dkdv", 128, True): (_K32_64, _K16_128, _K16_64, _K16_32),
+    ("dkdv", 256, False): (_K16_64, _K16_32),
+    ("dkdv", 256, True): (_K16_64, _K16_32),
+    ("dq", 64, False): (_Q64_32, _Q128_64, _Q32_32, _Q16_32),
+    ("dq", 64, True): (_Q64_32, _Q32_32, _Q16_32),
+    ("dq", 128, False): (_Q64_32, _Q32_32, _Q16_32),
+    ("dq", 128, True): (_Q64_32, _Q32_32, _Q16_32),
+    ("dq", 256, False): (_Q64_32, _Q32_32, _Q16_32),
+    ("dq", 256, True): (_Q64_32, _Q32_32, _Q16_32),
+}
+
+
+def _cdna(name, tables, lds):
+    def union(kernel):
+        return tuple(dict.fromkeys(e for (k, _, _), es in tables.items() if k == kernel
+                                   for e in es))
+    return Family(name=name, fwd=union("fwd"), dkdv=union("dkdv"), dq=union("dq"),
+                  fwd_smem_cap=lds, bwd_smem_cap=lds, register_model=False, max_head_dim=(),
+                  wave64=True, tables=tables)
+
+
+CDNA3 = _cdna("cdna3 (gfx942)", CDNA3_TABLES, 64 * 1024)
+CDNA4 = _cdna("cdna4 (gfx950)", CDNA4_TABLES, 160 * 1024)
+
 _INTERPRET = triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=1, num_stages=1)
 _KERNELS = ("fwd", "dkdv", "dq")
 
@@ -221,19 +341,32 @@ _KERNELS = ("fwd", "dkdv", "dq")
 def family_of(gpu: Gpu) -> Family:
     """The config family of a GPU generation that the Triton kernels serve (sm_80 and newer;
     older ones are routed to the PyTorch path before any launch)."""
+    if gpu.is_amd:
+        return CDNA4 if gpu.arch == "gfx950" else CDNA3
     major = gpu.capability[0]
     return HOPPER if major == 9 else BLACKWELL if major in (10, 11) else AMPERE
 
 
 def _configs(table):
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-            for bm, bn, w, s in table]
+    out = []
+    for bm, bn, w, s, *wpe in table:
+        kwargs = {"BLOCK_M": bm, "BLOCK_N": bn}
+        if wpe and wpe[0]:
+            kwargs["waves_per_eu"] = wpe[0]   # a HIP compile option, passed with the launch
+        out.append(triton.Config(kwargs, num_warps=w, num_stages=s))
+    return out
+
+
+def _platform_families():
+    """The families of this PyTorch build's GPUs: AMD's on ROCm (their entries carry the
+    HIP-only ``waves_per_eu``, which CUDA's compiler would refuse), NVIDIA's otherwise."""
+    return (CDNA3, CDNA4) if hip_runtime() else (HOPPER, BLACKWELL, AMPERE)
 
 
 def _union(kernel):
-    """Every family's entries for ``kernel`` and the wide tiles, in order, once: what an
-    autotuner is built with (its pruning then keeps the running GPU's own)."""
-    return list(dict.fromkeys([e for fam in (HOPPER, BLACKWELL, AMPERE)
+    """Every family's entries of this platform for ``kernel`` and the wide tiles, in order,
+    once: what an autotuner is built with (its pruning then keeps the running GPU's own)."""
+    return list(dict.fromkeys([e for fam in _platform_families()
                                for e in getattr(fam, kernel)] + list(WIDE[kernel])))
 
 
@@ -296,16 +429,47 @@ def _bwd_smem_bytes(config, width, elem_bytes, dkdv):
     return elem_bytes * width * (2 * resident + 2 * streamed * max(config.num_stages, 1))
 
 
+# LDS of the CDNA configs, from what Triton 3.9's HIP backend allocates (tools/amd_static.py
+# reads it per config): with one stage the loads go to registers and LDS only stages the dot
+# operands, one tile at a time (the forward: the larger of the query tile and a K + V pair;
+# the backward: the resident tile); each further stage buffers a K and a V tile (the backward:
+# two streamed tiles), plus the pipeliner's barriers. Every CDNA config measured stays within
+# these; the upper bounds above (``smem_bytes``) would keep nothing at head_dim 256 in fp32 on
+# gfx942's 64 KiB, where the real use fits.
+_CDNA_PIPELINE_SLACK = 2048
+
+
+def cdna_fwd_lds(config, block_d: int, elem_bytes: int) -> int:
+    """LDS estimate (bytes) of a forward config on AMD CDNA."""
+    bm, bn = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
+    extra = max(config.num_stages, 1) - 1
+    return ((max(bm, 2 * bn) if not extra else bm + 2 * extra * bn) * block_d * elem_bytes
+            + (_CDNA_PIPELINE_SLACK if extra else 0))
+
+
+def cdna_bwd_lds(config, width: int, elem_bytes: int, dkdv: bool) -> int:
+    """LDS estimate (bytes) of a backward config on AMD CDNA."""
+    bm, bn = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
+    resident, streamed = (bn, bm) if dkdv else (bm, bn)
+    extra = max(config.num_stages, 1) - 1
+    return ((resident + 2 * extra * streamed) * width * elem_bytes
+            + (_CDNA_PIPELINE_SLACK if extra else 0))
+
+
 def _key(config):
+    wpe = config.kwargs.get("waves_per_eu", 0)
     return (config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps,
-            config.num_stages)
+            config.num_stages) + ((wpe,) if wpe else ())
 
 
-def _family_entries(configs, family, kernel, width):
-    """``configs`` that ``family`` lists for ``kernel`` at this padded head_dim, in the family's
-    order of preference."""
+def _family_entries(configs, family, kernel, width, dropout=False):
+    """``configs`` that ``family`` lists for ``kernel`` at this padded head_dim (and, for the
+    AMD families, with or without dropout), in the family's order of preference."""
     table = getattr(family, kernel)
-    if width >= WIDE_MIN_WIDTH:
+    if family.wave64 and width < WIDE_MIN_WIDTH:
+        table = family.tables[(kernel, min(max(width, 64), 256), bool(dropout))]
+        allowed = set(table)
+    elif width >= WIDE_MIN_WIDTH:
         table = WIDE[kernel]
         allowed = set(table)
     elif family.register_model:
@@ -390,9 +554,10 @@ def prune_configs(configs, named_args, **kwargs):
     gpu = _launch_gpu(args)
     family = family_of(gpu)
     budget = min(family.fwd_smem_cap, gpu.smem_per_block)
-    candidates = _family_entries(configs, family, "fwd", block_d)
-    fitting = [c for c in candidates if smem_bytes(c, block_d, elem_bytes) <= budget]
     dropout = bool(args.get("DROPOUT", False))
+    candidates = _family_entries(configs, family, "fwd", block_d, dropout)
+    lds = cdna_fwd_lds if family.wave64 else smem_bytes
+    fitting = [c for c in candidates if lds(c, block_d, elem_bytes) <= budget]
     spec = args.get("SPEC")
     edge_regs = family.fwd_edge_regs if spec is not None and spec.edge else 0
     in_registers = [c for c in fitting if _stages_ok(c, args) and (
@@ -409,11 +574,11 @@ def prune_configs(configs, named_args, **kwargs):
         return fitting
     # None fits (fp32 with head_dim > 128): the smallest tiles with fewer pipeline stages. As
     # listed (4 stages) fp32 head_dim 256 needs 264 KiB on sm_90, over the 227 KiB a block gets.
-    smallest = min(candidates or configs, key=lambda c: smem_bytes(c, block_d, elem_bytes))
+    smallest = min(candidates or configs, key=lambda c: lds(c, block_d, elem_bytes))
     for stages in range(max(smallest.num_stages, 1), 0, -1):
         cfg = triton.Config(dict(smallest.kwargs), num_warps=smallest.num_warps,
                             num_stages=stages)
-        if stages == 1 or smem_bytes(cfg, block_d, elem_bytes) <= budget:
+        if stages == 1 or lds(cfg, block_d, elem_bytes) <= budget:
             return [cfg]
 
 
@@ -456,7 +621,7 @@ def prune_bwd_configs(configs, named_args, **kwargs):
     gpu = _launch_gpu(args)
     family = family_of(gpu)
     budget = min(family.bwd_smem_cap, gpu.smem_per_block)
-    candidates = _family_entries(configs, family, "dkdv" if dkdv else "dq", width)
+    candidates = _family_entries(configs, family, "dkdv" if dkdv else "dq", width, dropout)
 
     def fits_registers(cfg):
         bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
@@ -472,7 +637,8 @@ def prune_bwd_configs(configs, named_args, **kwargs):
                 and (cfg.num_warps > 4 or acc <= _DQ_ACC_REGS_4_WARPS))
 
     def fits(cfg):
-        return (_bwd_smem_bytes(cfg, width, elem, dkdv) <= budget and _stages_ok(cfg, args)
+        lds = cdna_bwd_lds if family.wave64 else _bwd_smem_bytes
+        return (lds(cfg, width, elem, dkdv) <= budget and _stages_ok(cfg, args)
                 and (not family.register_model or width >= WIDE_MIN_WIDTH
                      or fits_registers(cfg)))
 
@@ -504,7 +670,8 @@ _MIN_BLOCK_N = 16
 def num_splits_heuristic(device, n_programs, n_key_tiles, sm_count=None):
     """Splits for a launch of ``n_programs`` (query blocks x heads x batch, counted with
     64-row blocks) over ``n_key_tiles`` 64-key tiles, on a device with ``sm_count`` SMs
-    (default: the device's; CPU and Triton's interpreter: none, so 1).
+    (default: the device's SMs or, on AMD, compute units; CPU and Triton's interpreter:
+    none, so 1).
 
     FlashAttention-2's rule: no split when the programs already fill 80% of the SMs; else the
     smallest split count whose wave efficiency (programs / SMs, over its ceiling) reaches 85%
@@ -513,7 +680,11 @@ def num_splits_heuristic(device, n_programs, n_key_tiles, sm_count=None):
     if sm_count is None:
         if device.type != "cuda" or interpreter_active():
             return 1
-        sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+        gpu = gpu_of(device)
+        # AMD: compute units (304 on MI300X, 256 on MI355X), each running a workgroup as an
+        # NVIDIA SM runs a block.
+        sm_count = gpu.compute_units or torch.cuda.get_device_properties(
+            device).multi_processor_count
     if n_programs >= 0.8 * sm_count or n_key_tiles <= 1:
         return 1
     max_splits = min(MAX_SPLITS, sm_count, n_key_tiles)
