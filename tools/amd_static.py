@@ -24,10 +24,12 @@ the compiler's comment) and the MFMA instructions (``v_mfma_*``, counted; the fi
 named). A matmul kernel without MFMA is reported as ``fma``.
 After the table: one line per launch and one per arch over the kept configs (failures, over
 LDS, default configs spilling, matmul kernels without MFMA, the default config per launch).
+``tests/core/test_amd.py`` runs it for one forward per arch (``--defaults-only``).
 
 Usage, from the repository's root, with a venv holding Triton 3.9 (the HIP backend compiles
-without ROCm: LLVM and the linker ship in the wheel) and a CPU torch (the dev venv):
-    /work/venv/bin/python tools/amd_static.py [--arch gfx942,gfx950] [--variants fwd,bwd]
+without ROCm: LLVM and the linker ship in the wheel) and a CPU torch (``pip install -e
+".[test]"`` into a venv made with the CPU torch, as the README's install says):
+    VENV/bin/python tools/amd_static.py [--arch gfx942,gfx950] [--variants fwd,bwd]
         [--head-dims 64,128] [--fwd-flags "causal;plain"] [--defaults-only | --all-configs]
         [--json out.json]
 The archs run in parallel processes (one each). Compiled kernels are cached (default

@@ -14,7 +14,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import triton
 
 from kernels.core import common, configs
 from kernels.core.common import block_d
@@ -163,7 +162,6 @@ def test_split_heuristic_counts_compute_units(amd, arch, capability, cus, lds):
     """Split-KV counts the arch's CUs (the device properties' multi-processor count is not
     asked when the gfx table knows it)."""
     amd(arch, capability, cus, lds)
-    from kernels.core import forward as _  # noqa: F401  (the launcher that calls it)
     dev = torch.device("cuda", 0)
     prev = configs.interpreter_active
     try:
