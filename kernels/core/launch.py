@@ -218,7 +218,8 @@ def _c_entry(run, grid, function, metadata, alloc):
     c_launch = getattr(run, "launch", None)
     size = getattr(run, "global_scratch_size", None)
     if (c_launch is None or size is None or getattr(run, "profile_scratch_size", 1) != 0
-            or getattr(run, "gsan_enabled", False) or (size > 0 and alloc is None)):
+            or getattr(run, "gsan_enabled", False) or (size > 0 and alloc is None)
+            or torch.version.hip):   # HIP's C entry takes another order (and has no PDL)
         return through_run
     if size == 0:
         alloc = None   # Triton asks the allocator only for a scratch size above 0

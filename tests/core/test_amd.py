@@ -193,3 +193,27 @@ def test_one_compile_per_arch(tmp_path):
         assert x["status"] == "ok" and x["kept"], x
         assert x["mfma"] > 0 and x["vgpr_spill"] == 0 and x["sgpr_spill"] == 0, x
         assert x["smem"] <= x["smem_limit"] == LDS[x["arch"]], x
+
+
+def test_direct_launch_goes_through_the_hip_launcher(monkeypatch):
+    """On ROCm a launch plan calls the compiled kernel's launcher as Triton does: HIP's C entry
+    takes its arguments in another order and has no PDL flag (``launch_pdl``), so the CUDA
+    shortcut must not be taken there."""
+    from kernels.core import launch
+    calls = []
+
+    class HipLauncher:          # what Triton 3.9's HIP launcher exposes (no launch_pdl)
+        global_scratch_size, global_scratch_align, profile_scratch_size = 0, 1, 0
+        launch_cooperative_grid = False
+        arg_annotations = kernel_signature = None
+
+        def launch(self, *args):
+            raise AssertionError("the C entry was called with CUDA's argument order")
+
+        def __call__(self, *args):
+            calls.append(args)
+
+    monkeypatch.setattr(torch.version, "hip", "6.4.0", raising=False)
+    entry = launch._c_entry(HipLauncher(), (3, 2, 1), "fn", "meta", None)
+    entry(7, [10, 11])
+    assert calls == [(3, 2, 1, 7, "fn", "meta", None, None, None, 10, 11)]
