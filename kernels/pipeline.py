@@ -316,9 +316,9 @@ def _run_fp8(plan, mods, q, k, v, sinks, alibi_slopes, mod_aux, packed, descale)
     cu = (None, None) if packed is None else packed[:2]
     if mods is not None:
         descale = mods.descale or (None, None, None)
-        return _fwd_op(q, k, v, *cu, *((-1, -1) if packed is None else packed[2:]), _NO_SEED,
-                       mods.alibi_slopes, mods.sinks, list(mods.aux),
-                       call_spec(plan.call, plan.num_splits), *descale)
+        return _fwd_fp8_op(q, k, v, *cu, *((-1, -1) if packed is None else packed[2:]),
+                           _NO_SEED, mods.alibi_slopes, mods.sinks, list(mods.aux),
+                           call_spec(plan.call, plan.num_splits), *descale)
     call = with_tensors(plan.call, sinks, alibi_slopes, mod_aux,
                         descale=None if descale is None else Descale(*descale))
     return plan.forward(q, k, v, _NO_SEED, call, *cu)
@@ -399,11 +399,16 @@ def _op_plan(kind, spec, ints, tensors, sinks, alibi_slopes, mod_aux, make, desc
     called it): from the plan cache by ``kind``, ``spec``, ``ints`` and the signatures of
     ``tensors`` (None where absent), sinks, slopes and mod_aux, else ``make(call,
     num_splits)`` of ``spec``; (it, its call with this call's tensors)."""
-    key = (kind, spec, ints, *(None if t is None else _signature(t) for t in tensors),
+    key = (kind, spec, ints, *[None if t is None else _signature(t) for t in tensors],
            None if alibi_slopes is None else _signature(alibi_slopes),
            None if sinks is None else _signature(sinks),
            tuple(map(_signature, mod_aux)) if mod_aux else (), *_fp8_key(descale, None))
-    plan = plans.get_or_build(key, lambda: make(*parse_spec(spec)))
+    plan = plans.get(key)
+    if plan is None:
+        plan = make(*parse_spec(spec))
+        plans.put(key, plan)
+    if sinks is None and alibi_slopes is None and not mod_aux and descale is None:
+        return plan, plan.call   # (with_tensors would return it as it is)
     return plan, with_tensors(plan.call, sinks, alibi_slopes, mod_aux,
                               descale=None if descale is None else Descale(*descale))
 
@@ -463,7 +468,9 @@ def _define(name, schema, impl, fake):
 def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seed,
               alibi_slopes, sinks, mod_aux, spec, q_descale=None, k_descale=None,
               v_descale=None):
-    """``fused_attention::fwd``: (out, lse) of the call ``spec`` (``call_spec``) describes."""
+    """``fused_attention::fwd``: (out, lse) of the call ``spec`` (``call_spec``) describes;
+    ``fused_attention::fwd_fp8`` (the same with FP8 descales: a schema of its own, so that
+    every other compiled call passes no FP8 arguments)."""
     plan, call = _attention_op_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                     max_seqlen_k, alibi_slopes, sinks, mod_aux, spec,
                                     _descales(q_descale, k_descale, v_descale))
@@ -473,7 +480,7 @@ def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, s
 
 def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seed,
               alibi_slopes, sinks, mod_aux, spec, q_descale=None, k_descale=None,
-              v_descale=None):
+              v_descale=None):   # (both ops' fake)
     return (new_out(q, v.shape[-1], parse_spec(spec)[0].out_dtype),
             q.new_empty(lse_shape(q, cu_seqlens_q is not None), dtype=torch.float32))
 
@@ -487,8 +494,7 @@ def _bwd_impl(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
                                     max_seqlen_k, alibi_slopes, sinks, mod_aux, spec)
     daux = aux_grad_buffers(call.mods.score_mod, mod_aux) if any(aux_grad) else None
     grads = plan.backward(do, q, k, v, o, lse, seed, call, cu_seqlens_q, cu_seqlens_k,
-                          daux=daux, own_output=own_output,
-                          into=(new_like(q), new_like(k), new_like(v)))
+                          daux=daux, own_output=own_output, into=True)
     return [*grads, *(d if g else q.new_empty(0, dtype=torch.float32)
                       for d, g in zip(daux or [None] * len(mod_aux), aux_grad))]
 
@@ -502,9 +508,13 @@ def _bwd_fake(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
 
 _fwd_op = _define("fwd", "(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, "
                   "Tensor? cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor seed, "
-                  "Tensor? alibi_slopes, Tensor? sinks, Tensor[] mod_aux, str spec, "
-                  "Tensor? q_descale=None, Tensor? k_descale=None, Tensor? v_descale=None) "
+                  "Tensor? alibi_slopes, Tensor? sinks, Tensor[] mod_aux, str spec) "
                   "-> (Tensor, Tensor)", _fwd_impl, _fwd_fake)
+_fwd_fp8_op = _define("fwd_fp8", "(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, "
+                      "Tensor? cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, "
+                      "Tensor seed, Tensor? alibi_slopes, Tensor? sinks, Tensor[] mod_aux, "
+                      "str spec, Tensor? q_descale, Tensor? k_descale, Tensor? v_descale) "
+                      "-> (Tensor, Tensor)", _fwd_impl, _fwd_fake)
 _bwd_op = _define("bwd", "(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, "
                   "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, SymInt max_seqlen_q, "
                   "SymInt max_seqlen_k, Tensor seed, Tensor? alibi_slopes, Tensor? sinks, "
@@ -578,10 +588,8 @@ def _check_vmappable(named_dims):
 
 @torch.library.register_vmap("fused_attention::fwd")
 def _fwd_vmap(info, in_dims, q, k, v, cu_q, cu_k, max_q, max_k, seed, alibi_slopes, sinks,
-              mod_aux, spec, q_descale=None, k_descale=None, v_descale=None):
-    q_d, k_d, v_d, cu_q_d, cu_k_d, _, _, seed_d, alibi_d, sinks_d, aux_d, _ = in_dims[:12]
-    if k.dtype == FP8_DTYPE:
-        raise _vmap_refusal("an FP8 call")
+              mod_aux, spec):
+    q_d, k_d, v_d, cu_q_d, cu_k_d, _, _, seed_d, alibi_d, sinks_d, aux_d, _ = in_dims
     _check_vmappable((("cu_seqlens", cu_q_d), ("cu_seqlens", cu_k_d), ("seed", seed_d),
                       ("alibi_slopes", alibi_d), ("sinks", sinks_d)))
     if cu_q is not None:

@@ -194,14 +194,16 @@ class AttentionPlan:
                  own_output=False, route=None, into=None):
         """(dq, dk, dv). ``daux``: d(mod_aux) buffers added into (``attention_backward``);
         ``own_output``: o is this plan's forward's output (its layout is the plan's);
-        ``route``: the forward's ``_use_fallback``; ``into``: (dq, dk, dv) for the fallback
-        to write (the custom op's, in ``new_like``'s layouts), else its own buffers."""
+        ``route``: the forward's ``_use_fallback``; ``into``: True when the gradients must
+        be in ``new_like``'s layouts (the custom op's; the kernels' are, the fallback then
+        writes into such buffers), else the fallback's own buffers are returned."""
         if q.shape[1] == 0:  # no query heads: nothing reads k or v, whose gradients are 0
             return new_like(q), new_like(k).zero_(), new_like(v).zero_()
         do = unit_last(do)
         if self.route(q) if route is None else route:
+            into = (new_like(q), new_like(k), new_like(v)) if into else (None, None, None)
             return fallback.backward(do, q, k, v, o, lse, cu_q, cu_k, call.with_seed(seed_t),
-                                     *(into or (None, None, None)), daux=daux)
+                                     *into, daux=daux)
         if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
             q, k, v = unit_last(q), unit_last(k), unit_last(v)
         if own_output:   # the forward's own output: one layout for the signature
