@@ -17,6 +17,8 @@ import torch
 
 from kernels.core import common, configs
 from kernels.core.common import block_d
+# The kept configs of one launch, as the generation tests ask for them.
+from test_gpu_generations import _bwd_kept, _fwd_kept
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # (gfx name, capability ROCm reports, CUs, LDS the runtime reports in KiB): the runtime's LDS
@@ -46,19 +48,6 @@ def amd(monkeypatch):
 
 def _key(cfg):
     return configs._key(cfg)
-
-
-def _fwd_kept(d, dtype=torch.bfloat16, dropout=0):
-    q = torch.empty(1, dtype=dtype)
-    return configs.prune_configs(configs.fwd_configs(), {}, Q=q, BLOCK_D=block_d(d),
-                                 DROPOUT=dropout)
-
-
-def _bwd_kept(kernel, d, dtype=torch.bfloat16, dropout=0):
-    q = torch.empty(1, dtype=dtype)
-    args = dict(Q=q, HEAD_DIM=d, DROPOUT=dropout)
-    args.update(DK=q) if kernel == "dkdv" else args.update(DQ=q)
-    return configs.prune_bwd_configs(configs.bwd_configs(kernel=kernel), {}, **args)
 
 
 @pytest.mark.parametrize("arch,capability,cus,lds", AMD, ids=[a[0] for a in AMD])
