@@ -9,12 +9,11 @@ import numbers
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .core.call import FP8_DTYPE   # FP8 attention (forward only) takes OCP e4m3 alone
 from .core.common import MAX_HEAD_DIM
 from .core.mods import CallMods, MaskMod, ScoreMod
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# FP8 attention (forward only) takes OCP e4m3, FlashAttention-3's format; Triton's float8e4nv.
-FP8_DTYPE = torch.float8_e4m3fn
 _OTHER_FP8 = tuple(getattr(torch, n) for n in ("float8_e5m2", "float8_e4m3fnuz",
                                                 "float8_e5m2fnuz") if hasattr(torch, n))
 # What an FP8 call may return: FlashAttention-3's bf16 (the default), or fp16 on request.
