@@ -163,7 +163,7 @@ def _bad_call(name, rank, world):
 
 BAD = {   # scenario -> {rank: expected message regex} ("*": every other rank)
     "length": {"*": r"disagree on shard length.*rank 1: 10"},
-    "float64": {1: r"rank 1 of 3\): q must be float16, bfloat16 or float32",
+    "float64": {1: r"rank 1 of 3\): q must be float16, bfloat16, float32",
                 "*": r"rank\(s\) \[1\] of the group of 3 rejected"},
     "head_dim": {2: r"rank 2 of 3\): q and k must have the same head_dim",
                  "*": r"rank\(s\) \[2\] of the group of 3 rejected"},
