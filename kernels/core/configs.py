@@ -269,9 +269,16 @@ WIDE = dict(fwd=((32, 32, 8, 1), (32, 16, 8, 2)),
 # 64: 1-26 SGPRs; at 128: 70-155 VGPRs), 128 x 32 did not. With num_stages 2 Triton's stream
 # pipeliner buffers K / V in LDS: on gfx950 (160 KiB) 128 x 64 with 2 stages compiled
 # spill-free at head_dim 128 (with dropout too: accumulation VGPRs take the accumulator).
-# Every entry at width 256 with waves_per_eu 2 spilled (hundreds of VGPRs): 64 x 32 on 4 waves
-# without it is the forward's default there.
-_F128_32 = (128, 32, 4, 1, 2)
+# Every entry at width 256 with waves_per_eu 2 spilled (hundreds of VGPRs): 64 x 32 without it
+# is the forward's default there, on gfx950 on 8 waves, on gfx942 with waves_per_eu 1 (the
+# budget of its one wave per SIMD; 64 x 32 on 8 waves spilled 2-5 SGPRs there, and with 2
+# stages it did not (36 KiB of LDS) but the LDS estimate's bound prunes it) -- on 4 waves
+# without it, the packed, split-KV and paged forwards spilled 8-18 SGPRs (into VGPR lanes).
+# At head_dim 128 on gfx942 the paged forward spilled 8 SGPRs with 128 x 32 and 6-21 with every
+# other 4096-element tile tried but 256 x 16 (the whole 64 KiB of LDS): 128 x 16 is the default
+# there, 128 x 32 stays second for the autotuner.
+_F128_32, _F128_16 = (128, 32, 4, 1, 2), (128, 16, 4, 1, 2)
+_F64_32_W8, _F64_32_WPE1 = (64, 32, 8, 1), (64, 32, 4, 1, 1)
 _F128_64 = (128, 64, 4, 1, 2)
 _F128_64_S2 = (128, 64, 4, 2, 2)
 _F64_64 = (64, 64, 4, 1, 2)
@@ -284,9 +291,9 @@ _Q32_32, _Q16_32 = (32, 32, 4, 1), (16, 32, 4, 1)
 CDNA3_TABLES = {
     ("fwd", 64, False): (_F128_32, _F64_32, _F32_32),
     ("fwd", 64, True): (_F128_32, _F32_32, _F32_32_W8),
-    ("fwd", 128, False): (_F128_32, _F64_32, _F32_32),
+    ("fwd", 128, False): (_F128_16, _F128_32, _F64_32, _F32_32),
     ("fwd", 128, True): (_F128_32, _F32_32_W8),
-    ("fwd", 256, False): (_F64_32, _F32_32),
+    ("fwd", 256, False): (_F64_32_WPE1, _F64_32, _F32_32),
     ("fwd", 256, True): (_F64_32, _F32_32_W8),
     ("dkdv", 64, False): (_K32_128, _K32_64, _K16_64, _K16_32),
     ("dkdv", 64, True): (_K32_128, _K32_64, _K16_64, _K16_32),
@@ -306,7 +313,7 @@ CDNA4_TABLES = {
     ("fwd", 64, True): (_F128_32, _F64_32, _F32_32),
     ("fwd", 128, False): (_F128_32, _F128_64_S2, _F128_64, _F64_64, _F64_32),
     ("fwd", 128, True): (_F128_64_S2, _F128_32, _F32_32),
-    ("fwd", 256, False): (_F64_32, _F32_32),
+    ("fwd", 256, False): (_F64_32_W8, _F64_32, _F32_32),
     ("fwd", 256, True): (_F64_32, _F32_32),
     ("dkdv", 64, False): (_K32_64, _K32_128, _K16_64, _K16_32),
     ("dkdv", 64, True): (_K32_64, _K16_64, _K16_32),
