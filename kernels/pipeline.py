@@ -129,7 +129,7 @@ def _fp8_key(descale, out_dtype):
 
 def _with_fp8(mods, descale):
     """``mods`` with the call's checked descales (``check_fp8``), if any."""
-    return mods if descale is None else dataclasses.replace(mods, descale=Descale(*descale))
+    return mods if descale is None else dataclasses.replace(mods, descale=descale)
 
 
 _FP8_NO_GRAD = (
@@ -186,9 +186,8 @@ def resolve_attention(q, k, v, options, sinks, alibi_slopes, mod_aux, packed=Non
                          None if drop_layout is None else tuple(drop_layout), chunk_size, mods,
                          out_dtype=out_dtype)
     max_seqlens = (None, None) if packed is None else tuple(packed[2:])
-    plan = AttentionPlan(without_tensors(call), num_splits, max_seqlens)
-    plan.fp8 = k.dtype == FP8_DTYPE
-    return plan, mods
+    return AttentionPlan(without_tensors(call), num_splits, max_seqlens,
+                         fp8=k.dtype == FP8_DTYPE), mods
 
 
 def check_arguments(q, k, v, causal, dropout_p, softmax_scale, seed):
@@ -319,8 +318,7 @@ def _run_fp8(plan, mods, q, k, v, sinks, alibi_slopes, mod_aux, packed, descale)
         return _fwd_fp8_op(q, k, v, *cu, *((-1, -1) if packed is None else packed[2:]),
                            _NO_SEED, mods.alibi_slopes, mods.sinks, list(mods.aux),
                            call_spec(plan.call, plan.num_splits), *descale)
-    call = with_tensors(plan.call, sinks, alibi_slopes, mod_aux,
-                        descale=None if descale is None else Descale(*descale))
+    call = with_tensors(plan.call, sinks, alibi_slopes, mod_aux, descale=descale)
     return plan.forward(q, k, v, _NO_SEED, call, *cu)
 
 
@@ -409,8 +407,7 @@ def _op_plan(kind, spec, ints, tensors, sinks, alibi_slopes, mod_aux, make, desc
         plans.put(key, plan)
     if sinks is None and alibi_slopes is None and not mod_aux and descale is None:
         return plan, plan.call   # (with_tensors would return it as it is)
-    return plan, with_tensors(plan.call, sinks, alibi_slopes, mod_aux,
-                              descale=None if descale is None else Descale(*descale))
+    return plan, with_tensors(plan.call, sinks, alibi_slopes, mod_aux, descale=descale)
 
 
 def _in_fake_layout(out, q, head_dim_v, out_dtype=None):
@@ -426,19 +423,17 @@ def _in_fake_layout(out, q, head_dim_v, out_dtype=None):
 def _attention_op_plan(q, k, v, cu_q, cu_k, max_q, max_k, alibi_slopes, sinks, mod_aux, spec,
                        descale=None):
     """``_op_plan`` of ``fused_attention::fwd`` / ``bwd``: an ``AttentionPlan``."""
-    def make(call, num_splits):
-        plan = AttentionPlan(call, num_splits, (max_q, max_k))
-        plan.fp8 = k.dtype == FP8_DTYPE
-        return plan
     return _op_plan("op", spec, (max_q, max_k), (q, k, v, cu_q, cu_k), sinks, alibi_slopes,
-                    mod_aux, make, descale)
+                    mod_aux, lambda call, num_splits: AttentionPlan(
+                        call, num_splits, (max_q, max_k), fp8=k.dtype == FP8_DTYPE), descale)
 
 
-def _descales(q_descale, k_descale, v_descale):
-    """The ops' three optional descales as ``_op_plan``'s ``descale`` (None: none given)."""
+def descale_args(q_descale, k_descale, v_descale):
+    """A call's three optional FP8 descales as one ``Descale``, or None when none is given
+    (the public functions' and the ops' arguments alike)."""
     if q_descale is None and k_descale is None and v_descale is None:
         return None
-    return (q_descale, k_descale, v_descale)
+    return Descale(q_descale, k_descale, v_descale)
 
 
 # The ops are defined with ``torch.library.Library`` (CPU and CUDA kernels, fakes for tracing)
@@ -473,7 +468,7 @@ def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, s
     every other compiled call passes no FP8 arguments)."""
     plan, call = _attention_op_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                     max_seqlen_k, alibi_slopes, sinks, mod_aux, spec,
-                                    _descales(q_descale, k_descale, v_descale))
+                                    descale_args(q_descale, k_descale, v_descale))
     out, lse = plan.forward(q, k, v, seed, call, cu_seqlens_q, cu_seqlens_k)
     return _in_fake_layout(out, q, v.shape[-1], call.out_dtype), lse
 
@@ -650,8 +645,7 @@ def resolve_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, optio
     call = AttentionCall(causal, float(softmax_scale), 0.0, 0,
                          int(window) if window is not None else None, None, chunk_size, mods,
                          out_dtype=out_dtype)
-    runner = KVCacheRunner(without_tensors(call), num_splits)
-    runner.fp8 = k_cache.dtype == FP8_DTYPE
+    runner = KVCacheRunner(without_tensors(call), num_splits, fp8=k_cache.dtype == FP8_DTYPE)
     new = 0 if k is None else q.shape[2]
     if block_table is None:
         runner.lengths = (new, k_cache.shape[2], None, 0, 1)
@@ -672,9 +666,7 @@ def kvcache_descales(q, k_cache, block_table, q_descale, k_descale, v_descale, k
             expand_scale(name, scale, descale, q, k_cache, block_table)
             for name, scale, descale in (("k_scale", k_scale, k_descale),
                                          ("v_scale", v_scale, v_descale)))
-    if q_descale is None and k_descale is None and v_descale is None:
-        return None
-    return (q_descale, k_descale, v_descale)
+    return descale_args(q_descale, k_descale, v_descale)
 
 
 def kvcache_runner(q, k_cache, v_cache, cache_seqlens, k, v, block_table, options, sinks,
@@ -705,7 +697,6 @@ def run_kvcache(runner, mods, q, k_cache, v_cache, cache_seqlens, k, v, block_ta
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
     if runner.fp8 and q.dtype == FP8_DTYPE:
         _refuse_fp8_grad(*inputs)
-    descale = None if descale is None else Descale(*descale)
     if mods is None and not needs_grad:
         call = with_tensors(runner.call, sinks, alibi_slopes, mod_aux, descale=descale)
         return runner(q, k_cache, v_cache, cache_seqlens, k, v, call, block_table)
@@ -721,24 +712,14 @@ def run_kvcache(runner, mods, q, k_cache, v_cache, cache_seqlens, k, v, block_ta
     return _kvcache_op(*args)
 
 
-def _runner_maker(cls, *args):
-    """``make`` of ``_op_plan`` for a forward-only runner: ``cls(call, num_splits, *args)``,
-    marked FP8 as ``resolve_kvcache`` marks it."""
-    def make(call, num_splits, fp8):
-        runner = cls(call, num_splits, *args)
-        runner.fp8 = fp8
-        return runner
-    return make
-
-
 def _kvcache_impl(q, k_cache, v_cache, cache_seqlens, k, v, block_table, alibi_slopes, sinks,
                   mod_aux, spec, q_descale=None, k_descale=None, v_descale=None):
     """``fused_attention::kvcache``: append (k, v) into the caches (in place), then attend."""
-    make = _runner_maker(KVCacheRunner)
     runner, call = _op_plan("kvcache-op", spec, (), (q, k_cache, v_cache, cache_seqlens, k, v,
                                                      block_table), sinks, alibi_slopes, mod_aux,
-                            lambda call, n: make(call, n, k_cache.dtype == FP8_DTYPE),
-                            _descales(q_descale, k_descale, v_descale))
+                            lambda call, n: KVCacheRunner(call, n,
+                                                          fp8=k_cache.dtype == FP8_DTYPE),
+                            descale_args(q_descale, k_descale, v_descale))
     return runner(q, k_cache, v_cache, cache_seqlens, k, v, call, block_table)
 
 
@@ -837,8 +818,8 @@ def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, seqused_k, blo
         call = AttentionCall(causal, float(softmax_scale), 0.0, 0,
                              int(window) if window is not None else None, None, chunk_size,
                              mods, out_dtype=out_dtype)
-        runner = PagedVarlenRunner(without_tensors(call), num_splits, max_q)
-        runner.fp8 = k_cache.dtype == FP8_DTYPE
+        runner = PagedVarlenRunner(without_tensors(call), num_splits, max_q,
+                                   fp8=k_cache.dtype == FP8_DTYPE)
         if key is not None:
             plans.put(key, runner)
     if seqused_k is None:
@@ -846,8 +827,7 @@ def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, seqused_k, blo
     num_blocks, page_size = k_cache.shape[:2]
     check_cache_lengths(seqused_k, 0, block_table.shape[1] * page_size, block_table,
                         num_blocks, page_size)
-    call = with_tensors(runner.call, sinks, alibi_slopes, mod_aux,
-                        descale=None if descale is None else Descale(*descale))
+    call = with_tensors(runner.call, sinks, alibi_slopes, mod_aux, descale=descale)
     inputs = [t for t in (q, k_cache, v_cache) if t.requires_grad]
     needs_grad = torch.is_grad_enabled() and bool(inputs)
     if runner.fp8 and q.dtype == FP8_DTYPE:
@@ -868,12 +848,12 @@ def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, seqused_k, blo
 def _varlen_paged_impl(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table,
                        max_seqlen_q, alibi_slopes, sinks, mod_aux, spec, q_descale=None,
                        k_descale=None, v_descale=None):
-    make = _runner_maker(PagedVarlenRunner, max_seqlen_q)
     runner, call = _op_plan(
         "paged-varlen-op", spec, max_seqlen_q, (q, k_cache, v_cache, cu_seqlens_q, seqused_k,
                                                 block_table), sinks, alibi_slopes, mod_aux,
-        lambda call, n: make(call, n, k_cache.dtype == FP8_DTYPE),
-        _descales(q_descale, k_descale, v_descale))
+        lambda call, n: PagedVarlenRunner(call, n, max_seqlen_q,
+                                          fp8=k_cache.dtype == FP8_DTYPE),
+        descale_args(q_descale, k_descale, v_descale))
     out, lse = runner(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, call)
     return _in_fake_layout(out, q, v_cache.shape[-1], call.out_dtype), lse
 

@@ -216,7 +216,7 @@ def check_fp8(q_dtype, kv_dtype, descale, out_dtype, rows, heads_kv, device, dro
         if t.requires_grad:
             raise ValueError(f"{name} requires grad, but FP8 attention is forward-only: pass "
                              f"it detached")
-    return tuple(descale), out_dtype
+    return descale, out_dtype
 
 
 def expand_scale(name, scale, descale, q, k_cache, block_table):

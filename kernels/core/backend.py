@@ -140,14 +140,14 @@ class AttentionPlan:
     which come per call) and ``num_splits``; the Triton plans are built at the first launch.
     The backend is chosen per call (``_use_fallback``); a backward follows its forward's."""
 
-    def __init__(self, call, num_splits=0, max_seqlens=(None, None)):
+    def __init__(self, call, num_splits=0, max_seqlens=(None, None), fp8=False):
         self.call, self.num_splits = call, int(num_splits)
         self.max_seqlens = max_seqlens
         self.dropout_p = call.dropout_p
         self.fwd = None
         self.bwd = {}
         self.cuda_route = None
-        self.fp8 = False   # FP8 inputs (forward only): set by the pipeline's resolve
+        self.fp8 = fp8   # FP8 inputs (forward only; e4m3 k / v): the backend's FP8 rule
 
     def route(self, q):
         """``_use_fallback(q)``: decided once per plan on a GPU (a plan is for one device),
@@ -229,10 +229,10 @@ class KVCacheRunner:
     ``call`` without the mods' tensors, ``num_splits``; the ``KVCachePlan``
     (kernels/core/kvcache.py) is built at the first launch."""
 
-    def __init__(self, call, num_splits=0):
+    def __init__(self, call, num_splits=0, fp8=False):
         self.call, self.num_splits = call, int(num_splits)
         self.plan = None
-        self.fp8 = False   # an FP8 cache: set by the pipeline's resolve
+        self.fp8 = fp8   # an FP8 cache: the backend's FP8 rule
 
     def __call__(self, q, k_cache, v_cache, cache_seqlens, k, v, call, block_table=None):
         """(out, lse); ``call``: the runner's with this call's mods' tensors."""
@@ -257,10 +257,10 @@ class PagedVarlenRunner:
     only): ``call`` without the mods' tensors, ``num_splits``, ``max_seqlen_q``; the
     ``VarlenPagedPlan`` (kernels/core/kvcache.py) is built at the first launch."""
 
-    def __init__(self, call, num_splits, max_seqlen_q):
+    def __init__(self, call, num_splits, max_seqlen_q, fp8=False):
         self.call, self.num_splits, self.max_seqlen_q = call, int(num_splits), max_seqlen_q
         self.plan = None
-        self.fp8 = False   # an FP8 cache: set by the pipeline's resolve
+        self.fp8 = fp8   # an FP8 cache: the backend's FP8 rule
 
     def __call__(self, q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, call):
         """(out (total_q, heads_q, Dv), lse (heads_q, total_q)); ``call``: the runner's with
