@@ -27,8 +27,8 @@ from .integrations.modules import (
 )
 from . import flash_attn_interface  # FlashAttention 2's API on the functions above
 
-__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "plans", "PlanCache", "FallbackNotice",
-           "ScoreMod", "MaskMod",
-           "SOFTCAP", "ALIBI", "FusedCausalAttention", "FusedMultiHeadAttentionWrapper",
+__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "plans", "PlanCache",
+           "FallbackNotice", "ScoreMod", "MaskMod", "SOFTCAP", "ALIBI", "FusedCausalAttention",
+           "FusedMultiHeadAttentionWrapper",
            "FusedMultiHeadAttention", "fuse_attention", "book", "distributed", "fuse", "hf",
            "modules", "sdpa", "flash_attn_interface"]

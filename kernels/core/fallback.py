@@ -1036,7 +1036,6 @@ def _fp8_forward(q, k, v, cu_q, cu_k, call, o, batch0=0):
     docstring."""
     descale = call.mods.descale
     descale = (None, None, None) if descale is None else descale
-    packed = cu_q is not None
     hq, hk = (q.shape[1], k.shape[1])
     group = hq // hk if hk else 1
     q32 = _dequantize(q, descale[0], cu_q, group, batch0) if q.dtype == FP8_DTYPE else q.float()

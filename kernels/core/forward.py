@@ -112,11 +112,12 @@ def _attn_fwd(Q, K, V, O, LSE,
     A constexpr (one compile per page size), so that the per-key division is a shift for
     powers of two: with a runtime page size, 128 x 128 tiles spilled on sm_90 (q_len 4, GQA).
     FP8 (``fp8.Fp8Spec``; kernels/core/fp8.py), with ``score.descale`` the descales
-    (``fp8.DescaleArgs``), read at the program's (b, kv_h): mode 1, Q, K, V e4m3: S by an fp8 dot with q_descale *
-    k_descale folded into the score scale, P * 256 rounded to e4m3 for an fp8 P @ V, acc *
-    v_descale / 256 at the end; mode 2, K, V e4m3 and Q fp16 / bf16: K, V tiles upcast to Q's
-    dtype after each load, k_descale in the score scale, acc * v_descale at the end. l_i, lse
-    and split partials are those of the descaled scores. No dropout with FP8.
+    (``fp8.DescaleArgs``), read at the program's (b, kv_h): mode 1, Q, K, V e4m3: S by an fp8
+    dot with q_descale * k_descale folded into the score scale, P * 256 rounded to e4m3 for
+    an fp8 P @ V, acc * v_descale / 256 at the end; mode 2, K, V e4m3 and Q fp16 / bf16: K, V
+    tiles upcast to Q's dtype after each load, k_descale in the score scale, acc * v_descale
+    at the end. l_i, lse and split partials are those of the descaled scores. No dropout with
+    FP8.
     """
     VARLEN: tl.constexpr = KEYS.varlen
     SEQUSED_K: tl.constexpr = KEYS.k_lens
