@@ -80,7 +80,7 @@ def _use_fallback(t, fp8=False):
     """Whether a call on ``t``'s device takes the PyTorch fallback: CPU tensors without
     Triton's interpreter, and CUDA tensors on GPUs the Triton kernels do not serve (before
     sm_80: ``configs.unsupported_gpu_reason``; with ``fp8``, an FP8 call, GPUs without FP8
-    tensor cores: ``configs.fp8_unsupported_reason``); warned once, at the caller's line."""
+    tensor cores: ``fp8_unsupported_reason`` above); warned once, at the caller's line."""
     global _warned_fallback, _warned_gpu
     device = t.device
     if fp8 and device.type == "cuda" and unsupported_gpu_reason(device) is None:
