@@ -85,7 +85,8 @@ def append_kv(k_cache, v_cache, cache_seqlens, k, v, block_table=None, descale=N
     cache's dtype are copied as they are."""
     step = _append_step(k_cache, v_cache, k, v, block_table)
     if step is not None:
-        _run_append(step, k_cache, v_cache, cache_seqlens, k, v, block_table, descale)
+        _run_append(step, k_cache, v_cache, cache_seqlens, k, v, block_table, descale,
+                    _append_one(k_cache, k))
 
 
 def _quantizes(cache, new) -> bool:
@@ -116,12 +117,19 @@ def _append_step(k_cache, v_cache, k, v, block_table):
         configs=[None])
 
 
-def _run_append(step, k_cache, v_cache, cache_seqlens, k, v, block_table, descale=None):
+def _append_one(k_cache, k):
+    """The 1.0 a quantizing append reads for a missing descale (``fp8.one_descale``), or None
+    when the append does not quantize."""
+    return one_descale(k.device) if _quantizes(k_cache, k) else None
+
+
+def _run_append(step, k_cache, v_cache, cache_seqlens, k, v, block_table, descale=None,
+                one=None):
+    """One append launch; ``one``: ``_append_one``'s tensor (a plan's, made once)."""
     if block_table is not None:
         k_cache, v_cache = paged_view(k_cache), paged_view(v_cache)
     # The descales' pointers (1.0 for a missing one; never read without QUANT).
-    ds = descale_args(descale, one_descale(k.device) if _quantizes(k_cache, k)
-                      else cache_seqlens)
+    ds = descale_args(descale, cache_seqlens if one is None else one)
     step(k.device, dict(K_CACHE=k_cache, V_CACHE=v_cache, K=k, V=v, SEQLENS=cache_seqlens,
                         BLOCK_TABLE=cache_seqlens if block_table is None else block_table,
                         descale=ds))
@@ -166,6 +174,7 @@ class KVCachePlan:
                  block_table=None):
         block_table = _unit_columns(block_table)
         self.append = None if k is None else _append_step(k_cache, v_cache, k, v, block_table)
+        self.one = None if k is None else _append_one(k_cache, k)
         self.new = 0 if k is None else q.shape[2]
         k_lens = cache_seqlens if k is None else cache_seqlens + self.new
         if block_table is not None:
@@ -177,7 +186,7 @@ class KVCachePlan:
         block_table = _unit_columns(block_table)
         if self.append is not None:
             _run_append(self.append, k_cache, v_cache, cache_seqlens, k, v, block_table,
-                        call.mods.descale)
+                        call.mods.descale, self.one)
         k_lens = cache_seqlens if not self.new else (cache_seqlens + self.new)
         if block_table is not None:
             k_cache, v_cache = paged_view(k_cache), paged_view(v_cache)
