@@ -26,9 +26,11 @@
 # BOOK_TIMEOUT (default 540 s); BOOK_ARGS="--book-layers 8" roughly halves the generation part.
 # Stage "tma_ab" (`GPU_CHECK_STAGES="versions precompile tma_ab"` alone, ~2-3 min; last in the
 # "speed" list): ours and SDPA flash (the drift check), bf16, head_dim 128 and 64, causal, seq
-# 128 / 512 / 1024, fwd / bwd / fwd_bwd, with tensor-descriptor loads (KERNELS_TMA=1) into
-# WORK/tma1/ and without (KERNELS_TMA=0) into WORK/tma0/: at short lengths the per-program
-# fixed cost weighs most (docs/performance.md).
+# 128 / 512 / 1024, fwd / bwd / fwd_bwd, with tensor-descriptor loads (KERNELS_TMA=1: host
+# descriptors for dense calls) into WORK/tma1/, with the forward's descriptors made in the
+# kernel per program (KERNELS_TMA=kernel) into WORK/tmakernel/ and without TMA (KERNELS_TMA=0)
+# into WORK/tma0/: at short lengths the per-program fixed cost weighs most
+# (docs/performance.md).
 # Environment knobs: PYTHON (default python3), GPU_CHECK_BUDGET, TESTS_TIMEOUT (default 240),
 # BENCH_ARGS (extra arguments for `python -m benchmarks`, e.g. "--quick"), BOOK_TIMEOUT and
 # BOOK_ARGS (the same for stage "book", e.g. "--book-models qwen3"), GPU_CHECK_STAGES
@@ -252,7 +254,7 @@ print(\"device\", torch.cuda.get_device_name() if torch.cuda.is_available() else
         # fixed cost weighs most (docs/performance.md), SDPA flash as the drift check.
         # In the speed list only when a minute is left (the suite call can take it instead).
         local tma tma_limit
-        for tma in 1 0; do
+        for tma in 1 kernel 0; do
             tma_limit=$(( $(left) - 5 ))
             [ $tma_limit -gt 120 ] && tma_limit=120
             if [ $tma_limit -lt 30 ]; then

@@ -61,7 +61,8 @@ import time
 SEQ_LENS = (128, 512, 1024, 2048, 4096, 8192, 16384)
 HEAD_DIMS = (128, 64)
 DROPOUTS = (0.0, 0.1)
-# TMA off too at these lengths: the profile and tma_ab stages time ours without descriptors.
+# TMA off and in-kernel forward descriptors too at these lengths: the profile and tma_ab stages
+# time ours without descriptors and with the per-program ones (KERNELS_TMA=0, =kernel).
 TMA_OFF_MAX_SEQ = 1024
 TOKENS, HIDDEN = 16384, 2048
 KINDS = ("ours", "tutorial", "flex")
@@ -82,7 +83,8 @@ def build_parser():
     ap.add_argument("--head-dims", type=int, nargs="+", default=list(HEAD_DIMS))
     ap.add_argument("--dropout", type=float, nargs="+", default=list(DROPOUTS))
     ap.add_argument("--tma-off-max-seq", type=int, default=TMA_OFF_MAX_SEQ,
-                    help="also compile ours with KERNELS_TMA=0 up to this seq (0: never)")
+                    help="also compile ours with KERNELS_TMA=0 and =kernel up to this seq "
+                         "(0: never)")
     ap.add_argument("--tokens", type=int, default=TOKENS)
     ap.add_argument("--hidden", type=int, default=HIDDEN)
     ap.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS),
@@ -115,7 +117,7 @@ def workloads(args):
             shape = dict(batch=batch, heads=heads, seq=seq, head_dim=d)
             if "ours" in args.kinds:
                 for p in args.dropout:
-                    tmas = (1, 0) if seq <= args.tma_off_max_seq else (1,)
+                    tmas = (1, "kernel", 0) if seq <= args.tma_off_max_seq else (1,)
                     for tma in tmas:
                         out.append(dict(kind="ours", dropout=p, tma=tma, **shape))
             if "tutorial" in args.kinds and args.tutorial:

@@ -14,7 +14,9 @@ sets it, so that its hundreds of small shapes do not each compile and time every
 (tests/core/test_gpu.py runs every config once).
 ``KERNELS_TMA=0`` turns tensor-descriptor (TMA) loads off everywhere (``tma_capable``): the
 per-thread loads of other GPUs, for A/B timings (benchmarks/gpu_check.sh, stage "tma_ab") and
-as a way around a TMA problem on a new GPU or Triton.
+as a way around a TMA problem on a new GPU or Triton. ``KERNELS_TMA=kernel`` keeps TMA but
+makes every forward descriptor in the kernel, per program (``host_descriptors_enabled``: the
+forward before host descriptors, for the same A/B).
 """
 import functools
 import math
@@ -187,6 +189,8 @@ class Family(NamedTuple):
                              # per thread at most this (0: no such budget)
     wave64: bool = False     # AMD CDNA: 64-lane waves, MFMA, LDS; its entries per launch
     tables: Optional[dict] = None  # come from ``tables`` (kernel, padded width, dropout)
+    short_fwd_warps: int = 0  # forward, q_len <= SHORT_Q_LEN at padded head_dim <= 64: this
+                             # many warps first (0: the table's order)
 
 
 # Hopper (sm_90): 227 KiB per block; tl.dot is wgmma, and Triton gives the chained dots of
@@ -211,7 +215,15 @@ HOPPER = Family(
           (16, 64, 8, 2)),
     dq=((128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4, 3), (64, 32, 4, 3), (128, 16, 8, 2)),
     fwd_smem_cap=224 * 1024, bwd_smem_cap=176 * 1024, register_model=True, max_head_dim=(),
-    distinct_rows=True, fwd_edge_regs=96)
+    distinct_rows=True, fwd_edge_regs=96, short_fwd_warps=4)
+
+# At q_len <= SHORT_Q_LEN every program of a causal forward runs one query block: its fixed cost
+# (set-up, Q, the final scaling and stores), which every warp issues, is most of its work. On
+# sm_90 at head_dim 64 an 8-warp 128 x 128 program issues it twice over (tools/sass_budget.py
+# --prologue: 4720 warp-instructions per program vs 3792 for the tutorial's 4-warp 128 x 64),
+# so short calls take the family's ``short_fwd_warps`` configs first. Autotuning still times
+# every kept config; this is the order KERNELS_AUTOTUNE=0 takes.
+SHORT_Q_LEN = 128
 
 # Ampere-style tensor cores (mma.sync): A100 (sm_80, 163 KiB), A10 / RTX 3090 (sm_86, 99 KiB),
 # L4 / RTX 4090 (sm_89, 99 KiB), RTX 5090 (sm_120, 99 KiB). mma.sync takes its operands from
@@ -402,6 +414,12 @@ def tma_enabled() -> bool:
     return os.environ.get("KERNELS_TMA", "1") != "0"
 
 
+def host_descriptors_enabled() -> bool:
+    """False when the environment sets KERNELS_TMA=kernel: dense forward calls then make their
+    descriptors in the kernel as packed sequences do (see the module docstring)."""
+    return os.environ.get("KERNELS_TMA", "1") != "kernel"
+
+
 def autotune_enabled() -> bool:
     """False when the environment sets KERNELS_AUTOTUNE=0 (see the module docstring)."""
     return os.environ.get("KERNELS_AUTOTUNE", "1") != "0"
@@ -576,8 +594,13 @@ def prune_configs(configs, named_args, **kwargs):
             # A window or chunk keeps its shared-row 64-row tile: its 2-stage list is short
             # (128 x 128 does not fit at head_dim 128), and 64-row blocks cross fewer edge tiles.
             return in_registers
-        return _prefer_distinct_rows(in_registers, family, block_d,
+        kept = _prefer_distinct_rows(in_registers, family, block_d,
                                      lambda c: c.kwargs["BLOCK_M"])
+        buckets = args.get("BUCKETS")
+        if (family.short_fwd_warps and block_d <= 64 and buckets is not None
+                and buckets[0] <= SHORT_Q_LEN):
+            kept.sort(key=lambda c: c.num_warps != family.short_fwd_warps)   # stable
+        return kept
     if fitting:
         return fitting
     # None fits (fp32 with head_dim > 128): the smallest tiles with fewer pipeline stages. As
@@ -585,7 +608,7 @@ def prune_configs(configs, named_args, **kwargs):
     smallest = min(candidates or configs, key=lambda c: lds(c, block_d, elem_bytes))
     for stages in range(max(smallest.num_stages, 1), 0, -1):
         cfg = triton.Config(dict(smallest.kwargs), num_warps=smallest.num_warps,
-                            num_stages=stages)
+                            num_stages=stages, pre_hook=smallest.pre_hook)
         if stages == 1 or lds(cfg, block_d, elem_bytes) <= budget:
             return [cfg]
 

@@ -32,8 +32,8 @@ from .call import (AttentionCall, DropArgs, KeyLayout, SplitArgs, make_problem, 
 from .common import (block_d, dot_operand, dot_precision, interpreter_active,
                      round_for_store, widen, widen_bf16)
 from .configs import (FWD_TUNE_KEY, PACK_GQA_MAX_Q_LEN, autotune_enabled, clamp_splits,
-                      fixed_configs, fwd_configs, nominal_tiles, num_splits_heuristic,
-                      prune_configs, tma_capable)
+                      fixed_configs, fwd_configs, host_descriptors_enabled, nominal_tiles,
+                      num_splits_heuristic, prune_configs, tma_capable)
 from .dropout import load_seed
 from .fp8 import (FP8_NONE, P_SCALE_C, descale_args, fp8_spec, load_descale, one_descale,
                   p_operand)
@@ -43,7 +43,7 @@ from .tiles import (clamp_ranges, edge_bound, key_range, mask_key_bounds, progra
 from .paged import page_rows, paged_problem, paged_varlen_problem
 from .splitkv import combine_splits
 from .launch import KernelStep
-from .tma import row_tiles, tma_rows_ok
+from .tma import TMA_HOST, TMA_HOST_MODE, desc_tile, host_desc_layout, row_tiles, tma_rows_ok
 
 
 @triton.jit
@@ -65,7 +65,7 @@ def load_rows(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr,
 
 
 @triton.jit
-def _attn_fwd(Q, K, V, O, LSE,
+def _attn_fwd(Q, K, V, O, LSE, DESC_Q, DESC_K, DESC_V,
               stride_q, stride_k, stride_v, stride_o, stride_lse,
               seq, score, drop, split,
               BUCKETS,  # autotune key only: Problem.tune_buckets
@@ -102,7 +102,12 @@ def _attn_fwd(Q, K, V, O, LSE,
     pipelined); 1 = K and V tiles by tensor descriptors made here (``row_tiles``; on sm_90 one
     bulk tensor copy per tile) over this (sequence, kv head)'s k_len rows, so rows past k_len
     -- another packed sequence's, a KV cache's unfilled ones -- and columns past the head dim
-    read as zeros exactly as the masked loads do; 2 = Q's tile too (not with PACK_GQA).
+    read as zeros exactly as the masked loads do; 2 = Q's tile too (not with PACK_GQA);
+    3 (``TMA_HOST``) = Q, K and V tiles through ``DESC_Q``, ``DESC_K``, ``DESC_V``: host
+    descriptors of the whole (B, heads, rows, D) tensors, made once per call instead of three
+    per program (a dense call's bounds are its tensors': rows past them read as zeros), block
+    (1, 1, BLOCK_M or BLOCK_N, BLOCK_D or BLOCK_DV) set by each config's ``set_desc_blocks``;
+    None (constexpr) in the other modes.
     PAGED: 0, or the page size of a paged cache (with SEQUSED_K, TMA = 0): K and V are
     paged caches viewed (num_blocks, heads_kv, PAGED, D) (kernels/core/paged.py),
     ``stride_k[0]`` is the page stride, and key position j of batch entry b is row j % PAGED of
@@ -181,7 +186,9 @@ def _attn_fwd(Q, K, V, O, LSE,
             + tl.cast(k_start, tl.int64) * stride_k[2]
         v_base = V + b.to(tl.int64) * stride_v[0] + kv_h.to(tl.int64) * stride_v[1] \
             + tl.cast(k_start, tl.int64) * stride_v[2]
-    if TMA == 2:
+    if TMA == TMA_HOST:
+        q = desc_tile(DESC_Q, b, h, start_m, BLOCK_M, BLOCK_D)
+    elif TMA == 2:
         # Not with PACK_GQA (its rows span several heads: no box of one tensor).
         q = row_tiles(Q + b.to(tl.int64) * stride_q[0] + h.to(tl.int64) * stride_q[1]
                       + tl.cast(q_start, tl.int64) * stride_q[2], q_len, stride_q[2],
@@ -201,7 +208,7 @@ def _attn_fwd(Q, K, V, O, LSE,
         if FP8_MODE == 1:
             qk_descale = qk_descale * load_descale(ds.q, ds.q_strides, b, kv_h)
         v_descale = load_descale(ds.v, ds.v_strides, b, kv_h)
-    if TMA:
+    if TMA == 1 or TMA == 2:
         # Descriptors of this (sequence, kv head)'s K and V rows: the bounds are k_len rows
         # (at least 1: an empty sequence's descriptor is never read) and the true head dims.
         k_rows = tl.maximum(k_len, 1) if VARLEN or SEQUSED_K else k_len
@@ -255,6 +262,8 @@ def _attn_fwd(Q, K, V, O, LSE,
                 rows_k = page.to(tl.int64) * stride_k[0] + page_row * stride_k[2]
                 k = load_rows(k_base + rows_k[:, None] + offs_d[None, :], offs_n, k_len,
                               offs_d, HEAD_DIM, MASKED[RANGE], not EVEN_D)
+            elif TMA == TMA_HOST:
+                k = desc_tile(DESC_K, b, kv_h, start_n, BLOCK_N, BLOCK_D)
             elif TMA:
                 k = k_desc.load([start_n, 0])
             else:
@@ -284,6 +293,8 @@ def _attn_fwd(Q, K, V, O, LSE,
                 rows_v = page.to(tl.int64) * stride_v[0] + page_row * stride_v[2]
                 v = load_rows(v_base + rows_v[:, None] + offs_dv[None, :], offs_n, k_len,
                               offs_dv, HEAD_DIM_V, MASKED[RANGE], not EVEN_DV)
+            elif TMA == TMA_HOST:
+                v = desc_tile(DESC_V, b, kv_h, start_n, BLOCK_N, BLOCK_DV)
             elif TMA:
                 v = v_desc.load([start_n, 0])
             else:
@@ -324,18 +335,21 @@ def _attn_fwd(Q, K, V, O, LSE,
                                  ).to(O.dtype.element_ty), mask=o_mask)
 
 
-def tma_mode(pb, pack_gqa=False) -> int:
+def tma_mode(pb, pack_gqa=False, dense=False) -> int:
     """The forward's TMA constexpr for a launch on problem ``pb`` (``_attn_fwd``'s docstring):
     descriptor loads where the GPU takes them (``tma_capable``: sm_90, and the interpreter)
-    and the layout allows them; per-thread loads (0) elsewhere. What TMA cannot do, hence the
-    fallback: strides or a base address that are not multiples of 16 bytes (odd head dims with
-    contiguous rows, e.g. 1, 17 or 20 fp16 elements, views at odd offsets), a zero row stride
-    (rows expanded from one; a zero batch or head stride is fine: it only enters the base),
-    padded head dims over 256 (a box is at most 256 elements a side: head_dim 512), GPUs
-    without TMA (sm_80 / 86 / 89) or not yet tuned with it (sm_100, sm_120:
-    ``configs.TMA_MAJORS``); Q also with PACK_GQA, whose tile mixes query heads (1: K and V
-    only). Packed sequences and KV caches need no fallback: each program's descriptors end at
-    its own sequence's k_len."""
+    and the layout allows them; per-thread loads (0) elsewhere. ``dense``: a call without
+    packed sequences, key lengths or pages, whose Q, K, V can be described whole: then host
+    descriptors (``TMA_HOST``), made once per call instead of three per program, when
+    ``tma.host_desc_layout`` takes all three (not with PACK_GQA). What TMA cannot do, hence
+    the fallback: strides or a base address that are not multiples of 16 bytes (odd head dims
+    with contiguous rows, e.g. 1, 17 or 20 fp16 elements, views at odd offsets), a zero row
+    stride (rows expanded from one; a zero batch or head stride is fine for the in-kernel
+    descriptors: it only enters the base), padded head dims over 256 (a box is at most 256
+    elements a side: head_dim 512), GPUs without TMA (sm_80 / 86 / 89) or not yet tuned with
+    it (sm_100, sm_120: ``configs.TMA_MAJORS``); Q also with PACK_GQA, whose tile mixes query
+    heads (1: K and V only). Packed sequences and KV caches need no fallback: each program's
+    in-kernel descriptors end at its own sequence's k_len."""
     if not tma_capable(pb.q.device):
         return 0
     width, width_v = block_d(pb.q.shape[-1]), block_d(pb.v.shape[-1])
@@ -343,10 +357,32 @@ def tma_mode(pb, pack_gqa=False) -> int:
             and tma_rows_ok(pb.v, pb.strides(pb.v), pb.k_len, width_v)):
         return 0
     q_ok = not pack_gqa and tma_rows_ok(pb.q, pb.strides(pb.q), pb.q_len, width)
+    if q_ok and dense and not pb.varlen and host_descriptors_enabled() and all(
+            host_desc_layout(x) is not None for x in (pb.q, pb.k, pb.v)):
+        return TMA_HOST_MODE
     return 2 if q_ok else 1
 
 
-_attn_fwd_tuned = triton.autotune(configs=fwd_configs(), key=FWD_TUNE_KEY,
+def set_desc_blocks(nargs):
+    """A forward config's ``pre_hook``: the host descriptors' blocks (``TMA_HOST``) for the
+    config's tiles, (1, 1, BLOCK_M, BLOCK_D) for Q and (1, 1, BLOCK_N, BLOCK_D or BLOCK_DV)
+    for K and V. The autotuner calls it before timing or launching a config, as
+    ``launch_first_compiling`` does; nothing to do without host descriptors."""
+    for name, rows, width in (("DESC_Q", "BLOCK_M", "BLOCK_D"), ("DESC_K", "BLOCK_N", "BLOCK_D"),
+                              ("DESC_V", "BLOCK_N", "BLOCK_DV")):
+        desc = nargs.get(name)
+        if desc is not None:
+            desc.block_shape = [1, 1, nargs[rows], nargs[width]]
+
+
+def _with_desc_blocks(configs):
+    """``configs`` as copies whose pre_hook is ``set_desc_blocks``."""
+    return [triton.Config(dict(c.kwargs), num_warps=c.num_warps, num_stages=c.num_stages,
+                          num_ctas=c.num_ctas, maxnreg=c.maxnreg, pre_hook=set_desc_blocks)
+            for c in configs]
+
+
+_attn_fwd_tuned = triton.autotune(configs=_with_desc_blocks(fwd_configs()), key=FWD_TUNE_KEY,
                                   prune_configs_by={"early_config_prune": prune_configs}
                                   )(_attn_fwd)
 
@@ -474,7 +510,13 @@ class ForwardPlan:
         if paged:
             tma = 0   # a tile's rows may lie on different pages: no descriptor box
         elif tma is None:
-            tma = tma_mode(pb, pack_gqa=bool(pack_gqa))
+            tma = tma_mode(pb, pack_gqa=bool(pack_gqa), dense=k_lens is None)
+        # Host descriptors (TMA_HOST): made per call from Q, K, V (KernelStep's ``descs``:
+        # kernel parameter -> (the tensor's parameter, shape, strides)).
+        descs = {} if tma != TMA_HOST_MODE else {
+            name: (src, *host_desc_layout(x))
+            for name, src, x in (("DESC_Q", "Q", pb.q), ("DESC_K", "K", pb.k),
+                                 ("DESC_V", "V", pb.v))}
         # A paged view's batch stride is the page stride, with packed queries too.
         kv_strides = (lambda x: x.stride()[:3]) if paged else pb.strides
         fixed = dict(stride_q=pb.strides(pb.q), stride_k=kv_strides(pb.k),
@@ -486,7 +528,8 @@ class ForwardPlan:
                          page_size=k.shape[2] if paged else 0),
                      PACK_GQA=bool(pack_gqa), SPLIT=num_splits > 1, DROPOUT=call.dropout_mode,
                      WIDEN=widen_bf16(q.dtype), DOT_PRECISION=dot_precision(q.dtype), TMA=tma,
-                     FP8=fp8)
+                     FP8=fp8, **{name: None for name in ("DESC_Q", "DESC_K", "DESC_V")
+                                 if name not in descs})
 
         def grid(cfg):
             return (triton.cdiv(rows, cfg["BLOCK_M"]) * num_splits, heads, pb.batch)
@@ -494,16 +537,16 @@ class ForwardPlan:
         if config is None and not interpreter_active() and autotune_enabled():
             configs = None
         elif config is not None:
-            configs = [config]
+            configs = _with_desc_blocks([config])
         elif interpreter_active():
             # Autotuning in the interpreter would time every config in Python: one config.
-            configs = fwd_configs(interpret=True)
+            configs = _with_desc_blocks(fwd_configs(interpret=True))
         else:   # KERNELS_AUTOTUNE=0: the pruned list's first config that compiles
-            configs = fixed_configs(fwd_configs(), prune_configs, dict(
+            configs = fixed_configs(_with_desc_blocks(fwd_configs()), prune_configs, dict(
                 fixed, Q=pb.q, K=pb.k, V=pb.v, O=q, LSE=dummy, seq=self.seq, score=self.score,
                 drop=self.drop, split=self.split))
         self.step = KernelStep(_attn_fwd, grid, fixed, configs=configs, tuned=_attn_fwd_tuned,
-                               scratch=bool(tma))
+                               scratch=tma in (1, 2), descs=descs)
 
     def score_args(self, call):
         """The kernel's ``score`` for ``call`` (its mods' tensors), with the FP8 descales."""

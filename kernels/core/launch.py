@@ -25,6 +25,7 @@ import logging
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .common import interpreter_active
 from .configs import _COMPILE_ERRORS
@@ -90,10 +91,13 @@ class KernelStep:
     arguments and constexprs). ``__call__(device, per_call)`` launches with the per-call
     arguments."""
 
-    def __init__(self, jit_fn, grid, fixed, configs=None, tuned=None, scratch=False):
+    def __init__(self, jit_fn, grid, fixed, configs=None, tuned=None, scratch=False, descs=None):
         self.jit_fn, self.grid, self.fixed = jit_fn, grid, fixed
         self.configs, self.tuned, self.scratch = configs, tuned, scratch
-        self.direct = None   # (launcher, grid, function, metadata, names, fixed) once known
+        # Host tensor descriptors: {kernel parameter: (the per-call tensor's parameter, shape,
+        # strides)}, made at each launch from that tensor (blocks: the config's pre_hook).
+        self.descs = descs or {}
+        self.direct = None   # (launch, template, slots, kept, descs) once known
         self.device = None
 
     def __call__(self, device, per_call, ctx=None):
@@ -105,13 +109,17 @@ class KernelStep:
             if ctx is None:
                 ctx = launch_context()
             if ctx is not None and ctx[0] == self.device:
-                launch, template, slots, kept = direct
+                launch, template, slots, kept, descs = direct
                 values = list(template)
                 for pos, name in slots:
                     values[pos] = per_call[name]
                 for pos, name, first, pointers in kept:
                     value = per_call[name]
                     values[pos] = pointers if value is first else value
+                # Each host descriptor becomes the launcher's arguments for it (the encoded
+                # descriptor, its shape and strides), spliced in at its position: last first.
+                for pos, src, desc in descs:
+                    values[pos:pos + 1] = desc(per_call[src])
                 launch(ctx[1], values)
                 return
         self._first(device, per_call)
@@ -121,6 +129,9 @@ class KernelStep:
         direct launch needs."""
         from .tma import tma_scratch
         args = {**self.fixed, **per_call}
+        for name, (src, shape, strides) in self.descs.items():
+            # A placeholder block: every config's pre_hook sets its own.
+            args[name] = TensorDescriptor(args[src], shape, strides, [1] * len(shape))
         with tma_scratch(device, self.scratch):
             if self.configs is None:
                 kernel = self.tuned[self.grid](**args)
@@ -150,8 +161,9 @@ class KernelStep:
         # The arguments in the kernel's parameter order: the fixed ones in place, the per-call
         # ones (tensors and the tuples holding them) filled in by position at each launch.
         template = [fixed.get(n) for n in names]
-        slots = tuple((i, n) for i, n in enumerate(names) if n not in fixed)
-        if {n for _, n in slots} != set(args) - set(fixed):
+        slots = tuple((i, n) for i, n in enumerate(names) if n not in fixed
+                      and n not in self.descs)
+        if {n for _, n in slots} != set(args) - set(fixed) - set(self.descs):
             return   # a per-call argument the kernel does not take: keep Triton's own checks
         # A plan passes some per-call tuples as the same object at every call (its lengths and
         # dummies: ``ForwardPlan.seq`` ...): for those, the tuple with its tensors as their data
@@ -165,9 +177,17 @@ class KernelStep:
                      if isinstance(args[n], tuple) and _tiny(args[n]))
         slots = tuple((i, n) for i, n in slots if not any(n == k[1] for k in kept))
         self.device = _driver().get_current_device()
-        launch = _c_entry(run, grid, kernel.function, kernel.packed_metadata,
-                          self._alloc if self.scratch else None)
-        self.direct = (launch, tuple(template), slots, kept)
+        launch, expanded = _c_entry(run, grid, kernel.function, kernel.packed_metadata,
+                                    self._alloc if self.scratch else None,
+                                    raw=bool(self.descs))
+        metas = getattr(kernel.metadata, "tensordesc_meta", None) or [None] * len(self.descs)
+        if len(metas) != len(self.descs):
+            return
+        # In parameter order (the launcher's descriptor metadata is), spliced last first.
+        descs = [(names.index(n), self.descs[n][0], args[n]) for n in names if n in self.descs]
+        descs = tuple((pos, src, _HostDesc(first, meta, expanded))
+                      for (pos, src, first), meta in reversed(list(zip(descs, metas))))
+        self.direct = (launch, tuple(template), slots, kept, descs)
 
 
 def _tiny(value):
@@ -190,7 +210,65 @@ def _as_pointers(value):
     return value
 
 
-def _c_entry(run, grid, function, metadata, alloc):
+class _HostDesc:
+    """A host descriptor parameter of direct launches: ``desc(tensor)`` is what the launch
+    passes for it, the descriptor of ``tensor`` with the first launch's shape, strides and
+    block (``first``, a TensorDescriptor). ``expanded``: the launcher's C entry is called
+    itself, so the descriptor is encoded here as Triton's launcher would
+    (``make_tensordesc_arg``: [CUtensorMap, *shape, *strides]), and kept per data pointer --
+    all else is fixed by the plan, so a tensor at the same address has the same descriptor and
+    the driver's encode (cuTensorMapEncodeTiled) runs once per buffer, not per call. Otherwise
+    a TensorDescriptor, which Triton's launcher encodes."""
+
+    MAX_KEPT = 16   # buffers per parameter (a training loop's activations cycle through a few)
+
+    def __init__(self, first, meta, expanded):
+        self.shape, self.strides, self.block = first.shape, first.strides, first.block_shape
+        self.meta, self.expanded, self.kept = meta, expanded, {}
+        if expanded:
+            from triton.backends.nvidia import driver as nv_driver
+            make = nv_driver.make_tensordesc_arg
+            self.encode = ((lambda d: make(d, meta)) if make.__code__.co_argcount == 2
+                           else (lambda d: make(d, meta, None)))
+
+    def __call__(self, tensor):
+        if not self.expanded:
+            return [TensorDescriptor(tensor, self.shape, self.strides, self.block)]
+        if self.meta is None:
+            # Not lowered to TMA (the launcher passes the base tensor itself): never kept.
+            return self.encode(TensorDescriptor(tensor, self.shape, self.strides, self.block))
+        ptr = tensor.data_ptr()
+        args = self.kept.get(ptr)
+        if args is None:
+            if len(self.kept) >= self.MAX_KEPT:
+                self.kept.clear()
+            args = self.kept[ptr] = self.encode(
+                TensorDescriptor(tensor, self.shape, self.strides, self.block))
+        return args
+
+
+def _c_entry(run, grid, function, metadata, alloc, raw=False):
+    """(launch, raw): see ``_launch_fn``; ``raw`` asks for the C entry beneath Triton's host
+    descriptor wrapper (which encodes TensorDescriptor arguments per launch): True back when
+    ``launch`` takes the descriptors' encoded arguments, False when TensorDescriptors."""
+    c_launch = getattr(run, "launch", None)
+    if raw and c_launch is not None:
+        inner = _closure(c_launch).get("launcher")
+        if inner is None or TRITON_VERSION not in ("3.6", "3.8", "3.9"):
+            return _launch_fn(run, grid, function, metadata, alloc, force_run=True), False
+        c_launch = inner
+    launch = _launch_fn(run, grid, function, metadata, alloc, c_launch=c_launch)
+    return launch, raw and getattr(launch, "c_entry", False)
+
+
+def _closure(fn):
+    """{free variable: value} of a Python closure (empty for anything else)."""
+    cells = getattr(fn, "__closure__", None) or ()
+    return dict(zip(getattr(getattr(fn, "__code__", None), "co_freevars", ()),
+                    (c.cell_contents for c in cells)))
+
+
+def _launch_fn(run, grid, function, metadata, alloc, c_launch=None, force_run=False):
     """``launch(stream, args)``: the compiled kernel's launch of ``args`` (its parameters in
     order) on ``grid``, as ``run(*grid, stream, function, metadata, None, None, None, *args)``
     makes it with no launch hooks (hence no launch metadata) -- but calling the launcher's C
@@ -215,9 +293,9 @@ def _c_entry(run, grid, function, metadata, alloc):
         finally:
             var.reset(token)
 
-    c_launch = getattr(run, "launch", None)
     size = getattr(run, "global_scratch_size", None)
-    if (c_launch is None or size is None or getattr(run, "profile_scratch_size", 1) != 0
+    if (force_run or c_launch is None or size is None
+            or getattr(run, "profile_scratch_size", 1) != 0
             or getattr(run, "gsan_enabled", False) or (size > 0 and alloc is None)
             or torch.version.hip):   # HIP's C entry takes another order (and has no PDL)
         return through_run
@@ -238,6 +316,7 @@ def _c_entry(run, grid, function, metadata, alloc):
                 c_launch(g0, g1, g2, stream, function, coop, pdl,
                          alloc(scratch_bytes, align, stream), None, metadata, None, None, None,
                          *args)
+        launch.c_entry = True
         return launch
     if TRITON_VERSION in ("3.8", "3.9"):
         # launch(grid, stream, function, coop, pdl, metadata, launch metadata, enter hook,
@@ -252,6 +331,7 @@ def _c_entry(run, grid, function, metadata, alloc):
                 c_launch(g0, g1, g2, stream, function, coop, pdl, metadata, None, None, None,
                          alloc(scratch_bytes, align, stream), None, annotations, signature,
                          tuple(args))
+        launch.c_entry = True
         return launch
     return through_run
 
@@ -289,6 +369,8 @@ def launch_first_compiling(kernel, grid, kernel_args, configs):
         try:
             if cfg is None:   # a kernel without configs: Triton's default launch options
                 return kernel[grid({})](**kernel_args), _NO_CONFIG
+            if cfg.pre_hook is not None:   # as the autotuner does (e.g. descriptor blocks)
+                cfg.pre_hook({**kernel_args, **cfg.all_kwargs()})
             return kernel[grid(cfg.kwargs)](**kernel_args, **cfg.kwargs, num_warps=cfg.num_warps,
                                             num_stages=cfg.num_stages), cfg
         except _COMPILE_ERRORS:

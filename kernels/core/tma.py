@@ -16,7 +16,13 @@ import triton.language as tl
 from .common import interpreter_active
 from .configs import tma_capable
 
-__all__ = ["row_tiles", "tma_rows_ok", "tma_scratch", "tma_capable"]
+__all__ = ["row_tiles", "desc_tile", "host_desc_layout", "TMA_HOST", "TMA_HOST_MODE",
+           "tma_rows_ok", "tma_scratch", "tma_capable"]
+
+# The forward's TMA mode for host-side descriptors (``_attn_fwd``'s TMA constexpr): Q, K and V
+# read through descriptors made once per call on the host, not per program in the kernel.
+TMA_HOST_MODE = 3
+TMA_HOST = tl.constexpr(TMA_HOST_MODE)
 
 
 @triton.jit
@@ -29,6 +35,14 @@ def row_tiles(base, n_rows, row_stride, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.c
     base and row stride (``tma_rows_ok`` checks them)."""
     return tl.make_tensor_descriptor(base, shape=[n_rows, HEAD_DIM], strides=[row_stride, 1],
                                      block_shape=[BLOCK_ROWS, BLOCK_D])
+
+
+@triton.jit
+def desc_tile(desc, b, h, row, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The (BLOCK_ROWS × BLOCK_D) tile at ``row`` of (batch b, head h) through ``desc``, a host
+    descriptor of a (B, heads, rows, D) tensor with block (1, 1, BLOCK_ROWS, BLOCK_D)
+    (``host_desc_layout``): rows past the tensor's and columns past D read as zeros."""
+    return desc.load([b, h, row, 0]).reshape([BLOCK_ROWS, BLOCK_D])
 
 
 # TMA's limits (CUDA driver API, cuTensorMapEncodeTiled): a 16-byte aligned global address
@@ -48,6 +62,26 @@ def tma_rows_ok(x, strides, n_rows, block_width) -> bool:
     return (n_rows > 0 and block_width <= _TMA_MAX_BOX and x.data_ptr() % _TMA_ALIGN == 0
             and 0 < strides[2] * size < _TMA_MAX_STRIDE
             and all(s * size % _TMA_ALIGN == 0 for s in (*offsets, strides[2])))
+
+
+def host_desc_layout(x):
+    """(shape, strides) of a host tensor descriptor over the 4-D view ``x`` (B, heads, rows,
+    D; unit last stride), or None where a descriptor cannot describe it: a stride that is not a
+    multiple of 16 bytes, a zero stride on a dimension of more than one entry (an expanded
+    batch or head: the in-kernel descriptors take those), a box wider than TMA's. A dimension
+    of size 1 gets the stride a contiguous one would have (its stride is never multiplied by
+    anything but 0, and TMA wants every stride positive and aligned)."""
+    size = x.element_size()
+    shape = list(x.shape)
+    strides = list(x.stride())
+    if min(shape) <= 0 or strides[3] != 1 or x.data_ptr() % _TMA_ALIGN:
+        return None
+    for i in (2, 1, 0):
+        if shape[i] == 1:
+            strides[i] = strides[i + 1] * shape[i + 1] if i < 3 else 1
+        if not (0 < strides[i] * size < _TMA_MAX_STRIDE and strides[i] * size % _TMA_ALIGN == 0):
+            return None
+    return shape, strides
 
 
 @contextlib.contextmanager

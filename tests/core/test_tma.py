@@ -218,3 +218,69 @@ def test_kernels_tma_0_turns_descriptors_off(monkeypatch):
     assert tma_mode(pb) == 0 and bwd_tma_modes(pb, q) == (0, 0)
     monkeypatch.setenv("KERNELS_TMA", "1")
     assert tma_mode(pb) == 2
+
+
+def _sliced(shape, dtype, layout):
+    """A (B, H, rows, D) view for the host-descriptor tests: ``tail`` is the first rows of a
+    longer buffer whose other rows are NaN (a descriptor must stop at the view's rows)."""
+    if layout == "tail":
+        buf = randn(shape[0], shape[1], shape[2] + 7, shape[3], dtype=dtype)
+        buf[:, :, shape[2]:] = float("nan")
+        return buf[:, :, :shape[2]]
+    return _view(shape, dtype, layout)
+
+
+@pytest.mark.parametrize("layout,batch,heads,d,dtype,causal", [
+    ("contiguous", 2, 2, 64, F16, True),
+    ("transposed", 2, 3, 32, BF16, False),   # (batch, seq, heads, dim) projections' layout
+    ("contiguous", 1, 1, 24, F16, True),     # size-1 batch and head (their strides replaced),
+                                             # head dim padded 24 -> 32
+    ("tail", 2, 2, 16, F32, False),          # rows past the view's are NaN in its storage
+], ids=lambda x: str(x).replace("torch.", ""))
+def test_host_descriptors_same_bits(layout, batch, heads, d, dtype, causal):
+    """Dense calls read Q, K, V through descriptors made once per call on the host
+    (``tma.TMA_HOST_MODE``, 4-D (batch, head, row, dim) boxes): the same bits as the
+    per-thread loads and the per-program descriptors, rows past each tensor's zeros."""
+    q = _sliced((batch, heads, 19, d), dtype, layout)
+    k, v = _sliced((batch, heads, 37, d), dtype, layout), _sliced((batch, heads, 37, d), dtype,
+                                                                  layout)
+    pb = make_problem(q, k, v)
+    assert tma_mode(pb, dense=True) == tma.TMA_HOST_MODE and tma_mode(pb) == 2
+    kw = dict(causal=causal, softmax_scale=0.3)
+    host = attention_forward(q, k, v, **kw)
+    _same(host, attention_forward(q, k, v, tma=0, **kw))
+    _same(host, attention_forward(q, k, v, tma=2, **kw))
+    assert torch.isfinite(host[0]).all()
+
+
+def test_host_descriptors_only_where_they_describe_the_call(monkeypatch):
+    """No host descriptors for packed sequences, KV caches (k_lens: rows past a batch entry's
+    length must read as zeros), packed GQA heads, a zero stride over more than one batch entry
+    or head, or with KERNELS_TMA=kernel; the plan passes them only in that mode."""
+    from kernels.core.call import AttentionCall
+    from kernels.core.forward import ForwardPlan
+    q = randn(2, 4, 8, 32, dtype=F16)
+    k = randn(2, 2, 8, 32, dtype=F16)
+    assert tma_mode(make_problem(q, k, k), dense=True) == tma.TMA_HOST_MODE
+    assert tma_mode(make_problem(q, k, k), pack_gqa=True, dense=True) == 1
+    shared = randn(1, 2, 8, 32, dtype=F16).expand(2, 2, 8, 32)   # one cache for both entries
+    assert tma.host_desc_layout(shared) is None
+    assert tma_mode(make_problem(q, shared, shared), dense=True) == 2
+    call = AttentionCall(causal=True, softmax_scale=0.3)
+    # (At this q_len grouped heads are packed by default: k's heads for q.)
+    assert set(ForwardPlan(k, k, k, call).step.descs) == {"DESC_Q", "DESC_K", "DESC_V"}
+    assert ForwardPlan(q, k, k, call).step.descs == {}
+    lens = torch.tensor([8, 3], dtype=torch.int32, device=DEVICE)
+    assert ForwardPlan(k, k, k, call, k_lens=lens).step.descs == {}
+    monkeypatch.setenv("KERNELS_TMA", "kernel")
+    assert tma_mode(make_problem(q, k, k), dense=True) == 2
+    assert ForwardPlan(k, k, k, call).step.descs == {}
+
+
+def test_host_desc_layout_strides():
+    """(shape, strides) of the 4-D descriptor: a size-1 dimension's stride replaced by a
+    contiguous one (TMA wants every stride positive and 16-byte aligned), the others kept."""
+    x = randn(1, 6, 3, 8, dtype=F16).transpose(1, 2)       # (1, 3, 6, 8), strides (144, 8, 24, 1)
+    assert tma.host_desc_layout(x) == ([1, 3, 6, 8], [24, 8, 24, 1])
+    assert tma.host_desc_layout(randn(2, 1, 5, 8, dtype=F16)) == ([2, 1, 5, 8], [40, 40, 8, 1])
+    assert tma.host_desc_layout(randn(2, 2, 5, 4, dtype=F16)) is None   # 8-byte rows
