@@ -5,7 +5,9 @@ Only what needs a GPU is replaced; Triton's own launch code runs as on a GPU hos
       its ``cuLaunchKernelEx`` records each launch: the function handle, stream, grid, block,
       dynamic shared memory, launch attributes and every kernel parameter's bytes (the
       parameter sizes of each function handle are registered by the fake compile below,
-      since ``cuLaunchKernelEx`` receives only pointers to the values).
+      since ``cuLaunchKernelEx`` receives only pointers to the values). Its
+      ``cuTensorMapEncodeTiled`` writes its inputs into the 128-byte map (``tensor_map_bytes``),
+      after the driver's checks, so host tensor descriptors' maps can be compared too.
     * ``triton.runtime.driver.active`` is a stand-in CUDA driver (target sm_90, device 0, a
       fixed non-zero stream); its ``utils`` (the launcher module of Triton >= 3.8) is Triton's
       real ``CudaUtils``, built against the stub.
@@ -14,7 +16,9 @@ Only what needs a GPU is replaced; Triton's own launch code runs as on a GPU hos
       in 3.8+), with a distinct function handle and shared-memory size per variant. Global
       scratch per program: 128 bytes per in-kernel tensor descriptor of the variant's TTIR
       (Triton's real front end), as Triton gives them on sm_90, so launches that need scratch
-      call the caller's allocator as on a GPU.
+      call the caller's allocator as on a GPU. A variant with host tensor descriptor
+      parameters gets the ``tensordesc_meta`` of Triton's real TTGIR stage for sm_90 (its TMA
+      lowering) and takes them expanded as the launcher passes them (``expand_types``).
     * ``Autotuner._bench`` returns a constant: the autotuner keeps its first config.
 
 Nothing is computed: kernels' outputs stay as allocated. Use in a fresh process whose
@@ -24,6 +28,7 @@ launches a kernel.
 import ctypes
 import hashlib
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -118,9 +123,38 @@ CUresult cuPointerGetAttribute(void *data, int attr, uint64_t ptr) {
   *(uint64_t *)data = ptr; return 0; }
 CUresult cuPointerGetAttributes(unsigned n, int *a, void **d, uint64_t p) { return 0; }
 CUresult cuStreamIsCapturing(void *s, int *st) { *st = 0; return 0; }
-CUresult cuTensorMapEncodeTiled(void *m, int t, unsigned r, void *g, const uint64_t *s,
-                                const uint64_t *st, const unsigned *b, const unsigned *e,
-                                int i, int sw, int l2, int oob) { return 0; }
+/* A tensor map holds its inputs (``tensor_map_bytes`` below writes the same bytes), so a
+   launch with a wrong address, shape, stride or box shows in the parameter bytes. The
+   driver's checks that Triton's own calls must pass are made too (CUDA_ERROR_INVALID_VALUE
+   otherwise): rank 1-5, a 16-byte aligned address, strides that are multiples of 16 bytes
+   below 2^40, boxes of 1-256 entries whose inner row is a multiple of 16 bytes and fits the
+   swizzle span, element strides of 1-8. */
+static const int tma_elem_bytes[13] = {1, 2, 4, 4, 8, 8, 2, 4, 8, 2, 4, 4, 4};
+CUresult cuTensorMapEncodeTiled(void *m, int t, unsigned r, void *g, const uint64_t *dims,
+                                const uint64_t *st, const unsigned *box, const unsigned *es,
+                                int il, int sw, int l2, int oob) {
+  uint8_t *out = (uint8_t *)m;
+  uint64_t address = (uint64_t)(uintptr_t)g;
+  if (t < 0 || t > 12 || r < 1 || r > 5 || address %% 16 || il != 0 || sw < 0 || sw > 3)
+    return 1;
+  for (unsigned i = 0; i < r; i++) {
+    if (dims[i] == 0 || dims[i] > (1ull << 32) || box[i] == 0 || box[i] > 256 || es[i] == 0
+        || es[i] > 8) return 1;
+    if (i + 1 < r && (st[i] %% 16 || st[i] >= (1ull << 40))) return 1;
+  }
+  if ((box[0] * tma_elem_bytes[t]) %% 16 || (sw && box[0] * tma_elem_bytes[t] > (16u << sw)))
+    return 1;
+  memset(out, 0, 128);
+  memcpy(out, &address, 8);
+  out[8] = (uint8_t)t; out[9] = (uint8_t)r; out[10] = (uint8_t)il; out[11] = (uint8_t)sw;
+  out[12] = (uint8_t)l2; out[13] = (uint8_t)oob;
+  int off = 16;
+  memcpy(out + off, dims, 8 * r); off += 8 * r;
+  memcpy(out + off, st, 8 * (r - 1)); off += 8 * (r - 1);
+  memcpy(out + off, box, 4 * r); off += 4 * r;
+  memcpy(out + off, es, 4 * r);
+  return 0;
+}
 CUresult cuTensorMapEncodeIm2col(void *m) { return 0; }
 """ % dict(MAX_PARAMS=MAX_PARAMS, RECORD_BYTES=RECORD_BYTES, RECORDS=RECORDS)
 
@@ -192,8 +226,110 @@ def param_size(ty):
         return 8
     if ty in _SIZES:
         return _SIZES[ty]
-    raise StubUnavailable(f"parameter type {ty!r} (host tensor descriptors and other types "
-                          f"are not handled by the stub)")
+    if ty == TENSOR_MAP:
+        return TENSOR_MAP_BYTES
+    raise StubUnavailable(f"parameter type {ty!r} is not handled by the stub")
+
+
+# Host tensor descriptors (a ``tensordesc<dtype[block]>`` parameter). A kernel that lowers them
+# to TMA (sm_90) takes, per descriptor, the encoded CUtensorMap by value (128 bytes, 64-byte
+# aligned) and then the descriptor's shape (i32 each) and strides (i64 each); its compiled
+# metadata holds one ``tensordesc_meta`` dict per descriptor parameter, from which Triton's
+# launcher asks the driver (cuTensorMapEncodeTiled) for the map. Without that lowering
+# (``tensordesc_meta`` empty) the descriptor is decomposed: base pointer, shape and strides (i64),
+# the padding flag (and, from Triton 3.8, the tf32 rounding flag: i1 each), shape and strides.
+TENSOR_MAP = "nvTmaDesc"
+TENSOR_MAP_BYTES = 128
+# Triton's compiler numbers TMA element types otherwise than CUtensorMapDataType for three of
+# them (its launcher maps 8, 9, 10 to 10, 8, 9).
+_TMA_DEVICE_TO_HOST = {8: 10, 9: 8, 10: 9}
+L2_PROMOTION_128B = 2      # CU_TENSOR_MAP_L2_PROMOTION_L2_128B: what Triton asks for
+
+
+def parse_descriptor(ty):
+    """(element dtype, block shape) of a ``tensordesc<dtype[b0, b1, ...]>`` type, or None
+    for any other type."""
+    m = re.match(r"tensordesc<([^\[>]*)\[([^\]]*)\]", ty) if isinstance(ty, str) else None
+    if m is None:
+        return None
+    return m.group(1), [int(b) for b in m.group(2).split(",")]
+
+
+def decomposed_flags():
+    """How many i1 flags a decomposed (not TMA-lowered) host descriptor passes: the padding
+    flag, and from Triton 3.8 the tf32 rounding flag."""
+    import triton
+    major, minor = (int(x) for x in triton.__version__.split(".")[:2])
+    return 1 if (major, minor) < (3, 8) else 2
+
+
+def expand_types(types_, metas):
+    """The launched parameter types: ``types_`` (flat, constexprs dropped) with each host
+    descriptor expanded as the launcher passes it, given ``metas`` (its tensordesc_meta, one
+    per descriptor, or None)."""
+    out, k = [], 0
+    for ty in types_:
+        parsed = parse_descriptor(ty)
+        if parsed is None:
+            out.append(ty)
+            continue
+        dtype, block = parsed
+        n = len(block)
+        if metas and metas[k] is not None:
+            out.append(TENSOR_MAP)
+        else:
+            out += ["*" + dtype] + ["i64"] * (2 * n) + ["i1"] * decomposed_flags()
+        out += ["i32"] * n + ["i64"] * n
+        k += 1
+    return out
+
+
+def descriptor_params(ty, meta, tensor, shape, strides):
+    """[(label suffix, type, value)] of the launched parameters of a host descriptor of type
+    ``ty`` over ``tensor`` with ``shape`` and ``strides`` (elements), as ``pack`` takes them."""
+    n = len(shape)
+    if meta is not None:
+        head = [(".map", TENSOR_MAP, (tensor, meta, list(shape), list(strides)))]
+    else:
+        head = ([(".base", "*" + parse_descriptor(ty)[0], tensor)]
+                + [(f".shape[{i}]", "i64", shape[i]) for i in range(n)]
+                + [(f".strides[{i}]", "i64", strides[i]) for i in range(n)]
+                + [(".padding_nan", "i1", 0), (".round_f32_to_tf32", "i1", 0)
+                   ][:decomposed_flags()])
+    return (head + [(f".shape[{i}]", "i32", shape[i]) for i in range(n)]
+            + [(f".strides[{i}]", "i64", strides[i]) for i in range(n)])
+
+
+def tensor_map_bytes(address, meta, shape, strides, padding_nan=False):
+    """The stub driver's 128-byte CUtensorMap for what Triton's launcher asks of it for a
+    descriptor (base ``address``, ``shape`` and ``strides`` in elements, outermost first) with
+    ``meta`` (its tensordesc_meta entry): the driver's dimensions innermost first, strides in
+    bytes without the innermost, the box, element strides 1, no interleave, the swizzle, L2
+    promotion of 128 bytes, the out-of-bounds fill (NaN or zeros)."""
+    size, n = meta["elem_size"], len(shape)
+    dims = list(reversed(shape))
+    if meta["fp4_padded"]:
+        dims[0] *= 2
+    st = [s * size for s in reversed(strides[:-1])]
+    box = list(reversed(meta["block_size"]))
+    host_type = _TMA_DEVICE_TO_HOST.get(meta["elem_type"], meta["elem_type"])
+    out = struct.pack("<Q6B2x", address, host_type, n, 0, meta["swizzle"], L2_PROMOTION_128B,
+                      1 if padding_nan else 0)
+    out += struct.pack(f"<{n}Q{n - 1}Q{n}I{n}I", *dims, *st, *box, *([1] * n))
+    return out + bytes(TENSOR_MAP_BYTES - len(out))
+
+
+def describe_tensor_map(raw):
+    """The fields of a stub tensor map (``tensor_map_bytes``), for messages."""
+    address, dtype, n, interleave, swizzle, l2, oob = struct.unpack_from("<Q6B", raw)
+    if not 1 <= n <= 5:
+        return f"not a stub tensor map: {raw.hex()}"
+    dims, st, box, es = (list(struct.unpack_from(f"<{k}{c}", raw, off)) for k, c, off in (
+        (n, "Q", 16), (n - 1, "Q", 16 + 8 * n), (n, "I", 8 + 16 * n),
+        (n, "I", 8 + 20 * n)))
+    return (f"address {address:#x} type {dtype} dims {dims} strides {st} B box {box} "
+            f"element strides {es} interleave {interleave} swizzle {swizzle} L2 {l2} "
+            f"fill {oob}")
 
 
 def pack(ty, value):
@@ -201,6 +337,9 @@ def pack(ty, value):
     if ty.startswith("*"):
         ptr = 0 if value is None else value if isinstance(value, int) else value.data_ptr()
         return struct.pack("<Q", ptr)
+    if ty == TENSOR_MAP:   # (tensor, tensordesc_meta entry, shape, strides)
+        tensor, meta, shape, strides = value
+        return tensor_map_bytes(tensor.data_ptr(), meta, shape, strides)
     if ty in ("fp32", "f32"):
         return struct.pack("<f", value)
     if ty == "fp64":
@@ -239,6 +378,7 @@ class Stub:
         self._count = ctypes.c_long.in_dll(lib, "stub_count")
         self._ring = (_Launch * RECORDS).in_dll(lib, "stub_launches")
         self.variants = [None]          # handle -> dict; handle 0 unused
+        self.lower_descriptors = True   # host descriptors of variants compiled from now on
         self.ttir_failures = []
         target = GPUTarget("cuda", TARGET_CC, 32)
         stub = self
@@ -287,6 +427,15 @@ class Stub:
             src = fn.ASTSource(fn, signature, constexprs, attrs)
             handle = len(stub.variants)
             types_ = [t for t in flat_types(src.signature.values()) if t != "constexpr"]
+            descs = [t for t in types_ if parse_descriptor(t)]
+            n_desc, metas = stub._descriptors(fn, src, tgt, backend, options, bool(descs))
+            if metas is None or not stub.lower_descriptors:
+                metas = []   # as Triton gives where it rewrites descriptors to pointers
+            types_ = expand_types(types_, metas)
+            if metas:
+                # Triton's driver builds its utils at start; Triton 3.6's launchers, when
+                # loaded, read the tensor map type (PyCUtensorMap) it sets: built before them.
+                triton.runtime.driver.active.utils
             sizes = [param_size(t) for t in types_] + [8, 8]   # + global, profile scratch
             if len(sizes) > MAX_PARAMS or sum(sizes) > RECORD_BYTES:
                 raise StubUnavailable(f"{fn.__name__}: {len(sizes)} parameters, "
@@ -294,18 +443,17 @@ class Stub:
             arr = (ctypes.c_int * len(sizes))(*sizes)
             if lib.stub_set_params(handle, len(sizes), arr) != 0:
                 raise StubUnavailable("more kernel variants than the stub has handles")
-            n_desc = stub._descriptors(fn, src, tgt, backend, options)
             meta = types.SimpleNamespace(
                 num_ctas=getattr(options, "num_ctas", 1), num_warps=options.num_warps,
                 shared=1024 * handle,     # distinct per variant, so a mix-up shows
                 global_scratch_size=SCRATCH_PER_DESCRIPTOR * n_desc,
                 global_scratch_align=SCRATCH_PER_DESCRIPTOR,
                 profile_scratch_size=0, profile_scratch_align=1,
-                launch_cooperative_grid=False, launch_pdl=False, tensordesc_meta=None,
+                launch_cooperative_grid=False, launch_pdl=False, tensordesc_meta=metas,
                 instrumentation_mode="", warp_size=32, target=tgt, name=fn.__name__)
             kernel = _FakeKernel(fn.__name__, src, meta, handle, backend.pack_metadata(meta))
             stub.variants.append(dict(kernel=fn.__name__, src=src, types=types_, sizes=sizes,
-                                      scratch=meta.global_scratch_size,
+                                      scratch=meta.global_scratch_size, tensordesc_meta=metas,
                                       num_warps=options.num_warps))
             kernel_cache[key] = kernel
             return kernel
@@ -316,8 +464,11 @@ class Stub:
         JITFunction._do_compile = do_compile
         Autotuner._bench = bench
 
-    def _descriptors(self, fn, src, target, backend, options):
-        """In-kernel tensor descriptors (tt.make_tensor_descriptor) in the variant's TTIR."""
+    def _descriptors(self, fn, src, target, backend, options, host):
+        """(in-kernel tensor descriptors (tt.make_tensor_descriptor) in the variant's TTIR,
+        its ``tensordesc_meta``): where ``host`` (the variant has host descriptor parameters),
+        what Triton's real TTGIR stage for sm_90 gives (its TMA lowering: swizzle, element type,
+        box per descriptor), else []; None where a stage failed."""
         try:
             from triton._C.libtriton import ir
             ctx = ir.context()
@@ -327,11 +478,22 @@ class Stub:
                               backend.get_module_map(), ctx)
             stages = {}
             backend.add_stages(stages, options, src.language)
-            return str(stages["ttir"](mod, {})).count("tt.make_tensor_descriptor")
+            ttir = stages["ttir"](mod, {})
+            n = str(ttir).count("tt.make_tensor_descriptor")
         except Exception as e:   # noqa: BLE001 - reported by the caller
             self.ttir_failures.append(f"{fn.__name__}: {type(e).__name__}: "
                                       f"{str(e).strip().splitlines()[-1:]}")
-            return 0
+            return 0, None
+        if not host:
+            return n, []
+        try:
+            metadata = {}
+            stages["ttgir"](ttir, metadata)
+            return n, list(metadata["tensordesc_meta"])
+        except Exception as e:   # noqa: BLE001 - reported by the caller
+            self.ttir_failures.append(f"{fn.__name__} (TTGIR): {type(e).__name__}: "
+                                      f"{str(e).strip().splitlines()[-1:]}")
+            return n, None
 
     def launches(self):
         return self._count.value

@@ -10,7 +10,12 @@ per-call arguments (the same tensors, so pointers must match too): first through
 (``kernel[grid](**args)`` / the autotuner), then directly; the two records must be equal, bar
 the global scratch pointer (a fresh buffer through Triton, the shared per-stream one directly:
 both set where the variant needs scratch). The Triton launch's parameter bytes are also
-decoded against the arguments by name, which checks the recording itself. Then each plan is
+decoded against the arguments by name, which checks the recording itself. A step then launches
+directly with copies of its tensors (new pointers, decoded against them) and with its first
+arguments again. Host tensor descriptors (the forward's TMA mode 3) are checked as the rest:
+their expected parameters are the stub's tensor map of the tensor (address, shape, strides,
+the compiled box), then shape and strides; planted bugs in ``launch._HostDesc`` (a descriptor
+kept for one buffer served for another, a box one row short) must be found. Then each plan is
 called a second time: every ``KernelStep`` must launch directly (only launches outside a
 ``KernelStep`` may still go through Triton).
 
@@ -34,7 +39,9 @@ SKIP_EXIT = 3          # the child's exit status when the stub path cannot run h
 
 # ------------------------------------------------------------------------------ the child
 def _cases(torch):
-    """(name, plan builder, call) of every plan kind; tiny fp16 shapes (nothing is computed)."""
+    """(name, plan builder, call[, stub options]) of every plan kind; tiny fp16 shapes (nothing
+    is computed). Stub options: ``lower_descriptors`` (``Stub``) for the variants the case
+    compiles."""
     from kernels.core.backward import BackwardPlan
     from kernels.core.call import AttentionCall
     from kernels.core.forward import ForwardPlan
@@ -92,8 +99,18 @@ def _cases(torch):
         return (lambda: KVCachePlan(qd, kk, vv, seqlens, kn, vn, c, block_table=table_, **kw),
                 lambda plan: plan(qd, kk, vv, seqlens, kn, vn, c, block_table=table_))
 
+    # Host descriptors (TMA mode 3): one per Q, K, V, made per call from the tensor. A head dim
+    # of its own for the decomposed ones (a variant compiled anew, without TMA lowering).
+    D2 = 64
+    q2, k2, v2 = rnd(B, H, N, D2), rnd(B, NK, H, D2).transpose(1, 2), rnd(B, H, NK, D2)
+
     c0, cd = call(), call(dropout_p=0.1)
     return [
+        ("fwd dense tma=3 (host descriptors)", *fwd(q, k, v, c0, tma=3)),
+        ("fwd dense tma=3 (host descriptors) dropout non-causal",
+         *fwd(q, k, v, call(0.1, causal=False), tma=3)),
+        ("fwd dense tma=3 (host descriptors, not lowered to TMA: decomposed)",
+         *fwd(q2, k2, v2, cd, tma=3), dict(lower_descriptors=False)),
         ("fwd dense tma=2", *fwd(q, k, v, c0, tma=2)),
         ("fwd dense tma=0 dropout", *fwd(q, k, v, cd, tma=0)),
         ("fwd dense tma=1 dropout non-causal", *fwd(q, k, v, call(0.1, causal=False), tma=1)),
@@ -114,14 +131,49 @@ def _cases(torch):
     ]
 
 
-def _flat(name, ty, value):
-    """(label, type, value) of each launched (non-constexpr) parameter of argument ``name``."""
+def _flat(stub_cuda, name, ty, value, metas):
+    """(label, type, value) of each launched (non-constexpr) parameter of argument ``name``. A
+    host descriptor (``value``: its tensor, shape, strides) gives several, as its
+    ``tensordesc_meta`` entry (the next of ``metas``) makes them."""
     if isinstance(ty, tuple):
         out = []
         for i, t in enumerate(ty):
-            out += _flat(f"{name}[{i}]", t, value[i])
+            out += _flat(stub_cuda, f"{name}[{i}]", t, value[i], metas)
         return out
+    if stub_cuda.parse_descriptor(ty):
+        return [(name + suffix, t, v) for suffix, t, v
+                in stub_cuda.descriptor_params(ty, next(metas, None), *value)]
     return [] if ty == "constexpr" else [(name, ty, value)]
+
+
+# The forward's host descriptors: the (rows, width) constexprs of each one's block
+# (1, 1, rows, width), as ``forward.set_desc_blocks`` sets them.
+_DESC_BLOCKS = {"DESC_Q": ("BLOCK_M", "BLOCK_D"), "DESC_K": ("BLOCK_N", "BLOCK_D"),
+                "DESC_V": ("BLOCK_N", "BLOCK_DV")}
+
+
+def _descriptor_errors(stub_cuda, src, step, per_call):
+    """A step's host descriptors against their tensors, independently of the plan's layout:
+    the tensor's shape, its strides (where a dimension has more than one entry: a single
+    entry's stride is free), a unit last stride, and a block in the kernel's signature
+    (what Triton compiled) of the config's tiles."""
+    errors = []
+    names = src.fn.arg_names
+    constants = {names[k[0]] if isinstance(k, tuple) else k: v
+                 for k, v in getattr(src, "constants", {}).items()}
+    for name, (source, shape, strides) in step.descs.items():
+        t = per_call[source]
+        if list(shape) != list(t.shape) or strides[-1] != 1 or any(
+                n > 1 and s != ts for n, s, ts in zip(t.shape, strides, t.stride())):
+            errors.append(f"{name}: shape {list(shape)}, strides {list(strides)} for a "
+                          f"{source} of shape {list(t.shape)}, strides {list(t.stride())}")
+        _, block = stub_cuda.parse_descriptor(src.signature[name])
+        if name in _DESC_BLOCKS:
+            rows, width = (constants.get(c) for c in _DESC_BLOCKS[name])
+            if block != [1, 1, rows, width]:
+                errors.append(f"{name}: block {block} compiled, the config's tiles "
+                              f"{[1, 1, rows, width]}")
+    return errors
 
 
 def _fresh(value):
@@ -132,6 +184,11 @@ def _fresh(value):
         return value
     items = [_fresh(v) for v in value]
     return type(value)._make(items) if hasattr(value, "_make") else tuple(items)
+
+
+def _show(stub_cuda, ty, raw):
+    """A recorded parameter for a message: a tensor map's fields, else its bytes."""
+    return stub_cuda.describe_tensor_map(raw) if ty == stub_cuda.TENSOR_MAP else raw.hex()
 
 
 def _compare(stub_cuda, stub, step, per_call, first, second):
@@ -148,21 +205,31 @@ def _compare(stub_cuda, stub, step, per_call, first, second):
         errors.append(f"stream {a['stream']:#x}, not the driver's current {stub_cuda.STREAM:#x}")
     variant = stub.variants[a["handle"]]
     src, fn = variant["src"], step.jit_fn
-    # The Triton launch decoded against the arguments by name: checks the recorded layout.
+    # The Triton launch decoded against the arguments by name: checks the recorded layout. A
+    # host descriptor's expected bytes: the tensor map of its tensor (address, shape, strides,
+    # the compiled block), then its shape and strides.
     values = {**step.fixed, **per_call}
-    labels = []
+    for name, (source, shape, strides) in step.descs.items():
+        values[name] = (per_call[source], shape, strides)
+    metas = iter(variant["tensordesc_meta"] or ())
+    labels, types = [], []
     for name, ty in zip(fn.arg_names, src.signature.values()):
-        for label, t, value in _flat(name, ty, values.get(name)):
+        for label, t, value in _flat(stub_cuda, name, ty, values.get(name), metas):
             labels.append(label)
-            if a["params"][len(labels) - 1] != stub_cuda.pack(t, value):
+            types.append(t)
+            expected, recorded = stub_cuda.pack(t, value), a["params"][len(labels) - 1]
+            if recorded != expected:
+                shown = (_show(stub_cuda, t, expected) if t == stub_cuda.TENSOR_MAP
+                         else repr(value))
                 errors.append(f"Triton's launch: {label} ({t}) recorded "
-                              f"{a['params'][len(labels) - 1].hex()}, its value {value!r}")
+                              f"{_show(stub_cuda, t, recorded)}, its value {shown}")
     if len(labels) != len(a["params"]) - 2:
         errors.append(f"{len(labels)} parameters from the signature, {len(a['params']) - 2} "
                       f"recorded")
-    for i, label in enumerate(labels):
+    for i, (label, t) in enumerate(zip(labels, types)):
         if a["params"][i] != b["params"][i]:
-            errors.append(f"{label}: Triton {a['params'][i].hex()}, direct {b['params'][i].hex()}")
+            errors.append(f"{label}: Triton {_show(stub_cuda, t, a['params'][i])}, direct "
+                          f"{_show(stub_cuda, t, b['params'][i])}")
     scratch_a, scratch_b = (int.from_bytes(r["params"][-2], "little") for r in (a, b))
     if variant["scratch"] and not (scratch_a and scratch_b):
         errors.append(f"global scratch of {variant['scratch']} B per program: Triton "
@@ -236,6 +303,15 @@ def child(out_path, only=None):
         third = stub.records(n2)
         errors += [f"new tuples: {e}" for e in _compare(stub_cuda, stub, self, fresh, third,
                                                          third)]
+        # The first call's arguments again, after the copies: equal to Triton's launch of them
+        # (a host descriptor kept per buffer must be that buffer's).
+        n3 = stub.launches()
+        orig_call(self, device, per_call, ctx)
+        errors += [f"first arguments again: {e}" for e in _compare(
+            stub_cuda, stub, self, per_call, first, stub.records(n3))]
+        if self.descs and first:
+            errors += _descriptor_errors(stub_cuda, stub.variants[first[0]["handle"]]["src"],
+                                         self, per_call)
         if len(through_triton) != n_triton:
             errors.append(f"the direct launch went through Triton: {through_triton[n_triton:]}")
         state["steps"].append(dict(kernel=name, entry=self.direct[0].__name__,
@@ -243,14 +319,16 @@ def child(out_path, only=None):
                                    handle=first[0]["handle"] if first else None,
                                    params=len(first[0]["params"]) if first else 0,
                                    scratch=stub.variants[first[0]["handle"]]["scratch"]
-                                   if first else 0, errors=errors))
+                                   if first else 0, descs=sorted(self.descs),
+                                   lowered=bool(first and stub.variants[first[0]["handle"]]
+                                                ["tensordesc_meta"]), errors=errors))
         return None
     launch.KernelStep.__call__ = doubled
 
     # The gate: with DIRECT_LAUNCH off (a Triton not listed), steps keep Triton's own path.
     launch.DIRECT_LAUNCH = False
     cases = _cases(torch)
-    build, run = cases[0][1], cases[0][2]
+    build, run = next(c[1:3] for c in cases if "tma=2" in c[0])
     plan = build()
     run(plan)
     n_triton = len(through_triton)
@@ -260,10 +338,10 @@ def child(out_path, only=None):
 
     # The comparison, on every version (an unlisted one reports whether it could be added).
     launch.DIRECT_LAUNCH = True
-    for name, build, run in cases:
-        if only and only not in name:
-            continue
+
+    def run_case(name, build, run, options=None):
         entry = dict(name=name, steps=[], errors=[])
+        stub.lower_descriptors = (options or {}).get("lower_descriptors", True)
         try:
             plan = build()
             state.update(double=True, steps=[])
@@ -281,7 +359,41 @@ def child(out_path, only=None):
             entry["errors"].append(f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}")
         finally:
             state["double"] = False
-        result["cases"].append(entry)
+            stub.lower_descriptors = True
+        return entry
+
+    for name, build, run, *options in cases:
+        if not only or only in name:
+            result["cases"].append(run_case(name, build, run, *options))
+
+    # Planted bugs in the host descriptors' direct launches, which the comparison must find:
+    # a descriptor kept for the first buffer served for every buffer, a block one row short.
+    # A new plan for each (its steps make their descriptors anew).
+    host = next((c for c in cases if "tma=3" in c[0]), None)
+    orig_desc_call, orig_desc_init = launch._HostDesc.__call__, launch._HostDesc.__init__
+
+    def stale(self, tensor):
+        if not hasattr(self, "planted"):
+            self.planted = orig_desc_call(self, tensor)
+        return self.planted
+
+    def short_block(self, first, meta, expanded):
+        if meta is not None:
+            box = meta["block_size"]
+            meta = dict(meta, block_size=[*box[:-2], box[-2] - 1, box[-1]])
+        orig_desc_init(self, first, meta, expanded)
+
+    result["planted"] = {}
+    for bug, attr, patch in (("stale descriptor", "__call__", stale),
+                             ("short block", "__init__", short_block)):
+        if host is None:
+            break
+        setattr(launch._HostDesc, attr, patch)
+        try:
+            result["planted"][bug] = run_case(f"{host[0]}, planted: {bug}", *host[1:3])
+        finally:
+            launch._HostDesc.__call__ = orig_desc_call
+            launch._HostDesc.__init__ = orig_desc_init
     result["ttir_failures"] = stub.ttir_failures
     result["variants"] = [dict(kernel=v["kernel"], params=len(v["sizes"]) - 2,
                                scratch=v["scratch"]) for v in stub.variants[1:]]
@@ -361,12 +473,32 @@ def test_direct_launches_equal_tritons(report):
     assert any(v["scratch"] for v in report["variants"]), \
         f"no variant with descriptors' scratch: {report['ttir_failures']}"
     assert not report["ttir_failures"], report["ttir_failures"]
+    # Host descriptors (TMA mode 3): lowered to TMA (tensor maps) and decomposed.
+    host = {step["lowered"] for case in report["cases"] for step in case["steps"]
+            if step.get("descs")}
+    assert host == {True, False}, f"host-descriptor steps lowered / decomposed: {host}"
     if report["version"] not in report["listed"]:
         outcome = ("matched: it can be added to DIRECT_LAUNCH_TRITON" if not failures else
                    f"did NOT match ({len(failures)} differences, e.g. {failures[0]})")
         pytest.skip(f"triton {report['triton']} is not in DIRECT_LAUNCH_TRITON (direct launches "
                     f"are off on it); its direct launches {outcome}")
     assert not failures, "\n".join(failures)
+
+
+def test_planted_descriptor_bugs_found(report):
+    """The comparison finds wrong host descriptors in direct launches: one kept for the first
+    buffer served for a new one (its copies' launch must carry their addresses), a box one row
+    short (every launch's tensor maps differ from Triton's)."""
+    planted = report["planted"]
+    assert set(planted) == {"stale descriptor", "short block"}, planted
+    for bug, case in planted.items():
+        assert not case["errors"], (bug, case["errors"])
+        errors = [e for step in case["steps"] for e in step["errors"]]
+        for name in ("DESC_Q", "DESC_K", "DESC_V"):
+            found = [e for e in errors if f"{name}.map" in e]
+            assert found, f"{bug}: no difference found in {name}'s tensor map: {errors}"
+            if bug == "stale descriptor":   # only the copies' launch is wrong
+                assert all(e.startswith("new tuples:") for e in found), found
 
 
 if __name__ == "__main__":
