@@ -173,6 +173,7 @@ DROPOUT = 0.1
 # CUDA_SUCCESS at once; cuLaunchKernelEx counts launches, in total and per function handle (the
 # fake CompiledKernels number their variants 1, 2, ...).
 STUB_C = r"""
+#include <stddef.h>
 #include <stdint.h>
 typedef int CUresult;
 #define HANDLES 65536
@@ -190,6 +191,21 @@ CUresult cuPointerGetAttributes(unsigned n, int *a, void **d, uint64_t p) { retu
 CUresult cuTensorMapEncodeTiled(void *m, int t, unsigned r, void *g, const uint64_t *s,
                                 const uint64_t *st, const unsigned *b, const unsigned *e,
                                 int i, int sw, int l2, int oob) { return 0; }
+/* What Triton's utils module (cuda_utils) also links: host tensor descriptors are encoded
+   through it (cuTensorMapEncodeTiled above). */
+CUresult cuCtxGetDevice(int *d) { *d = 0; return 0; }
+CUresult cuCtxGetLimit(size_t *v, int l) { *v = 0; return 0; }
+CUresult cuCtxSetLimit(int l, size_t v) { return 0; }
+CUresult cuDeviceGetAttribute(int *v, int a, int d) { *v = 0; return 0; }
+CUresult cuDriverGetVersion(int *v) { *v = 12080; return 0; }
+CUresult cuFuncGetAttribute(int *v, int a, void *f) { *v = 0; return 0; }
+CUresult cuFuncSetCacheConfig(void *f, int c) { return 0; }
+CUresult cuModuleGetFunction(void **f, void *m, const char *n) { *f = (void *)1; return 0; }
+CUresult cuModuleLoadData(void **m, const void *img) { *m = (void *)1; return 0; }
+CUresult cuModuleUnload(void *m) { return 0; }
+CUresult cuOccupancyMaxActiveClusters(int *n, void *f, const void *c) { *n = 1; return 0; }
+CUresult cuStreamIsCapturing(void *s, int *st) { *st = 0; return 0; }
+CUresult cuTensorMapEncodeIm2col(void *m) { return 0; }
 CUresult cuLaunchKernelEx(const void *config, void *f, void **params, void **extra) {
   uintptr_t h = (uintptr_t)f;
   launches++;
@@ -340,6 +356,10 @@ class Stub:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/stub_driver.py
         import stub_driver
         stub_driver.install(TARGET_CC)
+        import triton
+        # Triton's utils module first: each launcher module reads the descriptor type it
+        # defines (driver.PyCUtensorMap) when it is built.
+        triton.runtime.driver.active.utils
 
         lib = ctypes.CDLL(os.path.join(stub_dir, "libcuda.so.1"))
         lib.host_overhead_stub_launches.restype = ctypes.c_long

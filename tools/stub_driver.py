@@ -18,6 +18,17 @@ def install(cc, target=None):
 
     class StubDriver:
         """What ``JITFunction.run`` and the compiler ask of ``triton.runtime.driver.active``."""
+        _utils = None
+
+        @property
+        def utils(self):
+            """Triton's CUDA utilities (built on first use, against whatever libcuda the
+            process loads: host_overhead.py's stub): Triton's launcher asks them to encode
+            host tensor descriptors."""
+            if StubDriver._utils is None:
+                from triton.backends.nvidia.driver import CudaUtils
+                StubDriver._utils = CudaUtils()
+            return StubDriver._utils
 
         def get_current_target(self):
             return target

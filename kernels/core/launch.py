@@ -22,6 +22,7 @@ versions of ``DIRECT_LAUNCH_TRITON``, whose launches tests/core/test_direct_laun
 byte-identical to Triton's own; any other version keeps Triton's own path.
 """
 import logging
+import operator
 
 import torch
 import triton
@@ -116,10 +117,10 @@ class KernelStep:
                 for pos, name, first, pointers in kept:
                     value = per_call[name]
                     values[pos] = pointers if value is first else value
-                # Each host descriptor becomes the launcher's arguments for it (the encoded
-                # descriptor, its shape and strides), spliced in at its position: last first.
-                for pos, src, desc in descs:
-                    values[pos:pos + 1] = desc(per_call[src])
+                if descs is not None:
+                    # Each host descriptor becomes the launcher's arguments for it (the
+                    # encoded descriptor, its shape and strides) at its position.
+                    descs.splice(values, per_call)
                 launch(ctx[1], values)
                 return
         self._first(device, per_call)
@@ -183,10 +184,10 @@ class KernelStep:
         metas = getattr(kernel.metadata, "tensordesc_meta", None) or [None] * len(self.descs)
         if len(metas) != len(self.descs):
             return
-        # In parameter order (the launcher's descriptor metadata is), spliced last first.
+        # In parameter order, as the launcher's descriptor metadata is.
         descs = [(names.index(n), self.descs[n][0], args[n]) for n in names if n in self.descs]
-        descs = tuple((pos, src, _HostDesc(first, meta, expanded))
-                      for (pos, src, first), meta in reversed(list(zip(descs, metas))))
+        descs = _HostDescs([(pos, src, _HostDesc(first, meta, expanded))
+                            for (pos, src, first), meta in zip(descs, metas)]) if descs else None
         self.direct = (launch, tuple(template), slots, kept, descs)
 
 
@@ -211,40 +212,93 @@ def _as_pointers(value):
 
 
 class _HostDesc:
-    """A host descriptor parameter of direct launches: ``desc(tensor)`` is what the launch
-    passes for it, the descriptor of ``tensor`` with the first launch's shape, strides and
-    block (``first``, a TensorDescriptor). ``expanded``: the launcher's C entry is called
-    itself, so the descriptor is encoded here as Triton's launcher would
-    (``make_tensordesc_arg``: [CUtensorMap, *shape, *strides]), and kept per data pointer --
-    all else is fixed by the plan, so a tensor at the same address has the same descriptor and
-    the driver's encode (cuTensorMapEncodeTiled) runs once per buffer, not per call. Otherwise
-    a TensorDescriptor, which Triton's launcher encodes."""
-
-    MAX_KEPT = 16   # buffers per parameter (a training loop's activations cycle through a few)
+    """One host descriptor parameter of direct launches: ``desc(tensor)`` is what a launch
+    passes for it, the descriptor of ``tensor`` with the first launch's shape, strides and block
+    (``first``, a TensorDescriptor). ``expanded``: the launcher's C entry is called itself, so
+    the descriptor is encoded here as Triton's launcher would (``make_tensordesc_arg`` with the
+    kernel's ``meta``: [CUtensorMap, *shape, *strides], the driver's cuTensorMapEncodeTiled);
+    otherwise a TensorDescriptor, which Triton's launcher encodes."""
 
     def __init__(self, first, meta, expanded):
         self.shape, self.strides, self.block = first.shape, first.strides, first.block_shape
-        self.meta, self.expanded, self.kept = meta, expanded, {}
-        if expanded:
-            from triton.backends.nvidia import driver as nv_driver
-            make = nv_driver.make_tensordesc_arg
-            self.encode = ((lambda d: make(d, meta)) if make.__code__.co_argcount == 2
-                           else (lambda d: make(d, meta, None)))
+        self.meta, self.expanded, self.fill = meta, expanded, None
+        if not expanded:
+            return
+        from triton.backends.nvidia import driver as nv_driver
+        make = nv_driver.make_tensordesc_arg
+        self.encode = ((lambda d: make(d, meta)) if make.__code__.co_argcount == 2
+                       else (lambda d: make(d, meta, None)))
+        utils = triton.runtime.driver.active.utils
+        fill = getattr(utils, "fill_tma_descriptor_tiled", None) or getattr(
+            utils, "fill_tma_descriptor", None)
+        if (meta is not None and fill is not None and not meta.get("fp4_padded")
+                and not meta.get("is_im2col") and not getattr(first, "round_f32_to_tf32", False)
+                and first.padding == "zero"):
+            # What make_tensordesc_arg does for this descriptor, its constant arguments made
+            # once: the encode of a new buffer is then one C call (tests/core/
+            # test_direct_launch.py checks the bytes against Triton's own launch).
+            self.fill = fill
+            self.fill_args = (meta["swizzle"], meta["elem_size"],
+                              nv_driver.TMA_DTYPE_DEVICE_TO_HOST[meta["elem_type"]],
+                              meta["block_size"], list(first.shape), list(first.strides), 0)
+            self.tail = [*first.shape, *first.strides]
 
     def __call__(self, tensor):
-        if not self.expanded:
-            return [TensorDescriptor(tensor, self.shape, self.strides, self.block)]
-        if self.meta is None:
-            # Not lowered to TMA (the launcher passes the base tensor itself): never kept.
-            return self.encode(TensorDescriptor(tensor, self.shape, self.strides, self.block))
-        ptr = tensor.data_ptr()
-        args = self.kept.get(ptr)
-        if args is None:
-            if len(self.kept) >= self.MAX_KEPT:
-                self.kept.clear()
-            args = self.kept[ptr] = self.encode(
-                TensorDescriptor(tensor, self.shape, self.strides, self.block))
-        return args
+        if self.fill is not None:
+            return [self.fill(tensor.data_ptr(), *self.fill_args), *self.tail]
+        desc = TensorDescriptor(tensor, self.shape, self.strides, self.block)
+        return self.encode(desc) if self.expanded else [desc]
+
+
+class _HostDescs:
+    """A step's host descriptor parameters (``entries``: (position, per-call tensor's name,
+    ``_HostDesc``) in parameter order): ``splice(values, per_call)`` replaces each one's slot in
+    ``values`` (the launch's arguments by parameter) with what the launch passes for it. Encoded
+    descriptors are kept per tuple of data pointers -- all else is fixed by the plan, so tensors
+    at the same addresses have the same descriptors and the driver's encode runs once per set
+    of buffers, not per call (a training loop's activations cycle through a few). Not kept
+    where the launcher gets the tensors themselves (TensorDescriptors, or a kernel whose
+    descriptors were not lowered to TMA: the decomposed form holds the base tensor)."""
+
+    MAX_KEPT = 16
+
+    def __init__(self, entries):
+        self.positions = [pos for pos, _, _ in entries]
+        self.descs = [desc for _, _, desc in entries]
+        names = [src for _, src, _ in entries]
+        self.tensors = (operator.itemgetter(*names) if len(names) > 1
+                        else lambda per_call: (per_call[names[0]],))
+        lo = self.positions[0]
+        self.span = (lo, lo + len(entries)) if self.positions == list(
+            range(lo, lo + len(entries))) else None
+        self.keep = all(d.expanded and d.meta is not None for d in self.descs)
+        self.kept = {}
+
+    def _encode(self, tensors):
+        return [desc(t) for desc, t in zip(self.descs, tensors)]
+
+    def splice(self, values, per_call):
+        tensors = self.tensors(per_call)
+        if self.keep:
+            key = tuple(map(_data_ptr, tensors))
+            args = self.kept.get(key)
+            if args is None:
+                if len(self.kept) >= self.MAX_KEPT:
+                    self.kept.clear()
+                encoded = self._encode(tensors)
+                args = self.kept[key] = (
+                    [a for one in encoded for a in one] if self.span else encoded)
+        else:
+            encoded = self._encode(tensors)
+            args = [a for one in encoded for a in one] if self.span else encoded
+        if self.span:
+            values[self.span[0]:self.span[1]] = args
+        else:   # last first: earlier positions stay where they are
+            for pos, one in zip(reversed(self.positions), reversed(args)):
+                values[pos:pos + 1] = one
+
+
+_data_ptr = torch.Tensor.data_ptr
 
 
 def _c_entry(run, grid, function, metadata, alloc, raw=False):
