@@ -296,6 +296,16 @@ class SplitArgs(NamedTuple):
     n_rows: int
 
 
+class FwdStrides(NamedTuple):
+    """The forward's (batch, head, row) strides of q, k, v, o and its lse's (batch, head) ones
+    (the kernel's ``strides``; a paged cache's k, v: (page, head, row))."""
+    q: tuple
+    k: tuple
+    v: tuple
+    o: tuple
+    lse: tuple
+
+
 class Problem(NamedTuple):
     q: torch.Tensor               # (B or 1, heads_q, q_len or total_q, D)
     k: torch.Tensor               # (B or 1, heads_kv, k_len or total_k, D)

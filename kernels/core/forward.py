@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .call import (AttentionCall, DropArgs, KeyLayout, SplitArgs, make_problem, new_out,
-                   packed_view, score_args, score_spec, seed_tensor)
+from .call import (AttentionCall, DropArgs, FwdStrides, KeyLayout, SplitArgs, make_problem,
+                   new_out, packed_view, score_args, score_spec, seed_tensor)
 from .common import (block_d, dot_operand, dot_precision, interpreter_active,
                      round_for_store, widen, widen_bf16)
 from .configs import (FWD_TUNE_KEY, PACK_GQA_MAX_Q_LEN, autotune_enabled, clamp_splits,
@@ -65,8 +65,7 @@ def load_rows(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr,
 
 
 @triton.jit
-def _attn_fwd(Q, K, V, O, LSE, DESC_Q, DESC_K, DESC_V,
-              stride_q, stride_k, stride_v, stride_o, stride_lse,
+def _attn_fwd(Q, K, V, O, LSE, DESC_Q, DESC_K, DESC_V, strides,
               seq, score, drop, split,
               BUCKETS,  # autotune key only: Problem.tune_buckets
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -84,10 +83,11 @@ def _attn_fwd(Q, K, V, O, LSE, DESC_Q, DESC_K, DESC_V,
 
     Q: (B, heads_q, q_len, HEAD_DIM); K: (B, heads_kv, k_len, HEAD_DIM); V: (B, heads_kv, k_len,
     HEAD_DIM_V); O: (B, heads_q, q_len, HEAD_DIM_V); heads_q = group * heads_kv (query head h
-    reads kv head h // group); unit stride in the last dim; ``stride_x`` = x's (batch, head,
-    row) strides. SPEC: the score pipeline's ScoreSpec (causal, window / chunk edge, score and
-    mask mods, sinks). KEYS: the keys' layout (``KeyLayout``: varlen, k_lens, page_size,
-    read below as VARLEN, SEQUSED_K, PAGED). Grouped arguments (kernels/core/call.py):
+    reads kv head h // group); unit stride in the last dim; ``strides`` (``FwdStrides``):
+    ``strides.x`` = x's (batch, head, row) strides, read below as ``stride_x``. SPEC: the
+    score pipeline's ScoreSpec (causal, window / chunk edge, score and mask mods, sinks). KEYS:
+    the keys' layout (``KeyLayout``: varlen, k_lens, page_size, read below as VARLEN,
+    SEQUSED_K, PAGED). Grouped arguments (kernels/core/call.py):
     ``seq`` (SeqArgs: group, lengths; VARLEN: B = 1 with zero batch strides and sequence b is
     rows cu_q[b]:cu_q[b+1] of Q (cu_k for K, V); SEQUSED_K: batch entry b has k_lens[b] keys,
     a KV cache's filled length),
@@ -124,6 +124,8 @@ def _attn_fwd(Q, K, V, O, LSE, DESC_Q, DESC_K, DESC_V,
     at the end. l_i, lse and split partials are those of the descaled scores. No dropout with
     FP8.
     """
+    stride_q, stride_k, stride_v = strides.q, strides.k, strides.v
+    stride_o, stride_lse = strides.o, strides.lse
     VARLEN: tl.constexpr = KEYS.varlen
     SEQUSED_K: tl.constexpr = KEYS.k_lens
     PAGED: tl.constexpr = KEYS.page_size
@@ -519,8 +521,8 @@ class ForwardPlan:
                                  ("DESC_V", "V", pb.v))}
         # A paged view's batch stride is the page stride, with packed queries too.
         kv_strides = (lambda x: x.stride()[:3]) if paged else pb.strides
-        fixed = dict(stride_q=pb.strides(pb.q), stride_k=kv_strides(pb.k),
-                     stride_v=kv_strides(pb.v), stride_o=o_strides, stride_lse=pb.lse_strides,
+        fixed = dict(strides=FwdStrides(q=pb.strides(pb.q), k=kv_strides(pb.k),
+                                        v=kv_strides(pb.v), o=o_strides, lse=pb.lse_strides),
                      BUCKETS=pb.tune_buckets(),
                      HEAD_DIM=D, BLOCK_D=block_d(D), HEAD_DIM_V=Dv, BLOCK_DV=block_d(Dv),
                      SPEC=score_spec(call), KEYS=KeyLayout(
