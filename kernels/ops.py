@@ -10,7 +10,7 @@ from .core.call import default_softmax_scale  # noqa: F401  (re-exported for int
 from .core.backend import _use_fallback  # noqa: F401  (the backend decision; tools patch it)
 from .pipeline import (SEED_LIMIT, attention_plan, check_arguments, check_grad_shapes,  # noqa: F401
                        integration_backward, integration_forward, integration_plan,
-                       descale_args, kvcache_descales, kvcache_runner, paged_varlen, plans,
+                       public_descales, kvcache_descales, kvcache_runner, paged_varlen, plans,
                        run_attention, run_kvcache, _packed)
 
 
@@ -123,7 +123,7 @@ def attention(q, k, v, *, causal=True, dropout_p=0.0, softmax_scale=None, seed=N
         A NaN in a query row that sees a key gives NaN in that row of out and lse on every
         path, as in ``reference.attention`` (tests/core/test_layouts_property.py).
     """
-    descale = descale_args(q_descale, k_descale, v_descale)
+    descale = public_descales(q_descale, k_descale, v_descale)
     plan, mods = attention_plan(q, k, v, (causal, dropout_p, softmax_scale, window, num_splits,
                                           softcap, chunk_size, score_mod, mask_mod, None),
                                 sinks, alibi_slopes, mod_aux, descale=descale,
@@ -193,7 +193,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
         lse (only with ``return_lse``): float32 (heads_q, total_q), natural log, -inf for rows
             that see no key. Not differentiable.
     """
-    descale = descale_args(q_descale, k_descale, v_descale)
+    descale = public_descales(q_descale, k_descale, v_descale)
     if block_table is not None:
         out, lse = paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
                                 max_seqlen_q, (causal, dropout_p, softmax_scale, window, 0,

@@ -428,7 +428,7 @@ def _attention_op_plan(q, k, v, cu_q, cu_k, max_q, max_k, alibi_slopes, sinks, m
                         call, num_splits, (max_q, max_k), fp8=k.dtype == FP8_DTYPE), descale)
 
 
-def descale_args(q_descale, k_descale, v_descale):
+def public_descales(q_descale, k_descale, v_descale):
     """A call's three optional FP8 descales as one ``Descale``, or None when none is given
     (the public functions' and the ops' arguments alike)."""
     if q_descale is None and k_descale is None and v_descale is None:
@@ -468,7 +468,7 @@ def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, s
     every other compiled call passes no FP8 arguments)."""
     plan, call = _attention_op_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                     max_seqlen_k, alibi_slopes, sinks, mod_aux, spec,
-                                    descale_args(q_descale, k_descale, v_descale))
+                                    public_descales(q_descale, k_descale, v_descale))
     out, lse = plan.forward(q, k, v, seed, call, cu_seqlens_q, cu_seqlens_k)
     return _in_fake_layout(out, q, v.shape[-1], call.out_dtype), lse
 
@@ -666,7 +666,7 @@ def kvcache_descales(q, k_cache, block_table, q_descale, k_descale, v_descale, k
             expand_scale(name, scale, descale, q, k_cache, block_table)
             for name, scale, descale in (("k_scale", k_scale, k_descale),
                                          ("v_scale", v_scale, v_descale)))
-    return descale_args(q_descale, k_descale, v_descale)
+    return public_descales(q_descale, k_descale, v_descale)
 
 
 def kvcache_runner(q, k_cache, v_cache, cache_seqlens, k, v, block_table, options, sinks,
@@ -719,7 +719,7 @@ def _kvcache_impl(q, k_cache, v_cache, cache_seqlens, k, v, block_table, alibi_s
                                                      block_table), sinks, alibi_slopes, mod_aux,
                             lambda call, n: KVCacheRunner(call, n,
                                                           fp8=k_cache.dtype == FP8_DTYPE),
-                            descale_args(q_descale, k_descale, v_descale))
+                            public_descales(q_descale, k_descale, v_descale))
     return runner(q, k_cache, v_cache, cache_seqlens, k, v, call, block_table)
 
 
@@ -853,7 +853,7 @@ def _varlen_paged_impl(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table
                                                 block_table), sinks, alibi_slopes, mod_aux,
         lambda call, n: PagedVarlenRunner(call, n, max_seqlen_q,
                                           fp8=k_cache.dtype == FP8_DTYPE),
-        descale_args(q_descale, k_descale, v_descale))
+        public_descales(q_descale, k_descale, v_descale))
     out, lse = runner(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, call)
     return _in_fake_layout(out, q, v_cache.shape[-1], call.out_dtype), lse
 

@@ -24,7 +24,7 @@ from . import fallback
 from .backward import BackwardPlan
 from .call import lse_shape, new_like, new_out
 from .common import check_interpreter_setting, interpreter_active
-from .configs import gpu_of, unsupported_gpu_reason
+from .configs import fp8_unsupported_reason, unsupported_gpu_reason
 from .forward import ForwardPlan
 from .kvcache import KVCachePlan, VarlenPagedPlan
 
@@ -38,19 +38,6 @@ class FallbackNotice(UserWarning):
 _warned_fallback = False
 _warned_gpu = False
 _warned_fp8 = False
-# FP8 tensor cores (mma / wgmma with e4m3 operands): Ada (sm_89) and later.
-FP8_MIN_CAPABILITY = (8, 9)
-
-
-def fp8_unsupported_reason(device):
-    """Why FP8 calls do not run the Triton kernels on this CUDA device, or None."""
-    gpu = gpu_of(device)
-    if torch.version.hip is None and gpu.capability >= FP8_MIN_CAPABILITY:
-        return None
-    return (f"{torch.cuda.get_device_name(device)} ({gpu.name}) has no FP8 tensor-core path "
-            f"here (FP8 kernels need sm_89 or later on NVIDIA; AMD is not checked with FP8)")
-
-
 def _fp8_notice():
     global _warned_fp8
     if not _warned_fp8:
@@ -80,7 +67,7 @@ def _use_fallback(t, fp8=False):
     """Whether a call on ``t``'s device takes the PyTorch fallback: CPU tensors without
     Triton's interpreter, and CUDA tensors on GPUs the Triton kernels do not serve (before
     sm_80: ``configs.unsupported_gpu_reason``; with ``fp8``, an FP8 call, GPUs without FP8
-    tensor cores: ``fp8_unsupported_reason`` above); warned once, at the caller's line."""
+    tensor cores: ``configs.fp8_unsupported_reason``); warned once, at the caller's line."""
     global _warned_fallback, _warned_gpu
     device = t.device
     if fp8 and device.type == "cuda" and unsupported_gpu_reason(device) is None:

@@ -150,6 +150,19 @@ def unsupported_gpu_reason(device) -> Optional[str]:
             f"Triton {triton.__version__} (tl.dot compiles to FMA loops below sm_80)")
 
 
+# FP8 tensor cores (mma / wgmma with e4m3 operands): Ada (sm_89) and later.
+FP8_MIN_CAPABILITY = (8, 9)
+
+
+def fp8_unsupported_reason(device) -> Optional[str]:
+    """Why FP8 calls do not run the Triton kernels on this CUDA device, or None."""
+    gpu = gpu_of(device)
+    if torch.version.hip is None and gpu.capability >= FP8_MIN_CAPABILITY:
+        return None
+    return (f"{torch.cuda.get_device_name(device)} ({gpu.name}) has no FP8 tensor-core path "
+            f"here (FP8 kernels need sm_89 or later on NVIDIA; AMD is not checked with FP8)")
+
+
 # Autotune keys (kernel argument names). Sequence lengths enter as power-of-two buckets, so a new
 # length re-tunes only when it changes bucket.
 FWD_TUNE_KEY = ["BUCKETS", "HEAD_DIM", "HEAD_DIM_V", "SPEC", "KEYS", "PACK_GQA",
