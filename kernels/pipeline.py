@@ -397,7 +397,7 @@ def _op_plan(kind, spec, ints, tensors, sinks, alibi_slopes, mod_aux, make, desc
     called it): from the plan cache by ``kind``, ``spec``, ``ints`` and the signatures of
     ``tensors`` (None where absent), sinks, slopes and mod_aux, else ``make(call,
     num_splits)`` of ``spec``; (it, its call with this call's tensors)."""
-    key = (kind, spec, ints, *[None if t is None else _signature(t) for t in tensors],
+    key = (kind, spec, ints, *map(_opt_sig, tensors),
            None if alibi_slopes is None else _signature(alibi_slopes),
            None if sinks is None else _signature(sinks),
            tuple(map(_signature, mod_aux)) if mod_aux else (), *_fp8_key(descale, None))

@@ -520,8 +520,15 @@ def _family_entries(configs, family, kernel, width, dropout=False):
     return [by_key[e] for e in table if e in by_key]
 
 
+def _q_tensor(args):
+    """The launch's query tensor: Q, or with host descriptors (the forward's TMA_HOST, whose Q
+    is a stand-in pointer) the tensor DESC_Q describes."""
+    desc = args.get("DESC_Q")
+    return getattr(desc, "base", None) if desc is not None else args.get("Q")
+
+
 def _launch_gpu(args) -> Gpu:
-    q = args.get("Q")
+    q = _q_tensor(args)
     return gpu_of(q.device if isinstance(q, torch.Tensor) and q.device.type == "cuda" else None)
 
 
@@ -589,7 +596,8 @@ def prune_configs(configs, named_args, **kwargs):
     launch here passes them by name). Never returns an empty list."""
     args = {**named_args, **kwargs}
     block_d = _padded_width(args)
-    elem_bytes = args["Q"].element_size() if "Q" in args else 2
+    q = _q_tensor(args)
+    elem_bytes = q.element_size() if q is not None else 2
     gpu = _launch_gpu(args)
     family = family_of(gpu)
     budget = min(family.fwd_smem_cap, gpu.smem_per_block)

@@ -513,12 +513,15 @@ class ForwardPlan:
             tma = 0   # a tile's rows may lie on different pages: no descriptor box
         elif tma is None:
             tma = tma_mode(pb, pack_gqa=bool(pack_gqa), dense=k_lens is None)
-        # Host descriptors (TMA_HOST): made per call from Q, K, V (KernelStep's ``descs``:
-        # kernel parameter -> (the tensor's parameter, shape, strides)).
-        descs = {} if tma != TMA_HOST_MODE else {
-            name: (src, *host_desc_layout(x))
-            for name, src, x in (("DESC_Q", "Q", pb.q), ("DESC_K", "K", pb.k),
-                                 ("DESC_V", "V", pb.v))}
+        # Host descriptors (TMA_HOST): made per call from q, k, v, passed as the DESC_*
+        # parameters (KernelStep's ``descs``: kernel parameter -> (per-call tensor, shape,
+        # strides)); the kernel then reads no tile through Q, K, V, which get the plan's dummy
+        # (a fixed pointer: the launcher does not look three tensors up per call).
+        self.host = tma == TMA_HOST_MODE
+        self.tile_params = ("DESC_Q", "DESC_K", "DESC_V") if self.host else ("Q", "K", "V")
+        descs = {} if not self.host else {
+            name: (name, *host_desc_layout(x))
+            for name, x in (("DESC_Q", pb.q), ("DESC_K", pb.k), ("DESC_V", pb.v))}
         # A paged view's batch stride is the page stride, with packed queries too.
         kv_strides = (lambda x: x.stride()[:3]) if paged else pb.strides
         fixed = dict(strides=FwdStrides(q=pb.strides(pb.q), k=kv_strides(pb.k),
@@ -531,7 +534,8 @@ class ForwardPlan:
                      PACK_GQA=bool(pack_gqa), SPLIT=num_splits > 1, DROPOUT=call.dropout_mode,
                      WIDEN=widen_bf16(q.dtype), DOT_PRECISION=dot_precision(q.dtype), TMA=tma,
                      FP8=fp8, **{name: None for name in ("DESC_Q", "DESC_K", "DESC_V")
-                                 if name not in descs})
+                                 if name not in descs},
+                     **(dict(Q=dummy, K=dummy, V=dummy) if self.host else {}))
 
         def grid(cfg):
             return (triton.cdiv(rows, cfg["BLOCK_M"]) * num_splits, heads, pb.batch)
@@ -603,11 +607,13 @@ class ForwardPlan:
                                    device=q.device),
                 lse_part=torch.empty((self.num_splits, self.lse_numel), dtype=torch.float32,
                                      device=q.device))
-        self.step(q.device, dict(Q=q4, K=k4, V=v4, O=o4, LSE=lse, seq=seq,
-                  score=self.score if self.score is not None else self.score_args(call),
-                  drop=self.drop if not self.dropout else DropArgs(
-                      seed_tensor(call.seed, q.device) if seed is None else seed, *self.drop[1:]),
-                  split=split))
+        qn, kn, vn = self.tile_params
+        self.step(q.device, {
+            qn: q4, kn: k4, vn: v4, "O": o4, "LSE": lse, "seq": seq,
+            "score": self.score if self.score is not None else self.score_args(call),
+            "drop": self.drop if not self.dropout else DropArgs(
+                seed_tensor(call.seed, q.device) if seed is None else seed, *self.drop[1:]),
+            "split": split})
         if self.num_splits > 1:
             combine_splits(split.o_part, split.lse_part, o4, lse, call.mods.sinks)
         return o, lse

@@ -161,7 +161,10 @@ class KernelStep:
             self._alloc = _ScratchPerStream(device)
         # The arguments in the kernel's parameter order: the fixed ones in place, the per-call
         # ones (tensors and the tuples holding them) filled in by position at each launch.
-        template = [fixed.get(n) for n in names]
+        # Fixed tensors of a few bytes (the plan's dummies, held by the plan) as their
+        # pointers, like the kept tuples below.
+        template = [_as_pointers(v) if isinstance(v, torch.Tensor) and _tiny(v) else v
+                    for v in (fixed.get(n) for n in names)]
         slots = tuple((i, n) for i, n in enumerate(names) if n not in fixed
                       and n not in self.descs)
         if {n for _, n in slots} != set(args) - set(fixed) - set(self.descs):
