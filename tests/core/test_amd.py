@@ -203,6 +203,7 @@ def test_direct_launch_goes_through_the_hip_launcher(monkeypatch):
             calls.append(args)
 
     monkeypatch.setattr(torch.version, "hip", "6.4.0", raising=False)
-    entry = launch._c_entry(HipLauncher(), (3, 2, 1), "fn", "meta", None)
+    entry, expanded = launch._c_entry(HipLauncher(), (3, 2, 1), "fn", "meta", None)
     entry(7, [10, 11])
     assert calls == [(3, 2, 1, 7, "fn", "meta", None, None, None, 10, 11)]
+    assert not expanded   # (no host descriptors were asked for)
