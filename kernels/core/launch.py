@@ -15,6 +15,10 @@ same: the plan's key holds the shapes, strides, dtypes and devices (hence the in
 specialises on) and the 16-byte alignment of every data pointer; no per-call int reaches a
 kernel (the dropout seed is a device tensor: kernels/core/dropout.py ``load_seed``).
 
+Host tensor descriptors (the forward's TMA_HOST: ``KernelStep(descs=...)``) are made from the
+per-call tensors: through Triton at the first launch, encoded here for direct ones and kept
+per buffer address (``_HostDescs``).
+
 Direct launches are used on CUDA only, with no Triton launch hooks installed (a profiler's
 hooks see every launch through Triton's own path); the interpreter always goes through Triton.
 The launcher's arguments are Triton internals: direct launches are made only on the Triton
@@ -305,9 +309,10 @@ _data_ptr = torch.Tensor.data_ptr
 
 
 def _c_entry(run, grid, function, metadata, alloc, raw=False):
-    """(launch, raw): see ``_launch_fn``; ``raw`` asks for the C entry beneath Triton's host
-    descriptor wrapper (which encodes TensorDescriptor arguments per launch): True back when
-    ``launch`` takes the descriptors' encoded arguments, False when TensorDescriptors."""
+    """(launch, expanded): ``launch`` as ``_launch_fn`` makes it; ``raw`` asks for the C entry
+    beneath Triton's host descriptor wrapper (which encodes TensorDescriptor arguments at every
+    launch): ``expanded`` is True when ``launch`` takes the descriptors' encoded arguments
+    (``_HostDesc``), False when it takes TensorDescriptors (Triton's own path)."""
     c_launch = getattr(run, "launch", None)
     if raw and c_launch is not None:
         inner = _closure(c_launch).get("launcher")
