@@ -517,9 +517,9 @@ class ForwardPlan:
         # parameters (KernelStep's ``descs``: kernel parameter -> (per-call tensor, shape,
         # strides)); the kernel then reads no tile through Q, K, V, which get the plan's dummy
         # (a fixed pointer: the launcher does not look three tensors up per call).
-        self.host = tma == TMA_HOST_MODE
-        self.tile_params = ("DESC_Q", "DESC_K", "DESC_V") if self.host else ("Q", "K", "V")
-        descs = {} if not self.host else {
+        host = tma == TMA_HOST_MODE
+        self.tile_params = ("DESC_Q", "DESC_K", "DESC_V") if host else ("Q", "K", "V")
+        descs = {} if not host else {
             name: (name, *host_desc_layout(x))
             for name, x in (("DESC_Q", pb.q), ("DESC_K", pb.k), ("DESC_V", pb.v))}
         # A paged view's batch stride is the page stride, with packed queries too.
@@ -535,7 +535,7 @@ class ForwardPlan:
                      WIDEN=widen_bf16(q.dtype), DOT_PRECISION=dot_precision(q.dtype), TMA=tma,
                      FP8=fp8, **{name: None for name in ("DESC_Q", "DESC_K", "DESC_V")
                                  if name not in descs},
-                     **(dict(Q=dummy, K=dummy, V=dummy) if self.host else {}))
+                     **(dict(Q=dummy, K=dummy, V=dummy) if host else {}))
 
         def grid(cfg):
             return (triton.cdiv(rows, cfg["BLOCK_M"]) * num_splits, heads, pb.batch)

@@ -282,7 +282,10 @@ class _HostDescs:
         self.kept = {}
 
     def _encode(self, tensors):
-        return [desc(t) for desc, t in zip(self.descs, tensors)]
+        """Each descriptor's arguments: one flat list over a span of consecutive parameters,
+        else a list per descriptor."""
+        encoded = [desc(t) for desc, t in zip(self.descs, tensors)]
+        return [a for one in encoded for a in one] if self.span else encoded
 
     def splice(self, values, per_call):
         tensors = self.tensors(per_call)
@@ -292,12 +295,9 @@ class _HostDescs:
             if args is None:
                 if len(self.kept) >= self.MAX_KEPT:
                     self.kept.clear()
-                encoded = self._encode(tensors)
-                args = self.kept[key] = (
-                    [a for one in encoded for a in one] if self.span else encoded)
+                args = self.kept[key] = self._encode(tensors)
         else:
-            encoded = self._encode(tensors)
-            args = [a for one in encoded for a in one] if self.span else encoded
+            args = self._encode(tensors)
         if self.span:
             values[self.span[0]:self.span[1]] = args
         else:   # last first: earlier positions stay where they are
@@ -316,7 +316,7 @@ def _c_entry(run, grid, function, metadata, alloc, raw=False):
     c_launch = getattr(run, "launch", None)
     if raw and c_launch is not None:
         inner = _closure(c_launch).get("launcher")
-        if inner is None or TRITON_VERSION not in ("3.6", "3.8", "3.9"):
+        if inner is None:   # (another version's C protocol: _launch_fn goes through run)
             return _launch_fn(run, grid, function, metadata, alloc, force_run=True), False
         c_launch = inner
     launch = _launch_fn(run, grid, function, metadata, alloc, c_launch=c_launch)

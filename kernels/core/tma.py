@@ -69,9 +69,10 @@ def tma_rows_ok(x, strides, n_rows, block_width) -> bool:
 
 def host_desc_layout(x):
     """(shape, strides) of a host tensor descriptor over the 4-D view ``x`` (B, heads, rows,
-    D; unit last stride), or None where a descriptor cannot describe it: a stride that is not a
-    multiple of 16 bytes, a zero stride on a dimension of more than one entry (an expanded
-    batch or head: the in-kernel descriptors take those), a box wider than TMA's. A dimension
+    D; unit last stride), or None where a descriptor cannot describe it: a base address or a
+    stride that is not a multiple of 16 bytes, a zero stride on a dimension of more than one
+    entry (an expanded batch or head: the in-kernel descriptors take those); the box's width
+    is ``tma_rows_ok``'s to check (``forward.tma_mode`` asks both). A dimension
     of size 1 gets the stride a contiguous one would have (its stride is never multiplied by
     anything but 0, and TMA wants every stride positive and aligned)."""
     size = x.element_size()
