@@ -31,6 +31,12 @@
 # kernel per program (KERNELS_TMA=kernel) into WORK/tmakernel/ and without TMA (KERNELS_TMA=0)
 # into WORK/tma0/: at short lengths the per-program fixed cost weighs most
 # (docs/performance.md).
+# Stage list "variants" (`GPU_CHECK_STAGES=variants`, one device call of ~5 min): versions,
+# precompile (ours only, dropout 0, with the persistent forward: PRECOMPILE_ARGS), then stage
+# "persistent_ab": ours and SDPA flash (the drift check), causal bf16 forward, d128 and d64,
+# seq 512 ... 16384, with the persistent forward (KERNELS_FWD_PERSISTENT=1) into
+# WORK/persistent1/ and with the grid launch (=0) into WORK/persistent0/: a variant becomes the
+# default only where it wins here (kernels/core/configs.py, ``persistent_enabled``).
 # Environment knobs: PYTHON (default python3), GPU_CHECK_BUDGET, TESTS_TIMEOUT (default 240),
 # BENCH_ARGS (extra arguments for `python -m benchmarks`, e.g. "--quick"), BOOK_TIMEOUT and
 # BOOK_ARGS (the same for stage "book", e.g. "--book-models qwen3"), GPU_CHECK_STAGES
@@ -92,6 +98,10 @@ TEST_ARGS=${TEST_ARGS:-}
 DRY_RUN=${DRY_RUN:-0}
 STAGES=" ${GPU_CHECK_STAGES:-versions ceilings tests bench} "
 STAGES=${STAGES/ speed / versions precompile sweep dropout modules host fp8 tma_ab }
+if [[ "$STAGES" == *" variants "* ]]; then
+    STAGES=${STAGES/ variants / versions precompile persistent_ab }
+    PRECOMPILE_ARGS=${PRECOMPILE_ARGS:-"--kinds ours --dropout 0.0 --tma-off-max-seq 0 --seq-lens 512 1024 2048 4096 8192 16384 --persistent"}
+fi
 if [[ "$STAGES" == *" suite "* ]]; then
     STAGES=${STAGES/ suite / versions tests }
     TESTS_TIMEOUT=${TESTS_TIMEOUT_SUITE:-$(( BUDGET - 15 ))}
@@ -266,6 +276,26 @@ print(\"device\", torch.cuda.get_device_name() if torch.cuda.is_available() else
                 --no-features --providers kernels sdpa_flash --dtypes bf16 --head-dims 128 64 \
                 --dropout 0.0 --seq-lens 128 512 1024 --modes fwd bwd fwd_bwd \
                 --time-budget $(( tma_limit - 15 ))
+        done
+        pack
+    fi
+    if wanted persistent_ab; then
+        # The persistent forward against the grid launch (one program per query block), at
+        # the lengths where the grid has several waves; SDPA flash as the drift check.
+        local persist persist_limit
+        for persist in 1 0; do
+            persist_limit=$(( $(left) - 5 ))
+            [ $persist_limit -gt 150 ] && persist_limit=150
+            if [ $persist_limit -lt 30 ]; then
+                echo "=== persistent_ab KERNELS_FWD_PERSISTENT=$persist: skipped, ${persist_limit}s left"
+                continue
+            fi
+            KERNELS_FWD_PERSISTENT=$persist stage "persistent_ab KERNELS_FWD_PERSISTENT=$persist" \
+                "$persist_limit" "${PYM[@]}" benchmarks --out-dir "$WORK/persistent$persist" \
+                --no-plots --skip-parity --no-modules --no-features \
+                --providers kernels sdpa_flash --dtypes bf16 --head-dims 128 64 \
+                --dropout 0.0 --seq-lens 512 1024 2048 4096 8192 16384 --modes fwd \
+                --time-budget $(( persist_limit - 15 ))
         done
         pack
     fi

@@ -82,3 +82,16 @@ def test_host_stage_dry_run_parses_its_arguments(tmp_path):
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     assert "benchmarks.host: {'device': 'cuda'" in out and "host cost per call: exit 0" in out
+
+
+@pytest.mark.skipif(not os.path.exists("/bin/bash") and not os.path.exists("/usr/bin/bash"),
+                    reason="needs bash")
+def test_variants_list_dry_run(tmp_path):
+    """The "variants" list: precompile with the persistent forward, then both A/B runs."""
+    r = _run_script(tmp_path, "variants")
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    assert "'persistent': True" in out
+    for persist in (1, 0):
+        assert f"persistent_ab KERNELS_FWD_PERSISTENT={persist}: exit 0" in out
+    assert "'modes': ['fwd']" in out

@@ -85,6 +85,9 @@ def build_parser():
     ap.add_argument("--tma-off-max-seq", type=int, default=TMA_OFF_MAX_SEQ,
                     help="also compile ours with KERNELS_TMA=0 and =kernel up to this seq "
                          "(0: never)")
+    ap.add_argument("--persistent", action="store_true",
+                    help="also compile ours with the persistent forward (KERNELS_FWD_PERSISTENT"
+                         "=1: the persistent_ab stage)")
     ap.add_argument("--tokens", type=int, default=TOKENS)
     ap.add_argument("--hidden", type=int, default=HIDDEN)
     ap.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS),
@@ -120,6 +123,8 @@ def workloads(args):
                     tmas = (1, "kernel", 0) if seq <= args.tma_off_max_seq else (1,)
                     for tma in tmas:
                         out.append(dict(kind="ours", dropout=p, tma=tma, **shape))
+                    if args.persistent:
+                        out.append(dict(kind="ours", dropout=p, tma=1, persistent=1, **shape))
             if "tutorial" in args.kinds and args.tutorial:
                 out.append(dict(kind="tutorial", dropout=0.0, tma=1, path=args.tutorial,
                                 **shape))
@@ -131,7 +136,8 @@ def workloads(args):
 
 def _label(w):
     extra = f" {w['graph']}" if w["kind"] == "flex" else (
-        f" p{w['dropout']} tma{w['tma']}" if w["kind"] == "ours" else "")
+        f" p{w['dropout']} tma{w['tma']}{' persistent' if w.get('persistent') else ''}"
+        if w["kind"] == "ours" else "")
     return f"{w['kind']} {w['batch']}x{w['heads']}x{w['seq']} d{w['head_dim']}{extra}"
 
 
@@ -150,6 +156,7 @@ def run_attention_workload(w):
     shape = (w["batch"], w["heads"], w["seq"], w["head_dim"])
     if w["kind"] == "ours":
         os.environ["KERNELS_TMA"] = str(w["tma"])
+        os.environ["KERNELS_FWD_PERSISTENT"] = str(w.get("persistent", 0))
         from kernels.core.backward import attention_backward
         from kernels.core.forward import attention_forward
 

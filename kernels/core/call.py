@@ -296,6 +296,16 @@ class SplitArgs(NamedTuple):
     n_rows: int
 
 
+class SchedArgs(NamedTuple):
+    """A persistent forward's tile schedule (the kernel's ``sched``): ``tiles`` an int32 (2,)
+    counter, zero between launches (the next tile to hand out, the programs done; the last
+    program resets both), shared by the launches of one stream (``forward.tile_counter``);
+    the grid's heads and batch extents, whose query blocks the kernel counts itself."""
+    tiles: torch.Tensor
+    heads: int
+    batch: int
+
+
 class FwdStrides(NamedTuple):
     """The forward's (batch, head, row) strides of q, k, v, o and its lse's (batch, head) ones
     (the kernel's ``strides``; a paged cache's k, v: (page, head, row))."""

@@ -17,6 +17,10 @@ per-thread loads of other GPUs, for A/B timings (benchmarks/gpu_check.sh, stage 
 as a way around a TMA problem on a new GPU or Triton. ``KERNELS_TMA=kernel`` keeps TMA but
 makes every forward descriptor in the kernel, per program (``host_descriptors_enabled``: the
 forward before host descriptors, for the same A/B).
+``KERNELS_FWD_PERSISTENT=1`` launches dense forward calls persistently (``persistent_enabled``:
+``PERSISTENT_PROGRAMS_PER_SM`` programs per SM drawing query blocks, longest first, from a
+counter; the A/B of benchmarks/gpu_check.sh's stage "persistent_ab"); off by default until a GPU
+says it wins.
 """
 import functools
 import math
@@ -431,6 +435,29 @@ def host_descriptors_enabled() -> bool:
     """False when the environment sets KERNELS_TMA=kernel: dense forward calls then make their
     descriptors in the kernel as packed sequences do (see the module docstring)."""
     return os.environ.get("KERNELS_TMA", "1") != "kernel"
+
+
+# A persistent forward's programs per SM (``persistent_enabled``). Tiles are handed out by a
+# counter, so programs beyond what an SM holds at once only draw an empty ticket; two let a
+# program's prologue and epilogue overlap another's tiles where two fit (4-warp configs).
+PERSISTENT_PROGRAMS_PER_SM = 2
+# The interpreter's persistent grid: a few programs, so that the tests see tiles drawn by more
+# than one (they run one after another there: the first draws them all) and the counter reset.
+PERSISTENT_INTERPRET_PROGRAMS = 3
+
+
+def persistent_enabled() -> bool:
+    """True when the environment sets KERNELS_FWD_PERSISTENT=1 (see the module docstring)."""
+    return os.environ.get("KERNELS_FWD_PERSISTENT", "0") == "1"
+
+
+def persistent_programs(device) -> int:
+    """How many programs a persistent forward launches on ``device`` at most."""
+    if device.type != "cuda" or interpreter_active():
+        return PERSISTENT_INTERPRET_PROGRAMS
+    gpu = gpu_of(device)
+    return PERSISTENT_PROGRAMS_PER_SM * (gpu.compute_units or torch.cuda.get_device_properties(
+        device).multi_processor_count)
 
 
 def autotune_enabled() -> bool:

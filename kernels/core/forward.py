@@ -27,22 +27,23 @@ import torch
 import triton
 import triton.language as tl
 
-from .call import (AttentionCall, DropArgs, FwdStrides, KeyLayout, SplitArgs, make_problem,
-                   new_out, packed_view, score_args, score_spec, seed_tensor)
+from .call import (AttentionCall, DropArgs, FwdStrides, KeyLayout, SchedArgs, SplitArgs,
+                   make_problem, new_out, packed_view, score_args, score_spec, seed_tensor)
 from .common import (block_d, dot_operand, dot_precision, interpreter_active,
                      round_for_store, widen, widen_bf16)
 from .configs import (FWD_TUNE_KEY, PACK_GQA_MAX_Q_LEN, autotune_enabled, clamp_splits,
                       fixed_configs, fwd_configs, host_descriptors_enabled, nominal_tiles,
-                      num_splits_heuristic, prune_configs, tma_capable)
+                      num_splits_heuristic, persistent_enabled, persistent_programs,
+                      prune_configs, tma_capable)
 from .dropout import load_seed
 from .fp8 import (FP8_NONE, P_SCALE_C, descale_args, fp8_spec, load_descale, one_descale,
                   p_operand)
 from .score import dropout_keep, finish_rows, mask_scores, online_softmax, scaled_scores
 from .tiles import (clamp_ranges, edge_bound, key_range, mask_key_bounds, program_ids,
-                    seq_bounds)
+                    seq_bounds, tile_ids)
 from .paged import page_rows, paged_problem, paged_varlen_problem
 from .splitkv import combine_splits
-from .launch import KernelStep
+from .launch import KernelStep, launch_context
 from .tma import TMA_HOST, TMA_HOST_MODE, desc_tile, host_desc_layout, row_tiles, tma_rows_ok
 
 
@@ -66,8 +67,8 @@ def load_rows(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr,
 
 @triton.jit
 def _attn_fwd(Q, K, V, O, LSE, DESC_Q, DESC_K, DESC_V, strides,
-              seq, score, drop, split,
-              BUCKETS,  # autotune key only: Problem.tune_buckets
+              seq, score, drop, split, sched,
+              BUCKETS,  # autotune key only: Problem.tune_buckets (+ 1 when persistent)
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
               HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
               SPEC: tl.constexpr, KEYS: tl.constexpr, PACK_GQA: tl.constexpr,
@@ -108,6 +109,10 @@ def _attn_fwd(Q, K, V, O, LSE, DESC_Q, DESC_K, DESC_V, strides,
     per program (a dense call's bounds are its tensors': rows past them read as zeros), block
     (1, 1, BLOCK_M or BLOCK_N, BLOCK_D or BLOCK_DV) set by each config's ``set_desc_blocks``;
     None (constexpr) in the other modes.
+    ``sched``: None (constexpr), or a persistent launch's ``SchedArgs`` (not with VARLEN):
+    the grid is then (programs, 1, 1) and each program draws tile after tile -- the (block,
+    head, batch) a grid's program would have, in the order they would start -- from the
+    ``sched.tiles`` counter, which the last program to finish resets to zero.
     PAGED: 0, or the page size of a paged cache (with SEQUSED_K, TMA = 0): K and V are
     paged caches viewed (num_blocks, heads_kv, PAGED, D) (kernels/core/paged.py),
     ``stride_k[0]`` is the page stride, and key position j of batch entry b is row j % PAGED of
@@ -124,13 +129,54 @@ def _attn_fwd(Q, K, V, O, LSE, DESC_Q, DESC_K, DESC_V, strides,
     at the end. l_i, lse and split partials are those of the descaled scores. No dropout with
     FP8.
     """
+    if sched is None:
+        # Causal: the longest rows (the last blocks) of every head first (``program_ids``).
+        pid, pid_h, b = program_ids(SPEC.causal, False)
+        _fwd_block((pid, pid_h, b), Q, K, V, O, LSE, DESC_Q, DESC_K, DESC_V, strides,
+                   seq, score, drop, split, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, SPEC, KEYS,
+                   PACK_GQA, SPLIT, DROPOUT, WIDEN, DOT_PRECISION, TMA, FP8, BLOCK_M, BLOCK_N)
+    else:
+        # Persistent: each program draws tiles from the launch's counter until none is left,
+        # in the order a grid's programs would start (``tiles.tile_ids``).
+        tl.static_assert(not KEYS.varlen)   # a tile of a short sequence returns early
+        rows = seq.group * seq.q_len if PACK_GQA else seq.q_len
+        n_blocks = tl.cdiv(rows, BLOCK_M) * (split.num_splits if SPLIT else 1)
+        n_tiles = tl.cast(n_blocks, tl.int64) * sched.heads * sched.batch
+        tile = tl.atomic_add(sched.tiles, 1).to(tl.int64)
+        while tile < n_tiles:
+            pid, pid_h, b = tile_ids(tile, n_blocks, sched.heads, sched.batch, SPEC.causal,
+                                     False)
+            _fwd_block((pid, pid_h, b), Q, K, V, O, LSE, DESC_Q, DESC_K, DESC_V, strides,
+                       seq, score, drop, split, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, SPEC,
+                       KEYS, PACK_GQA, SPLIT, DROPOUT, WIDEN, DOT_PRECISION, TMA, FP8, BLOCK_M,
+                       BLOCK_N)
+            tile = tl.atomic_add(sched.tiles, 1).to(tl.int64)
+        # The last program to finish drawing resets the counter for the next launch on this
+        # stream: every other program has drawn its last ticket before counting itself done.
+        done = tl.atomic_add(sched.tiles + 1, 1)
+        if done == tl.num_programs(0) - 1:
+            tl.atomic_xchg(sched.tiles, 0)
+            tl.atomic_xchg(sched.tiles + 1, 0)
+
+
+@triton.jit
+def _fwd_block(tile, Q, K, V, O, LSE, DESC_Q, DESC_K, DESC_V, strides,
+               seq, score, drop, split,
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+               SPEC: tl.constexpr, KEYS: tl.constexpr, PACK_GQA: tl.constexpr,
+               SPLIT: tl.constexpr, DROPOUT: tl.constexpr, WIDEN: tl.constexpr,
+               DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, FP8: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``_attn_fwd``'s work for one tile = (pid, pid_h, b): query block ``pid`` (with SPLIT,
+    block ``pid // split.num_splits``'s key share ``pid % split.num_splits``) of head ``pid_h``
+    (kv head with PACK_GQA) of batch entry or packed sequence ``b``; the arguments as there."""
+    pid, pid_h, b = tile
     stride_q, stride_k, stride_v = strides.q, strides.k, strides.v
     stride_o, stride_lse = strides.o, strides.lse
     VARLEN: tl.constexpr = KEYS.varlen
     SEQUSED_K: tl.constexpr = KEYS.k_lens
     PAGED: tl.constexpr = KEYS.page_size
-    # Causal: the longest rows (the last blocks) of every head first (``program_ids``).
-    pid, pid_h, b = program_ids(SPEC.causal, False)
     if SPLIT:
         split_id = pid % split.num_splits
         pid_m = pid // split.num_splits
@@ -365,6 +411,29 @@ def tma_mode(pb, pack_gqa=False, dense=False) -> int:
     return 2 if q_ok else 1
 
 
+_TILE_COUNTERS = {}   # (device index, stream) -> int32 (2,), zero between launches
+
+
+def stream_key(device):
+    """(device index, current stream) of ``device``, as ``launch.launch_context`` gives them
+    for direct launches; (None, 0) off CUDA (the interpreter runs one launch at a time)."""
+    if device.type != "cuda":
+        return None, 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return index, torch.cuda.current_stream(index).cuda_stream
+
+
+def tile_counter(device, key):
+    """The persistent forward's tile counter (``SchedArgs.tiles``) for launches on ``key``
+    (``stream_key``): one per stream, since the launches of one stream run one after another
+    and each leaves it zero, while two streams' launches may run at once. Made on first use
+    (inside a CUDA graph capture too: the graph's launches then use the capture stream's)."""
+    counter = _TILE_COUNTERS.get(key)
+    if counter is None:
+        counter = _TILE_COUNTERS[key] = torch.zeros(2, dtype=torch.int32, device=device)
+    return counter
+
+
 def set_desc_blocks(nargs):
     """A forward config's ``pre_hook``: the host descriptors' blocks (``TMA_HOST``) for the
     config's tiles, (1, 1, BLOCK_M, BLOCK_D) for Q and (1, 1, BLOCK_N, BLOCK_D or BLOCK_DV)
@@ -392,7 +461,7 @@ _attn_fwd_tuned = triton.autotune(configs=_with_desc_blocks(fwd_configs()), key=
 def attention_forward(q, k, v, call=None, *, cu_seqlens_q=None, cu_seqlens_k=None,
                       max_seqlen_q=None, max_seqlen_k=None, k_lens=None, num_splits=1,
                       pack_gqa=None, out=None, config=None, tma=None, block_table=None,
-                      **call_fields):
+                      persistent=None, **call_fields):
     """Launch the fused forward on validated inputs.
 
     Args:
@@ -421,6 +490,11 @@ def attention_forward(q, k, v, call=None, *, cu_seqlens_q=None, cu_seqlens_k=Non
             interpreter config under TRITON_INTERPRET=1.
         tma: the kernel's TMA mode to force (0 = per-thread loads; tests); default
             ``tma_mode``: tensor-descriptor loads where the GPU and the layout allow them.
+        persistent: launch one program per SM or two (``configs.persistent_programs``), each
+            drawing query blocks from a per-stream counter, longest first, instead of a
+            program per block (not with packed sequences, whose short sequences leave
+            programs without rows); default ``configs.persistent_enabled()`` (off). The
+            same results, bit for bit.
         block_table: optional int32 (B, max_blocks), unit column stride, with k_lens: k, v are
             paged caches (num_blocks, page_size, heads_kv, D or Dv) viewed by
             ``paged.paged_view``; key position j of batch entry b is row j % page_size of page
@@ -443,7 +517,7 @@ def attention_forward(q, k, v, call=None, *, cu_seqlens_q=None, cu_seqlens_k=Non
     plan = ForwardPlan(q, k, v, call, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, k_lens=k_lens,
                        num_splits=num_splits, pack_gqa=pack_gqa, config=config, tma=tma,
-                       block_table=block_table, out=out)
+                       block_table=block_table, out=out, persistent=persistent)
     return plan(q, k, v, call, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                 k_lens=k_lens, block_table=block_table, out=out)
 
@@ -457,7 +531,8 @@ class ForwardPlan:
 
     def __init__(self, q, k, v, call, *, cu_seqlens_q=None, cu_seqlens_k=None,
                  max_seqlen_q=None, max_seqlen_k=None, k_lens=None, num_splits=1,
-                 pack_gqa=None, config=None, tma=None, block_table=None, out=None):
+                 pack_gqa=None, config=None, tma=None, block_table=None, out=None,
+                 persistent=None):
         paged = block_table is not None
         if paged and cu_seqlens_q is not None:
             pb = paged_varlen_problem(q, k, v, cu_seqlens_q, max_seqlen_q, block_table)
@@ -537,7 +612,22 @@ class ForwardPlan:
                                  if name not in descs},
                      **(dict(Q=dummy, K=dummy, V=dummy) if host else {}))
 
+        if persistent is None:
+            persistent = persistent_enabled()
+        # Packed sequences return early from the tiles past a short sequence's rows: a grid.
+        self.persistent = persistent = bool(persistent) and not pb.varlen
+        self.scheds = {}   # persistent: (device, stream) -> SchedArgs
+        self.sched_extents = (heads, pb.batch)
+        if persistent:
+            programs = persistent_programs(q.device)
+            fixed["BUCKETS"] = (*fixed["BUCKETS"], 1)   # tuned apart from the grid launch
+        else:
+            fixed["sched"] = None
+
         def grid(cfg):
+            if persistent:
+                tiles = triton.cdiv(rows, cfg["BLOCK_M"]) * num_splits * heads * pb.batch
+                return (min(tiles, programs), 1, 1)
             return (triton.cdiv(rows, cfg["BLOCK_M"]) * num_splits, heads, pb.batch)
 
         if config is None and not interpreter_active() and autotune_enabled():
@@ -608,12 +698,23 @@ class ForwardPlan:
                 lse_part=torch.empty((self.num_splits, self.lse_numel), dtype=torch.float32,
                                      device=q.device))
         qn, kn, vn = self.tile_params
-        self.step(q.device, {
+        per_call = {
             qn: q4, kn: k4, vn: v4, "O": o4, "LSE": lse, "seq": seq,
             "score": self.score if self.score is not None else self.score_args(call),
             "drop": self.drop if not self.dropout else DropArgs(
                 seed_tensor(call.seed, q.device) if seed is None else seed, *self.drop[1:]),
-            "split": split})
+            "split": split}
+        ctx = None
+        if self.persistent:
+            # The launch's stream picks its counter (launches on one stream run in order).
+            ctx = launch_context() if self.step.direct is not None else None
+            key = ctx if ctx is not None else stream_key(q.device)
+            sched = self.scheds.get(key)
+            if sched is None:
+                sched = self.scheds[key] = SchedArgs(tile_counter(q.device, key),
+                                                     *self.sched_extents)
+            per_call["sched"] = sched
+        self.step(q.device, per_call, ctx)
         if self.num_splits > 1:
             combine_splits(split.o_part, split.lse_part, o4, lse, call.mods.sinks)
         return o, lse

@@ -49,13 +49,29 @@ def program_ids(LONGEST_FIRST: tl.constexpr, FIRST_IS_LONGEST: tl.constexpr):
         n_heads = tl.num_programs(1)
         lin = tl.program_id(0) + n_blocks * (tl.program_id(1).to(tl.int64)
                                              + n_heads * tl.program_id(2).to(tl.int64))
-        others = n_heads * tl.num_programs(2).to(tl.int64)
+        return tile_ids(lin, n_blocks, n_heads, tl.num_programs(2), True, FIRST_IS_LONGEST)
+    else:
+        return tl.program_id(0), tl.program_id(1), tl.program_id(2)
+
+
+@triton.jit
+def tile_ids(lin, n_blocks, n_heads, n_batch, LONGEST_FIRST: tl.constexpr,
+             FIRST_IS_LONGEST: tl.constexpr):
+    """(block, head, batch) of tile ``lin`` (int64) of a (n_blocks, n_heads, n_batch) problem,
+    in the order ``program_ids`` gives a grid's programs: ``lin`` is the position in start
+    order, so a persistent program that takes tiles 0, 1, 2, ... in turn (the forward's
+    ``SCHED``) visits them as a grid's programs start. LONGEST_FIRST: the block axis slowest,
+    its most expensive end first (``program_ids``); else the block axis fastest."""
+    if LONGEST_FIRST:
+        others = tl.cast(n_heads, tl.int64) * n_batch
         rank = (lin // others).to(tl.int32)         # 0 = started first
         rest = lin % others
         block = rank if FIRST_IS_LONGEST else n_blocks - 1 - rank
         return block, (rest % n_heads).to(tl.int32), (rest // n_heads).to(tl.int32)
     else:
-        return tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rest = lin // n_blocks
+        return ((lin % n_blocks).to(tl.int32), (rest % n_heads).to(tl.int32),
+                (rest // n_heads).to(tl.int32))
 
 
 @triton.jit
