@@ -446,6 +446,24 @@ PERSISTENT_PROGRAMS_PER_SM = 2
 PERSISTENT_INTERPRET_PROGRAMS = 3
 
 
+# Generations that take the persistent forward: Hopper, where every kept config compiles to it
+# without spills (+4 to +67 registers over the grid launch, median +30; tools/sm90_static.py
+# "+persistent" flags, 2026-11-28). On sm_100 the same configs gained up to 97 registers and
+# 8 of 22 spilled (4-184 B; a default among them): the grid launch stays there.
+PERSISTENT_MAJORS = (9,)
+
+
+def persistent_capable(device) -> bool:
+    """Whether a persistent forward may launch on ``device`` (``PERSISTENT_MAJORS``; the
+    interpreter: always, so the CPU suite covers the code)."""
+    if interpreter_active():
+        return True
+    if device.type != "cuda":
+        return False
+    gpu = gpu_of(device)
+    return not gpu.is_amd and gpu.capability[0] in PERSISTENT_MAJORS
+
+
 def persistent_enabled() -> bool:
     """True when the environment sets KERNELS_FWD_PERSISTENT=1 (see the module docstring)."""
     return os.environ.get("KERNELS_FWD_PERSISTENT", "0") == "1"

@@ -33,8 +33,8 @@ from .common import (block_d, dot_operand, dot_precision, interpreter_active,
                      round_for_store, widen, widen_bf16)
 from .configs import (FWD_TUNE_KEY, PACK_GQA_MAX_Q_LEN, autotune_enabled, clamp_splits,
                       fixed_configs, fwd_configs, host_descriptors_enabled, nominal_tiles,
-                      num_splits_heuristic, persistent_enabled, persistent_programs,
-                      prune_configs, tma_capable)
+                      num_splits_heuristic, persistent_capable, persistent_enabled,
+                      persistent_programs, prune_configs, tma_capable)
 from .dropout import load_seed
 from .fp8 import (FP8_NONE, P_SCALE_C, descale_args, fp8_spec, load_descale, one_descale,
                   p_operand)
@@ -493,8 +493,8 @@ def attention_forward(q, k, v, call=None, *, cu_seqlens_q=None, cu_seqlens_k=Non
         persistent: launch one program per SM or two (``configs.persistent_programs``), each
             drawing query blocks from a per-stream counter, longest first, instead of a
             program per block (not with packed sequences, whose short sequences leave
-            programs without rows); default ``configs.persistent_enabled()`` (off). The
-            same results, bit for bit.
+            programs without rows; on GPUs of ``configs.PERSISTENT_MAJORS`` only: sm_90);
+            default ``configs.persistent_enabled()`` (off). The same results, bit for bit.
         block_table: optional int32 (B, max_blocks), unit column stride, with k_lens: k, v are
             paged caches (num_blocks, page_size, heads_kv, D or Dv) viewed by
             ``paged.paged_view``; key position j of batch entry b is row j % page_size of page
@@ -615,7 +615,8 @@ class ForwardPlan:
         if persistent is None:
             persistent = persistent_enabled()
         # Packed sequences return early from the tiles past a short sequence's rows: a grid.
-        self.persistent = persistent = bool(persistent) and not pb.varlen
+        self.persistent = persistent = (bool(persistent) and not pb.varlen
+                                        and persistent_capable(q.device))
         self.scheds = {}   # persistent: (device, stream) -> SchedArgs
         self.sched_extents = (heads, pb.batch)
         if persistent:

@@ -14,9 +14,14 @@ from helpers import DEVICE, assert_parity, randn
 
 import reference
 from kernels.core import forward
+from kernels.core.configs import persistent_capable
 from kernels.core.forward import ForwardPlan, attention_forward
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
+
+pytestmark = pytest.mark.skipif(
+    not persistent_capable(torch.device(DEVICE)),
+    reason="this GPU launches the forward as a grid only (configs.PERSISTENT_MAJORS)")
 
 
 def _counter_is_zero(device):
