@@ -43,17 +43,18 @@ import torch
 import triton
 import triton.language as tl
 
-from .call import (AttentionCall, DropArgs, make_problem, packed_view,
+from .call import (AttentionCall, BwdStrides, DropArgs, make_problem, packed_view,
                    score_args, score_spec, seed_tensor)
 from .common import (LOG2E, block_d, dot_operand, dot_precision, interpreter_active,
                      round_for_store, widen, widen_bf16)
 from .configs import (BWD_ROW_PAD, BWD_TUNE_KEY, TMA_DKDV_DROPOUT_MAX_WIDTH, autotune_enabled,
-                      bwd_configs, fixed_configs,
+                      bwd_configs, fixed_configs, host_descriptors_enabled,
                       prune_bwd_configs)
 from .dropout import load_seed
 from .score import dropout_keep, mods_aux_grad, probs_from_lse, scaled_scores, score_grad
 from .launch import KernelStep, launch_context
-from .tma import row_tiles, tma_capable, tma_rows_ok
+from .tma import (TMA_HOST, TMA_HOST_MODE, desc_tile, host_desc_layout, row_tiles, tma_capable,
+                  tma_rows_ok)
 from .tiles import (clamp_ranges, edge_bound, key_range, mask_key_bounds, mask_query_bounds,
                     program_ids, query_range, seq_bounds)
 
@@ -143,8 +144,7 @@ def _bwd_preprocess(O, DO, LSE, STATS, stride_o, stride_do, stride_lse, stride_s
 
 
 @triton.jit
-def _bwd_dkdv(Q, K, V, DO, STATS, DK, DV,
-              stride_q, stride_k, stride_v, stride_do, stride_dk, stride_dv, stride_stats,
+def _bwd_dkdv(Q, K, V, DO, STATS, DK, DV, DESC_Q, DESC_DO, DESC_STATS, strides,
               seq, score, drop,
               BUCKETS,  # autotune key only: Problem.tune_buckets
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
@@ -156,16 +156,21 @@ def _bwd_dkdv(Q, K, V, DO, STATS, DK, DV,
 
     Q: (B, heads_q, q_len, HEAD_DIM), DO: (B, heads_q, q_len, HEAD_DIM_V); K, DK: (B, heads_kv,
     k_len, HEAD_DIM), V, DV: (B, heads_kv, k_len, HEAD_DIM_V), with heads_q = seq.group *
-    heads_kv; any strides with a unit last one, ``stride_x`` = x's
-    (batch, head, row) strides (VARLEN: packed as in the forward). STATS: ``_bwd_preprocess``'s
-    padded fp32 row statistics, lse2 = lse · log2 e (+inf for rows that see no key) and delta,
-    ``stride_stats`` their (batch, head, plane) strides (``stats_layout``). ``seq``, ``score``,
-    ``drop``, SPEC: as in the forward. TMA (``bwd_tma_modes``): 1 = the streamed tiles (Q, dO
-    and the row statistics here, K and V in dQ) by tensor descriptors over that (sequence,
-    head)'s rows
-    (``tma.row_tiles``: zeros past the rows and the head dim, as the masked loads give);
-    0 = per-thread masked loads. Grid: (cdiv(k_len or max_seqlen_k, BLOCK_N), heads_kv, batch
-    or number of sequences).
+    heads_kv; any strides with a unit last one; ``strides`` (``BwdStrides``): ``strides.x`` =
+    x's (batch, head, row) strides, read below as ``stride_x`` (VARLEN: packed as in the
+    forward). STATS: ``_bwd_preprocess``'s padded fp32 row statistics, lse2 = lse · log2 e
+    (+inf for rows that see no key) and delta, ``strides.stats`` their (batch, head, plane)
+    strides (``stats_layout``). ``seq``, ``score``, ``drop``, SPEC: as in the forward. TMA
+    (``bwd_tma_modes``): 0 = per-thread masked loads; 1 = the streamed tiles (Q, dO and the row
+    statistics here, K and V in dQ) by tensor descriptors made per program over that
+    (sequence, head)'s rows (``tma.row_tiles``: zeros past the rows and the head dim, as the
+    masked loads give); 3 (``TMA_HOST``, dense calls) = through host descriptors made once per
+    call instead: ``DESC_Q``, ``DESC_DO`` over the whole (B, heads_q, q_len, D or Dv) Q and dO,
+    block (1, 1, BLOCK_M, BLOCK_D or BLOCK_DV), and ``DESC_STATS`` over the (2, B, heads_q,
+    padded rows) statistics, block (2, 1, 1, BLOCK_M) (both planes' tile in one copy; blocks
+    set by each config's ``set_bwd_desc_blocks``); Q, DO and STATS are then not read (the
+    plan's dummy); None (constexpr) in the other modes. Grid: (cdiv(k_len or max_seqlen_k,
+    BLOCK_N), heads_kv, batch or number of sequences).
 
     The group of query heads that share this kv head are summed here, one after another in a
     fixed order: no atomics, so dK and dV are bit-reproducible with grouped-query heads too.
@@ -176,6 +181,8 @@ def _bwd_dkdv(Q, K, V, DO, STATS, DK, DV,
     # key blocks (seen by the most queries) are the longest and start first in each head
     # (``tiles.program_ids`` says why not every head's first, as in the forward).
     pid_n, kv_h, b = program_ids(False, True)
+    stride_q, stride_k, stride_v, stride_do = strides.q, strides.k, strides.v, strides.do
+    stride_dk, stride_dv, stride_stats = strides.dk, strides.dv, strides.stats
     q_start, q_len, k_start, k_len = seq_bounds(b, seq, VARLEN, False)
     start_n = pid_n * BLOCK_N
     if VARLEN:
@@ -228,7 +235,7 @@ def _bwd_dkdv(Q, K, V, DO, STATS, DK, DV,
     k_edge = edge_bound(offs_n, score.window, SPEC.edge, True)[:, None] \
         if SPEC.edge != 0 else 0
 
-    if TMA:
+    if TMA == 1:
         # The row statistics as a (2, plane) matrix, read (2, BLOCK_M) at a time: one copy
         # for lse2 and delta (two copies were 144 more instructions per 128² tile at head_dim
         # 64, per-thread cp.async 416 more; docs/gpu.md). int32 coordinates:
@@ -241,10 +248,11 @@ def _bwd_dkdv(Q, K, V, DO, STATS, DK, DV,
     # loop, and the pipeliner cannot predicate the descriptor made in it (a compile error
     # on sm_90, seen on an H200).
     for g in tl.range(0, seq.group, num_stages=1):
-        h = (kv_h * seq.group + g).to(tl.int64)
+        h32 = kv_h * seq.group + g             # int32: a host descriptor's head coordinate
+        h = h32.to(tl.int64)
         Q_h = Q + off_b * stride_q[0] + h * stride_q[1] + q_rows * stride_q[2]
         DO_h = DO + off_b * stride_do[0] + h * stride_do[1] + q_rows * stride_do[2]
-        if TMA:
+        if TMA == 1:
             # This (sequence, query head)'s rows (at least 1: a descriptor of an empty
             # sequence is never read).
             n_rows = tl.maximum(q_len, 1) if VARLEN else q_len
@@ -253,7 +261,7 @@ def _bwd_dkdv(Q, K, V, DO, STATS, DK, DV,
         row0 = stats_row0(b, h, q_start, stride_stats)
         lse2_h = STATS + row0
         delta_h = lse2_h + stride_stats[2]
-        if TMA:
+        if TMA == 1:
             stats_row = row0.to(tl.int32)      # the descriptor's (int32) column of row 0
         drop_rows = off_b * drop.row_stride_b + h * drop.row_stride_h + q_rows + drop.row0
         if DROPOUT:
@@ -271,7 +279,10 @@ def _bwd_dkdv(Q, K, V, DO, STATS, DK, DV,
                 range_lo, range_hi = full_hi, hi
             for start_m in range(range_lo, range_hi, BLOCK_M):
                 offs_m = start_m + rows0
-                if TMA:
+                if TMA == TMA_HOST:
+                    qT = tl.trans(desc_tile(DESC_Q, b, h32, start_m, BLOCK_M, BLOCK_D))
+                    do = desc_tile(DESC_DO, b, h32, start_m, BLOCK_M, BLOCK_DV)
+                elif TMA:
                     qT = tl.trans(q_desc.load([start_m, 0]))
                     do = do_desc.load([start_m, 0])
                 else:
@@ -286,7 +297,11 @@ def _bwd_dkdv(Q, K, V, DO, STATS, DK, DV,
                 qT = widen(qT, WIDEN)                                       # (BLOCK_D, BLOCK_M)
                 do = widen(do, WIDEN)                                      # (BLOCK_M, BLOCK_DV)
                 # Whole tiles, unmasked: the stats are padded (``_bwd_preprocess``).
-                if TMA:
+                if TMA == TMA_HOST:
+                    # One copy of both planes' tile: (2, 1, 1, BLOCK_M) -> lse2, delta.
+                    lse2, delta = tl.split(tl.trans(DESC_STATS.load(
+                        [0, b, h32, start_m]).reshape([2, BLOCK_M])))
+                elif TMA:
                     # One copy of both planes' tile: (2, BLOCK_M) -> lse2, delta.
                     lse2, delta = tl.split(tl.trans(stats_desc.load([0, stats_row + start_m])))
                 else:
@@ -327,8 +342,7 @@ def _bwd_dkdv(Q, K, V, DO, STATS, DK, DV,
 
 
 @triton.jit
-def _bwd_dq(Q, K, V, DO, STATS, DQ,
-            stride_q, stride_k, stride_v, stride_do, stride_dq, stride_stats,
+def _bwd_dq(Q, K, V, DO, STATS, DQ, DESC_K, DESC_V, strides,
             seq, score, drop,
             BUCKETS,  # autotune key only: Problem.tune_buckets
             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
@@ -340,9 +354,11 @@ def _bwd_dq(Q, K, V, DO, STATS, DQ,
 
     Shapes, strides and grouped arguments as in ``_bwd_dkdv``; DQ like Q. Query head h reads
     kv head h // seq.group. K and V are loaded transposed ((BLOCK_D or BLOCK_DV), BLOCK_N) so
-    S = Q K^T and
-    dPd = dO V^T need no register transpose. Grid: (cdiv(q_len or max_seqlen_q, BLOCK_M),
-    heads_q, batch or number of sequences).
+    S = Q K^T and dPd = dO V^T need no register transpose. TMA as in ``_bwd_dkdv``, for the K
+    and V tiles: with TMA_HOST through ``DESC_K``, ``DESC_V``, host descriptors of the whole
+    (B, heads_kv, k_len, D or Dv) K and V, block (1, 1, BLOCK_N, BLOCK_D or BLOCK_DV); K and V
+    are then not read. Grid: (cdiv(q_len or max_seqlen_q, BLOCK_M), heads_q, batch or number
+    of sequences).
     """
     # Causal: the last query blocks see the most keys; each head's are issued first, so the
     # short ones fill the tail. (Not every head's first, as the forward does: ``program_ids``'s
@@ -350,13 +366,16 @@ def _bwd_dq(Q, K, V, DO, STATS, DQ,
     # and 2 (65535 each), not one B*H axis.
     pid_m, h, b = program_ids(False, False)
     pid_m = tl.num_programs(0) - 1 - pid_m
+    stride_q, stride_k, stride_v, stride_do = strides.q, strides.k, strides.v, strides.do
+    stride_dq, stride_stats = strides.dq, strides.stats
     q_start, q_len, k_start, k_len = seq_bounds(b, seq, VARLEN, False)
     start_m = pid_m * BLOCK_M
     if VARLEN:
         if start_m >= q_len:
             return
     off_b = b.to(tl.int64)
-    kv_h = (h // seq.group).to(tl.int64)
+    kv_h32 = h // seq.group                    # int32: the host descriptors' head coordinate
+    kv_h = kv_h32.to(tl.int64)
     q_rows = tl.cast(q_start, tl.int64)
     k_rows = tl.cast(k_start, tl.int64)
     Q += off_b * stride_q[0] + h.to(tl.int64) * stride_q[1] + q_rows * stride_q[2]
@@ -384,7 +403,7 @@ def _bwd_dq(Q, K, V, DO, STATS, DQ,
     # P = 0, so their dQ row is 0.
     lse2 = tl.load(lse2_h + offs_m)
     delta = tl.load(lse2_h + stride_stats[2] + offs_m)
-    if TMA:
+    if TMA == 1:
         # This (sequence, kv head)'s key rows (at least 1: an empty sequence's descriptor is
         # never read).
         n_keys = tl.maximum(k_len, 1) if VARLEN else k_len
@@ -417,7 +436,10 @@ def _bwd_dq(Q, K, V, DO, STATS, DQ,
         for start_n in tl.range(range_lo, range_hi, BLOCK_N,
                                 num_stages=1 if RANGE == 2 else None):
             offs_n = start_n + cols0
-            if TMA:
+            if TMA == TMA_HOST:
+                kT = tl.trans(desc_tile(DESC_K, b, kv_h32, start_n, BLOCK_N, BLOCK_D))
+                vT = tl.trans(desc_tile(DESC_V, b, kv_h32, start_n, BLOCK_N, BLOCK_DV))
+            elif TMA:
                 kT = tl.trans(k_desc.load([start_n, 0]))
                 vT = tl.trans(v_desc.load([start_n, 0]))
             else:
@@ -460,36 +482,77 @@ def _bwd_dq(Q, K, V, DO, STATS, DQ,
              dq.to(DQ.dtype.element_ty), mask=q_mask)
 
 
+# Each kernel's host descriptor parameters (``TMA_HOST``).
+_DKDV_DESCS = ("DESC_Q", "DESC_DO", "DESC_STATS")
+_DQ_DESCS = ("DESC_K", "DESC_V")
+# The host descriptors' blocks (``TMA_HOST``): the (rows, width) constexprs of each 4-D
+# tensor's (1, 1, rows, width) block; the row statistics' is (2, 1, 1, BLOCK_M).
+_DESC_BLOCKS = {"DESC_Q": ("BLOCK_M", "BLOCK_D"), "DESC_DO": ("BLOCK_M", "BLOCK_DV"),
+                "DESC_K": ("BLOCK_N", "BLOCK_D"), "DESC_V": ("BLOCK_N", "BLOCK_DV")}
+
+
+def set_bwd_desc_blocks(nargs):
+    """A backward config's ``pre_hook`` (as ``forward.set_desc_blocks`` is the forward's):
+    the host descriptors' blocks for the config's tiles (``_DESC_BLOCKS``; DESC_STATS (2, 1, 1,
+    BLOCK_M): both planes of BLOCK_M rows). The autotuner calls it before timing or launching
+    a config, as ``launch_first_compiling`` does; nothing to do without host descriptors."""
+    for name, (rows, width) in _DESC_BLOCKS.items():
+        desc = nargs.get(name)
+        if desc is not None:
+            desc.block_shape = [1, 1, nargs[rows], nargs[width]]
+    stats = nargs.get("DESC_STATS")
+    if stats is not None:
+        stats.block_shape = [2, 1, 1, nargs["BLOCK_M"]]
+
+
+def _with_desc_blocks(configs):
+    """``configs`` as copies whose pre_hook is ``set_bwd_desc_blocks``."""
+    return [triton.Config(dict(c.kwargs), num_warps=c.num_warps, num_stages=c.num_stages,
+                          num_ctas=c.num_ctas, maxnreg=c.maxnreg, pre_hook=set_bwd_desc_blocks)
+            for c in configs]
+
+
 # On a GPU each kernel is autotuned separately (dK/dV favours long key blocks, dQ long query
 # blocks), keyed by configs.BWD_TUNE_KEY. Both kernels only store their outputs (nothing
 # accumulates into them), so re-running a config while tuning is harmless: no reset_to_zero.
-_bwd_dkdv_tuned = triton.autotune(configs=bwd_configs(kernel="dkdv"), key=BWD_TUNE_KEY,
+_bwd_dkdv_tuned = triton.autotune(configs=_with_desc_blocks(bwd_configs(kernel="dkdv")),
+                                  key=BWD_TUNE_KEY,
                                   prune_configs_by={"early_config_prune": prune_bwd_configs}
                                   )(_bwd_dkdv)
-_bwd_dq_tuned = triton.autotune(configs=bwd_configs(kernel="dq"), key=BWD_TUNE_KEY,
+_bwd_dq_tuned = triton.autotune(configs=_with_desc_blocks(bwd_configs(kernel="dq")),
+                                key=BWD_TUNE_KEY,
                                 prune_configs_by={"early_config_prune": prune_bwd_configs}
                                 )(_bwd_dq)
 
 
 def bwd_tma_modes(pb, do, dropout=False) -> tuple:
     """The TMA constexprs (``_bwd_dkdv``'s docstring) of the dK/dV and dQ launches on problem
-    ``pb`` with output gradient ``do`` (4-D, as the kernels see it): 1 where the GPU takes
+    ``pb`` with output gradient ``do`` (4-D, as the kernels see it), where the GPU takes
     tensor descriptors (``tma_capable``: sm_90, and the interpreter) and the tiles that kernel
-    streams can be read by them (``tma_rows_ok``: Q and dO for dK/dV, and the row statistics
-    with int32 coordinates; K and V for dQ), else 0 (per-thread loads: strides or bases that
-    are not multiples of 16 bytes, a zero row stride, head dims padded past 256, other GPUs;
-    and dK/dV with dropout at padded head dims over ``TMA_DKDV_DROPOUT_MAX_WIDTH``, where the
-    descriptor path spilled)."""
+    streams can be read by them (``tma_rows_ok``: Q and dO for dK/dV; K and V for dQ):
+    ``TMA_HOST_MODE`` (3) for dense calls whose streamed tensors ``tma.host_desc_layout``
+    describes whole (descriptors made once per call on the host; not with KERNELS_TMA=kernel,
+    ``configs.host_descriptors_enabled``), else 1 (made per program in the kernel; dK/dV's
+    row statistics then need int32 coordinates). Else 0 (per-thread loads: strides or bases
+    that are not multiples of 16 bytes, a zero row stride, head dims padded past 256, other
+    GPUs; and dK/dV with dropout at padded head dims over ``TMA_DKDV_DROPOUT_MAX_WIDTH``,
+    where the descriptor path spilled)."""
     if not tma_capable(pb.q.device):
         return 0, 0
     width, width_v = block_d(pb.q.shape[-1]), block_d(pb.v.shape[-1])
-    dkdv = (not (dropout and max(width, width_v) > TMA_DKDV_DROPOUT_MAX_WIDTH)
-            and tma_rows_ok(pb.q, pb.strides(pb.q), pb.q_len, width)
-            and tma_rows_ok(do, pb.strides(do), pb.q_len, width_v)
-            and stats_layout(pb)[1][2] < 2 ** 31)
-    dq = (tma_rows_ok(pb.k, pb.strides(pb.k), pb.k_len, width)
-          and tma_rows_ok(pb.v, pb.strides(pb.v), pb.k_len, width_v))
-    return int(dkdv), int(dq)
+    host = not pb.varlen and host_descriptors_enabled()
+
+    def mode(a, b, n_rows, in_kernel_ok=True):
+        if not (tma_rows_ok(a, pb.strides(a), n_rows, width)
+                and tma_rows_ok(b, pb.strides(b), n_rows, width_v)):
+            return 0
+        if host and host_desc_layout(a) is not None and host_desc_layout(b) is not None:
+            return TMA_HOST_MODE
+        return int(in_kernel_ok)
+
+    dkdv = 0 if dropout and max(width, width_v) > TMA_DKDV_DROPOUT_MAX_WIDTH else mode(
+        pb.q, do, pb.q_len, stats_layout(pb)[1][2] < 2 ** 31)
+    return dkdv, mode(pb.k, pb.v, pb.k_len)
 
 
 def attention_backward(do, q, k, v, o, lse, call=None, *, cu_seqlens_q=None, cu_seqlens_k=None,
@@ -580,9 +643,10 @@ class BackwardPlan:
         # dq, dk, dv are allocated like q, k, v (``torch.empty_like``): their strides too.
         dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
         dq4, dk4, dv4 = (packed_view(t) for t in (dq, dk, dv)) if pb.varlen else (dq, dk, dv)
-        common = dict(stride_q=pb.strides(pb.q), stride_k=pb.strides(pb.k),
-                      stride_v=pb.strides(pb.v), stride_do=pb.strides(do),
-                      stride_stats=stats_strides, BUCKETS=pb.tune_buckets(),
+        strides = BwdStrides(q=pb.strides(pb.q), k=pb.strides(pb.k), v=pb.strides(pb.v),
+                             do=pb.strides(do), dq=pb.strides(dq4), dk=pb.strides(dk4),
+                             dv=pb.strides(dv4), stats=stats_strides)
+        common = dict(strides=strides, BUCKETS=pb.tune_buckets(),
                       HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), HEAD_DIM_V=head_dim_v,
                       # Sinks are in lse already: the backward compiles as without them.
                       BLOCK_DV=BLOCK_DV, SPEC=score_spec(call)._replace(sinks=False),
@@ -590,9 +654,33 @@ class BackwardPlan:
                       DROPOUT=call.dropout_mode, DOT_PRECISION=dot_precision(q.dtype),
                       WIDEN=widen_bf16(q.dtype))
         tma_dkdv, tma_dq = bwd_tma_modes(pb, do, call.dropout) if tma is None else (tma, tma)
-        dkdv_fixed = dict(common, stride_dk=pb.strides(dk4), stride_dv=pb.strides(dv4),
-                          TMA=tma_dkdv)
-        dq_fixed = dict(common, stride_dq=pb.strides(dq4), TMA=tma_dq)
+        # Host descriptors (TMA_HOST): made per call from the tensors each kernel streams, passed
+        # as its DESC_* parameters (KernelStep's ``descs``: kernel parameter -> (per-call
+        # tensor, shape, strides)); the kernel then reads nothing through the tensors'
+        # own parameters, which get the plan's dummy (a fixed pointer: nothing to look up per
+        # call). dK/dV: Q, dO and the row statistics (fresh per call, ``stats_layout``: the
+        # planes, batch, head strides); dQ: K and V.
+        assert not (pb.varlen and TMA_HOST_MODE in (tma_dkdv, tma_dq)), \
+            "host descriptors are for dense calls"
+
+        def host_descs(on, named):
+            layouts = {name: host_desc_layout(x) for name, x in named} if on else {}
+            assert None not in layouts.values(), "host descriptors cannot describe these tensors"
+            return {name: (name, *layout) for name, layout in layouts.items()}
+
+        dkdv_descs = host_descs(tma_dkdv == TMA_HOST_MODE, (("DESC_Q", pb.q), ("DESC_DO", do)))
+        if dkdv_descs:
+            stride_b, stride_h, stride_plane = stats_strides
+            dkdv_descs["DESC_STATS"] = ("DESC_STATS", list(self.stats_shape),
+                                        [stride_plane, stride_b, stride_h, 1])
+        dq_descs = host_descs(tma_dq == TMA_HOST_MODE, (("DESC_K", pb.k), ("DESC_V", pb.v)))
+        self.dkdv_params = tuple(f"DESC_{n}" if dkdv_descs else n for n in ("Q", "DO", "STATS"))
+        self.dq_params = tuple(f"DESC_{n}" if dq_descs else n for n in ("K", "V"))
+        dkdv_fixed = dict(common, TMA=tma_dkdv, **{n: None for n in _DKDV_DESCS
+                                                   if n not in dkdv_descs},
+                          **(dict(Q=dummy, DO=dummy, STATS=dummy) if dkdv_descs else {}))
+        dq_fixed = dict(common, TMA=tma_dq, **{n: None for n in _DQ_DESCS if n not in dq_descs},
+                        **(dict(K=dummy, V=dummy) if dq_descs else {}))
         if aux_grad:
             # The user's mod is the pipeline's last (CallMods.score_mods); only dQ's SPEC
             # carries its aux_grad, so dK/dV compiles as without it.
@@ -609,24 +697,26 @@ class BackwardPlan:
         if config is None and not interpreter_active() and autotune_enabled():
             configs_dkdv = configs_dq = None
         elif config is not None:
-            configs_dkdv = configs_dq = [config]
+            configs_dkdv = configs_dq = _with_desc_blocks([config])
         elif interpreter_active():
             # Under the interpreter autotuning would time every config in Python: one config.
-            configs_dkdv = configs_dq = bwd_configs(interpret=True)
+            configs_dkdv = configs_dq = _with_desc_blocks(bwd_configs(interpret=True))
         else:  # KERNELS_AUTOTUNE=0: each kernel's pruned list, its first config that compiles
             tensors = dict(Q=pb.q, K=pb.k, V=pb.v, DO=do, STATS=dummy, seq=self.seq,
                            score=self.score, drop=self.drop)
-            configs_dkdv = fixed_configs(bwd_configs(kernel="dkdv"), prune_bwd_configs,
+            configs_dkdv = fixed_configs(_with_desc_blocks(bwd_configs(kernel="dkdv")),
+                                         prune_bwd_configs,
                                          dict(dkdv_fixed, **tensors, DK=dk4, DV=dv4))
-            configs_dq = fixed_configs(bwd_configs(kernel="dq"), prune_bwd_configs,
-                                       dict(dq_fixed, **tensors, DQ=dq4))
+            configs_dq = fixed_configs(_with_desc_blocks(bwd_configs(kernel="dq")),
+                                       prune_bwd_configs, dict(dq_fixed, **tensors, DQ=dq4))
         if aux_grad and config is None and not interpreter_active():
             # dQ then adds into d(aux): autotuning reruns would add several times. The first
             # pruned config that compiles, as with KERNELS_AUTOTUNE=0, among tiles of at most
             # 128 x 32 scores where there are some: the aux_grad's index and dS tiles live
             # across its atomics, and the 128 x 64 tile spilled with the tests' bias + slopes
             # mod at head_dim 128 (sm_90, 2026-11-26; 128 x 32 did not).
-            kept = configs_dq or fixed_configs(bwd_configs(kernel="dq"), prune_bwd_configs, dict(
+            kept = configs_dq or fixed_configs(_with_desc_blocks(bwd_configs(kernel="dq")),
+                                               prune_bwd_configs, dict(
                 dq_fixed, Q=pb.q, K=pb.k, V=pb.v, DO=do, STATS=dummy, seq=self.seq,
                 score=self.score, drop=self.drop, DQ=dq4))
             configs_dq = [c for c in kept
@@ -635,9 +725,9 @@ class BackwardPlan:
             for cfg in configs or ():     # the stats' padding covers every tile's rows
                 assert BWD_ROW_PAD % cfg.kwargs["BLOCK_M"] == 0, cfg
         self.dkdv = KernelStep(_bwd_dkdv, dkdv_grid, dkdv_fixed, configs=configs_dkdv,
-                               tuned=_bwd_dkdv_tuned, scratch=bool(tma_dkdv))
+                               tuned=_bwd_dkdv_tuned, scratch=tma_dkdv == 1, descs=dkdv_descs)
         self.dq = KernelStep(_bwd_dq, dq_grid, dq_fixed, configs=configs_dq,
-                             tuned=_bwd_dq_tuned, scratch=bool(tma_dq))
+                             tuned=_bwd_dq_tuned, scratch=tma_dq == 1, descs=dq_descs)
 
     def __call__(self, do, q, k, v, o, lse, call, *, cu_seqlens_q=None, cu_seqlens_k=None,
                  seed=None, daux=None):
@@ -674,11 +764,14 @@ class BackwardPlan:
         score = self.score if self.score is not None else score_args(call, dummy)
         if daux is not None:
             score = score._replace(daux=tuple(dummy if d is None else d for d in daux))
-        tensors = dict(Q=q, K=k, V=v, DO=do, STATS=stats, seq=seq, score=score,
-                       drop=self.drop if not self.dropout else DropArgs(
-                           seed_tensor(call.seed, device) if seed is None else seed,
-                           *self.drop[1:]))
-        self.dkdv(device, dict(tensors, DK=dk4, DV=dv4), ctx)
-        tensors["DQ"] = dq4
-        self.dq(device, tensors, ctx)
+        drop = self.drop if not self.dropout else DropArgs(
+            seed_tensor(call.seed, device) if seed is None else seed, *self.drop[1:])
+        # Each kernel's streamed tensors under their parameters' names (``dkdv_params``,
+        # ``dq_params``: DESC_* with host descriptors).
+        qn, don, statsn = self.dkdv_params
+        self.dkdv(device, {qn: q, "K": k, "V": v, don: do, statsn: stats, "DK": dk4, "DV": dv4,
+                           "seq": seq, "score": score, "drop": drop}, ctx)
+        kn, vn = self.dq_params
+        self.dq(device, {"Q": q, kn: k, vn: v, "DO": do, "STATS": stats, "DQ": dq4, "seq": seq,
+                         "score": score, "drop": drop}, ctx)
         return dq, dk, dv

@@ -316,6 +316,20 @@ class FwdStrides(NamedTuple):
     lse: tuple
 
 
+class BwdStrides(NamedTuple):
+    """The backward kernels' (batch, head, row) strides of q, k, v, do and of the gradients
+    dq, dk, dv, and the row statistics' (batch, head, plane) ones (``backward.stats_layout``;
+    the kernels' ``strides``)."""
+    q: tuple
+    k: tuple
+    v: tuple
+    do: tuple
+    dq: tuple
+    dk: tuple
+    dv: tuple
+    stats: tuple
+
+
 class Problem(NamedTuple):
     q: torch.Tensor               # (B or 1, heads_q, q_len or total_q, D)
     k: torch.Tensor               # (B or 1, heads_kv, k_len or total_k, D)

@@ -15,8 +15,8 @@ sets it, so that its hundreds of small shapes do not each compile and time every
 ``KERNELS_TMA=0`` turns tensor-descriptor (TMA) loads off everywhere (``tma_capable``): the
 per-thread loads of other GPUs, for A/B timings (benchmarks/gpu_check.sh, stage "tma_ab") and
 as a way around a TMA problem on a new GPU or Triton. ``KERNELS_TMA=kernel`` keeps TMA but
-makes every forward descriptor in the kernel, per program (``host_descriptors_enabled``: the
-forward before host descriptors, for the same A/B).
+makes every descriptor in the kernel, per program (``host_descriptors_enabled``: the forward
+and backward before host descriptors, for the same A/B).
 ``KERNELS_FWD_PERSISTENT=1`` launches dense forward calls persistently (``persistent_enabled``:
 ``PERSISTENT_PROGRAMS_PER_SM`` programs per SM drawing query blocks, longest first, from a
 counter; the A/B of benchmarks/gpu_check.sh's stage "persistent_ab"); off by default until a GPU
@@ -432,8 +432,9 @@ def tma_enabled() -> bool:
 
 
 def host_descriptors_enabled() -> bool:
-    """False when the environment sets KERNELS_TMA=kernel: dense forward calls then make their
-    descriptors in the kernel as packed sequences do (see the module docstring)."""
+    """False when the environment sets KERNELS_TMA=kernel: dense forward and backward calls
+    then make their descriptors in the kernel as packed sequences do (see the module
+    docstring)."""
     return os.environ.get("KERNELS_TMA", "1") != "kernel"
 
 
@@ -566,8 +567,8 @@ def _family_entries(configs, family, kernel, width, dropout=False):
 
 
 def _q_tensor(args):
-    """The launch's query tensor: Q, or with host descriptors (the forward's TMA_HOST, whose Q
-    is a stand-in pointer) the tensor DESC_Q describes."""
+    """The launch's query tensor: Q, or with host descriptors (TMA_HOST: the forward's and
+    dK/dV's Q is a stand-in pointer) the tensor DESC_Q describes."""
     desc = args.get("DESC_Q")
     return getattr(desc, "base", None) if desc is not None else args.get("Q")
 
@@ -710,7 +711,8 @@ def prune_bwd_configs(configs, named_args, **kwargs):
     """
     args = {**named_args, **kwargs}
     width = _padded_width(args)
-    elem = args["Q"].element_size() if isinstance(args.get("Q"), torch.Tensor) else 2
+    q = _q_tensor(args)
+    elem = q.element_size() if isinstance(q, torch.Tensor) else 2
     dkdv = "DK" in args
     dropout = bool(args.get("DROPOUT", False))
     seq = args.get("seq")

@@ -6,9 +6,10 @@ bulk tensor copy per tile, ``UTMALDG``, instead of per-thread cp.async and its 6
 arithmetic) and keep per-thread loads as the fallback for what TMA cannot read
 (``tma_rows_ok``). Descriptors made in a kernel live in a global scratch buffer that Triton
 allocates through ``triton.set_allocator`` (``tma_scratch``); each program makes its own (about
-300 instructions a warp and two tensormap fences each on sm_90). The forward of a dense call
-takes host descriptors instead (``TMA_HOST``: ``host_desc_layout``, ``desc_tile``), made once
-per call for the whole tensors.
+300 instructions a warp and two tensormap fences each on sm_90). Dense calls take host
+descriptors instead (``TMA_HOST``: ``host_desc_layout``, ``desc_tile``), made once per call for
+the whole tensors: the forward's Q, K, V, the backward's Q, dO, row statistics (dK/dV) and K, V
+(dQ).
 """
 import contextlib
 
@@ -22,8 +23,9 @@ from .configs import tma_capable
 __all__ = ["row_tiles", "desc_tile", "host_desc_layout", "TMA_HOST", "TMA_HOST_MODE",
            "tma_rows_ok", "tma_scratch", "tma_capable"]
 
-# The forward's TMA mode for host-side descriptors (``_attn_fwd``'s TMA constexpr): Q, K and V
-# read through descriptors made once per call on the host, not per program in the kernel.
+# The TMA mode for host-side descriptors (the TMA constexpr of ``_attn_fwd``, ``_bwd_dkdv`` and
+# ``_bwd_dq``): the streamed tiles read through descriptors made once per call on the host, not
+# per program in the kernel.
 TMA_HOST_MODE = 3
 TMA_HOST = tl.constexpr(TMA_HOST_MODE)
 

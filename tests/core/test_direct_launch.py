@@ -12,12 +12,12 @@ the global scratch pointer (a fresh buffer through Triton, the shared per-stream
 both set where the variant needs scratch). The Triton launch's parameter bytes are also
 decoded against the arguments by name, which checks the recording itself. A step then launches
 directly with copies of its tensors (new pointers, decoded against them) and with its first
-arguments again. Host tensor descriptors (the forward's TMA mode 3) are checked as the rest:
-their expected parameters are the stub's tensor map of the tensor (address, shape, strides,
-the compiled box), then shape and strides; planted bugs in ``launch._HostDesc`` (a descriptor
-kept for one buffer served for another, a box one row short) must be found. Then each plan is
-called a second time: every ``KernelStep`` must launch directly (only launches outside a
-``KernelStep`` may still go through Triton).
+arguments again. Host tensor descriptors (TMA mode 3, forward and backward) are checked as
+the rest: their expected parameters are the stub's tensor map of the tensor (address, shape,
+strides, the compiled box), then shape and strides; planted bugs in ``launch._HostDesc`` (a
+descriptor kept for one buffer served for another, a box one row short) must be found. Then
+each plan is called a second time: every ``KernelStep`` must launch directly (only launches
+outside a ``KernelStep`` may still go through Triton).
 
 The compiled path needs TRITON_INTERPRET unset and the stub loaded at process start, so the
 checks run in a subprocess (``python tests/core/test_direct_launch.py --child``) with a deadline.
@@ -121,6 +121,8 @@ def _cases(torch):
         ("kvcache append + fwd (GQA packed)", *kvc(c0, num_splits=1)),
         ("kvcache append + fwd split-KV + combine", *kvc(c0, num_splits=2)),
         ("paged kvcache append + fwd", *kvc(c0, table, num_splits=1)),
+        ("bwd dense tma=3 (host descriptors)", *bwd((do, q, k, v, o, lse), c0, tma=3)),
+        ("bwd dense tma=3 (host descriptors) dropout", *bwd((do, q, k, v, o, lse), cd, tma=3)),
         ("bwd dense tma=1", *bwd((do, q, k, v, o, lse), c0, tma=1)),
         ("bwd dense tma=0 dropout", *bwd((do, q, k, v, o, lse), cd, tma=0)),
         ("bwd dense tma=1 dropout", *bwd((do, q, k, v, o, lse), cd, tma=1)),
@@ -146,10 +148,11 @@ def _flat(stub_cuda, name, ty, value, metas):
     return [] if ty == "constexpr" else [(name, ty, value)]
 
 
-# The forward's host descriptors: the (rows, width) constexprs of each one's block
-# (1, 1, rows, width), as ``forward.set_desc_blocks`` sets them.
-_DESC_BLOCKS = {"DESC_Q": ("BLOCK_M", "BLOCK_D"), "DESC_K": ("BLOCK_N", "BLOCK_D"),
-                "DESC_V": ("BLOCK_N", "BLOCK_DV")}
+# The host descriptors' blocks, by constexpr name or size, as ``forward.set_desc_blocks`` and
+# ``backward.set_bwd_desc_blocks`` set them.
+_DESC_BLOCKS = {"DESC_Q": (1, 1, "BLOCK_M", "BLOCK_D"), "DESC_K": (1, 1, "BLOCK_N", "BLOCK_D"),
+                "DESC_V": (1, 1, "BLOCK_N", "BLOCK_DV"), "DESC_DO": (1, 1, "BLOCK_M", "BLOCK_DV"),
+                "DESC_STATS": (2, 1, 1, "BLOCK_M")}
 
 
 def _descriptor_errors(stub_cuda, src, step, per_call):
@@ -169,10 +172,11 @@ def _descriptor_errors(stub_cuda, src, step, per_call):
                           f"{source} of shape {list(t.shape)}, strides {list(t.stride())}")
         _, block = stub_cuda.parse_descriptor(src.signature[name])
         if name in _DESC_BLOCKS:
-            rows, width = (constants.get(c) for c in _DESC_BLOCKS[name])
-            if block != [1, 1, rows, width]:
-                errors.append(f"{name}: block {block} compiled, the config's tiles "
-                              f"{[1, 1, rows, width]}")
+            want = [constants.get(c) if isinstance(c, str) else c for c in _DESC_BLOCKS[name]]
+            if block != want:
+                errors.append(f"{name}: block {block} compiled, the config's tiles {want}")
+        else:
+            errors.append(f"{name}: a host descriptor this test does not know the block of")
     return errors
 
 

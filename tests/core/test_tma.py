@@ -157,10 +157,12 @@ def test_backward_same_bits(q_len, k_len, d, dv, hq, hkv, causal, window, dropou
     q, k, v = randn(2, hq, q_len, d, dtype=dtype), randn(2, hkv, k_len, d, dtype=dtype), \
         randn(2, hkv, k_len, dv, dtype=dtype)
     do = randn(2, hq, q_len, dv, dtype=dtype)
-    assert bwd_tma_modes(make_problem(q, k, v), do) == (1, 1)
-    got, want = _both_backward(q, k, v, do, causal=causal, window=window, softmax_scale=0.3,
-                               dropout_p=dropout_p, seed=11)
+    assert bwd_tma_modes(make_problem(q, k, v), do) == (tma.TMA_HOST_MODE,) * 2
+    kw = dict(causal=causal, window=window, softmax_scale=0.3, dropout_p=dropout_p, seed=11)
+    got, want = _both_backward(q, k, v, do, **kw)
     _same(got, want)
+    o, lse = attention_forward(q, k, v, tma=0, **kw)
+    _same(attention_backward(do, q, k, v, o, lse, tma=1, **kw), want)   # per program
 
 
 def test_backward_packed_sequences_do_not_leak():
@@ -187,10 +189,11 @@ def test_backward_packed_sequences_do_not_leak():
 
 
 @pytest.mark.parametrize("layout,d,dtype,modes", [
-    ("contiguous", 64, F16, (1, 1)),
+    ("contiguous", 64, F16, (3, 3)),
     ("contiguous", 20, F16, (0, 0)),   # rows of 40 bytes
-    ("transposed", 32, BF16, (1, 1)),
-    ("offset", 32, F16, (1, 0)),       # k, v 2 bytes off 16: dQ's descriptors cannot read them
+    ("transposed", 32, BF16, (3, 3)),
+    ("offset", 32, F16, (3, 0)),       # k, v 2 bytes off 16: dQ's descriptors cannot read them
+    ("expand_heads", 32, F16, (3, 1)),  # a zero head stride: per-program descriptors only
     ("contiguous", 384, BF16, (0, 0)),  # padded to 512 > 256 elements a box side
 ], ids=lambda x: str(x).replace("torch.", ""))
 def test_backward_tma_modes_layouts(layout, d, dtype, modes):
@@ -202,10 +205,10 @@ def test_backward_tma_modes_layouts(layout, d, dtype, modes):
 def test_backward_dropout_keeps_per_thread_loads_at_wide_heads():
     """dK/dV with dropout takes descriptors up to padded head dim 64 only (wider, its default
     tile spilled with them on sm_90: configs.TMA_DKDV_DROPOUT_MAX_WIDTH); dQ is unaffected."""
-    for d, want in ((64, (1, 1)), (128, (0, 1)), (96, (0, 1))):
+    for d, want in ((64, (3, 3)), (128, (0, 3)), (96, (0, 3))):
         q = randn(1, 2, 8, d, dtype=F16)
         assert bwd_tma_modes(make_problem(q, q, q), q, dropout=True) == want
-        assert bwd_tma_modes(make_problem(q, q, q), q, dropout=False) == (1, 1)
+        assert bwd_tma_modes(make_problem(q, q, q), q, dropout=False) == (3, 3)
 
 
 def test_kernels_tma_0_turns_descriptors_off(monkeypatch):
@@ -213,7 +216,7 @@ def test_kernels_tma_0_turns_descriptors_off(monkeypatch):
     and both backward kernels, with the same results as the descriptor path."""
     q = randn(1, 2, 8, 64, dtype=F16)
     pb = make_problem(q, q, q)
-    assert tma_mode(pb) == 2 and bwd_tma_modes(pb, q) == (1, 1)
+    assert tma_mode(pb) == 2 and bwd_tma_modes(pb, q) == (3, 3)
     monkeypatch.setenv("KERNELS_TMA", "0")
     assert tma_mode(pb) == 0 and bwd_tma_modes(pb, q) == (0, 0)
     monkeypatch.setenv("KERNELS_TMA", "1")
@@ -284,3 +287,55 @@ def test_host_desc_layout_strides():
     assert tma.host_desc_layout(x) == ([1, 3, 6, 8], [24, 8, 24, 1])
     assert tma.host_desc_layout(randn(2, 1, 5, 8, dtype=F16)) == ([2, 1, 5, 8], [40, 40, 8, 1])
     assert tma.host_desc_layout(randn(2, 2, 5, 4, dtype=F16)) is None   # 8-byte rows
+
+
+@pytest.mark.parametrize("layout,batch,hq,hkv,d,dtype,causal,dropout_p", [
+    ("contiguous", 2, 2, 2, 64, F16, True, 0.0),
+    ("transposed", 2, 4, 2, 32, F16, False, 0.0),   # (B, S, H, D) projections; GQA group 2
+    ("contiguous", 1, 1, 1, 40, F16, True, 0.0),    # size-1 batch and head; D 40 -> BLOCK_D 64
+    ("tail", 2, 2, 1, 16, F32, False, 0.3),         # rows past the views NaN; group 2; dropout
+], ids=lambda x: str(x).replace("torch.", ""))
+def test_backward_host_descriptors_same_bits(layout, batch, hq, hkv, d, dtype, causal,
+                                             dropout_p):
+    """Dense backward calls read dK/dV's Q, dO and row statistics and dQ's K and V through
+    descriptors made once per call on the host (``tma.TMA_HOST_MODE``): dq, dk, dv bit for bit
+    those of the per-program descriptors (TMA 1) and of the per-thread loads (0), rows past
+    each tensor's zeros (``tail``: NaN in its storage there)."""
+    q, do = (_sliced((batch, hq, 19, d), dtype, layout) for _ in range(2))
+    k, v = (_sliced((batch, hkv, 37, d), dtype, layout) for _ in range(2))
+    assert bwd_tma_modes(make_problem(q, k, v), do, dropout=bool(dropout_p)) == (3, 3)
+    kw = dict(causal=causal, softmax_scale=0.3, dropout_p=dropout_p, seed=7)
+    o, lse = attention_forward(q, k, v, tma=0, **kw)
+    host = attention_backward(do, q, k, v, o, lse, **kw)
+    _same(host, attention_backward(do, q, k, v, o, lse, tma=1, **kw))
+    _same(host, attention_backward(do, q, k, v, o, lse, tma=0, **kw))
+    assert all(torch.isfinite(g).all() for g in host)
+
+
+def test_backward_host_descriptors_only_where_they_apply(monkeypatch):
+    """Host descriptors for dense calls only: packed sequences keep the per-program ones, and
+    so does KERNELS_TMA=kernel; in host mode each kernel's streamed tensors are passed as its
+    DESC_* parameters and their own parameters get the plan's dummy."""
+    from kernels.core.backward import BackwardPlan
+    from kernels.core.call import AttentionCall
+    call = AttentionCall(causal=True, softmax_scale=0.3)
+    q, k = randn(2, 4, 8, 32, dtype=F16), randn(2, 2, 8, 32, dtype=F16)
+    lse = torch.zeros(2, 4, 8, device=DEVICE)
+    plan = BackwardPlan(q, q, k, k, q, lse, call)
+    assert set(plan.dkdv.descs) == {"DESC_Q", "DESC_DO", "DESC_STATS"}
+    assert set(plan.dq.descs) == {"DESC_K", "DESC_V"}
+    assert all(plan.dkdv.fixed[n] is plan.dummy for n in ("Q", "DO", "STATS"))
+    assert all(plan.dq.fixed[n] is plan.dummy for n in ("K", "V"))
+    assert not plan.dkdv.scratch and not plan.dq.scratch   # no in-kernel descriptors
+    assert plan.dkdv.descs["DESC_STATS"][1:] == ([2, 2, 4, 128], [1024, 512, 128, 1])
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32, device=DEVICE)
+    qp, kp = randn(8, 4, 32, dtype=F16), randn(8, 2, 32, dtype=F16)
+    kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=5, max_seqlen_k=5)
+    assert bwd_tma_modes(make_problem(qp, kp, kp, **kw), qp[None].transpose(1, 2)) == (1, 1)
+    packed = BackwardPlan(qp, qp, kp, kp, qp, torch.zeros(4, 8, device=DEVICE), call, **kw)
+    assert packed.dkdv.descs == {} and packed.dq.descs == {}
+    monkeypatch.setenv("KERNELS_TMA", "kernel")
+    assert bwd_tma_modes(make_problem(q, k, k), q) == (1, 1)
+    plan = BackwardPlan(q, q, k, k, q, lse, call)
+    assert plan.dkdv.descs == {} and plan.dq.descs == {}
+    assert plan.dkdv.fixed["DESC_Q"] is None and plan.dq.fixed["DESC_K"] is None
