@@ -31,12 +31,16 @@
 # kernel per program (KERNELS_TMA=kernel) into WORK/tmakernel/ and without TMA (KERNELS_TMA=0)
 # into WORK/tma0/: at short lengths the per-program fixed cost weighs most
 # (docs/performance.md).
-# Stage list "variants" (`GPU_CHECK_STAGES=variants`, one device call of ~5 min): versions,
-# precompile (ours only, dropout 0, with the persistent forward: PRECOMPILE_ARGS), then stage
-# "persistent_ab": ours and SDPA flash (the drift check), causal bf16 forward, d128 and d64,
-# seq 512 ... 16384, with the persistent forward (KERNELS_FWD_PERSISTENT=1) into
-# WORK/persistent1/ and with the grid launch (=0) into WORK/persistent0/: a variant becomes the
-# default only where it wins here (kernels/core/configs.py, ``persistent_enabled``).
+# Stage list "variants" (`GPU_CHECK_STAGES=variants`, one device call of ~8 min): versions,
+# precompile (ours only, dropout 0, with the persistent forward and the warp-specialised
+# configs: PRECOMPILE_ARGS), then stage "persistent_ab": ours and SDPA flash (the drift
+# check), causal bf16 forward, d128 and d64, seq 512 ... 16384, with the persistent forward
+# (KERNELS_FWD_PERSISTENT=1) into WORK/persistent1/ and with the grid launch (=0) into
+# WORK/persistent0/, and stage "warpspec_ab": the same with the warp-specialised configs
+# offered to the autotuner (KERNELS_FWD_WARP_SPEC=1) into WORK/warpspec1/ (persistent0/ is its
+# baseline), then the test files of both variants on the GPU (tests/core/test_persistent.py,
+# test_warp_spec.py with KERNELS_FWD_WARP_SPEC=1). A variant becomes the default only where it
+# wins here (kernels/core/configs.py: ``persistent_enabled``, ``warp_spec_enabled``).
 # Environment knobs: PYTHON (default python3), GPU_CHECK_BUDGET, TESTS_TIMEOUT (default 240),
 # BENCH_ARGS (extra arguments for `python -m benchmarks`, e.g. "--quick"), BOOK_TIMEOUT and
 # BOOK_ARGS (the same for stage "book", e.g. "--book-models qwen3"), GPU_CHECK_STAGES
@@ -99,8 +103,8 @@ DRY_RUN=${DRY_RUN:-0}
 STAGES=" ${GPU_CHECK_STAGES:-versions ceilings tests bench} "
 STAGES=${STAGES/ speed / versions precompile sweep dropout modules host fp8 tma_ab }
 if [[ "$STAGES" == *" variants "* ]]; then
-    STAGES=${STAGES/ variants / versions precompile persistent_ab }
-    PRECOMPILE_ARGS=${PRECOMPILE_ARGS:-"--kinds ours --dropout 0.0 --tma-off-max-seq 0 --seq-lens 512 1024 2048 4096 8192 16384 --persistent"}
+    STAGES=${STAGES/ variants / versions precompile persistent_ab warpspec_ab }
+    PRECOMPILE_ARGS=${PRECOMPILE_ARGS:-"--kinds ours --dropout 0.0 --tma-off-max-seq 0 --seq-lens 512 1024 2048 4096 8192 16384 --persistent --warp-spec"}
 fi
 if [[ "$STAGES" == *" suite "* ]]; then
     STAGES=${STAGES/ suite / versions tests }
@@ -285,7 +289,7 @@ print(\"device\", torch.cuda.get_device_name() if torch.cuda.is_available() else
         local persist persist_limit
         for persist in 1 0; do
             persist_limit=$(( $(left) - 5 ))
-            [ $persist_limit -gt 150 ] && persist_limit=150
+            [ $persist_limit -gt 110 ] && persist_limit=110
             if [ $persist_limit -lt 30 ]; then
                 echo "=== persistent_ab KERNELS_FWD_PERSISTENT=$persist: skipped, ${persist_limit}s left"
                 continue
@@ -297,6 +301,28 @@ print(\"device\", torch.cuda.get_device_name() if torch.cuda.is_available() else
                 --dropout 0.0 --seq-lens 512 1024 2048 4096 8192 16384 --modes fwd \
                 --time-budget $(( persist_limit - 15 ))
         done
+        pack
+    fi
+    if wanted warpspec_ab; then
+        # The warp-specialised configs offered to the autotuner (it times them with the rest),
+        # the variants' own tests on the GPU, then the same sweep as persistent_ab's.
+        local ws_limit
+        ws_limit=$(limit_reserving 60 100)
+        KERNELS_FWD_WARP_SPEC=1 stage "variant tests (GPU)" "$ws_limit" "${PYM[@]}" pytest \
+            tests/core/test_warp_spec.py tests/core/test_persistent.py -q -p no:cacheprovider \
+            -rfE
+        ws_limit=$(( $(left) - 5 ))
+        [ $ws_limit -gt 110 ] && ws_limit=110
+        if [ $ws_limit -lt 30 ]; then
+            echo "=== warpspec_ab KERNELS_FWD_WARP_SPEC=1: skipped, ${ws_limit}s left"
+        else
+            KERNELS_FWD_WARP_SPEC=1 stage "warpspec_ab KERNELS_FWD_WARP_SPEC=1" "$ws_limit" \
+                "${PYM[@]}" benchmarks --out-dir "$WORK/warpspec1" \
+                --no-plots --skip-parity --no-modules --no-features \
+                --providers kernels sdpa_flash --dtypes bf16 --head-dims 128 64 \
+                --dropout 0.0 --seq-lens 512 1024 2048 4096 8192 16384 --modes fwd \
+                --time-budget $(( ws_limit - 15 ))
+        fi
         pack
     fi
     if ! wanted bench; then

@@ -87,11 +87,14 @@ def test_host_stage_dry_run_parses_its_arguments(tmp_path):
 @pytest.mark.skipif(not os.path.exists("/bin/bash") and not os.path.exists("/usr/bin/bash"),
                     reason="needs bash")
 def test_variants_list_dry_run(tmp_path):
-    """The "variants" list: precompile with the persistent forward, then both A/B runs."""
+    """The "variants" list: precompile with the persistent forward and the warp-specialised
+    configs, the persistent A/B, the variants' tests, the warp-specialised run."""
     r = _run_script(tmp_path, "variants")
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
-    assert "'persistent': True" in out
+    assert "tma1 persistent" in out and "tma1 warp_spec" in out   # the precompile plan
     for persist in (1, 0):
         assert f"persistent_ab KERNELS_FWD_PERSISTENT={persist}: exit 0" in out
+    assert "variant tests (GPU): exit 0" in out
+    assert "warpspec_ab KERNELS_FWD_WARP_SPEC=1: exit 0" in out
     assert "'modes': ['fwd']" in out

@@ -88,6 +88,9 @@ def build_parser():
     ap.add_argument("--persistent", action="store_true",
                     help="also compile ours with the persistent forward (KERNELS_FWD_PERSISTENT"
                          "=1: the persistent_ab stage)")
+    ap.add_argument("--warp-spec", action="store_true",
+                    help="also compile ours with the warp-specialised forward configs offered "
+                         "(KERNELS_FWD_WARP_SPEC=1: the warpspec_ab stage)")
     ap.add_argument("--tokens", type=int, default=TOKENS)
     ap.add_argument("--hidden", type=int, default=HIDDEN)
     ap.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS),
@@ -125,6 +128,8 @@ def workloads(args):
                         out.append(dict(kind="ours", dropout=p, tma=tma, **shape))
                     if args.persistent:
                         out.append(dict(kind="ours", dropout=p, tma=1, persistent=1, **shape))
+                    if args.warp_spec:
+                        out.append(dict(kind="ours", dropout=p, tma=1, warp_spec=1, **shape))
             if "tutorial" in args.kinds and args.tutorial:
                 out.append(dict(kind="tutorial", dropout=0.0, tma=1, path=args.tutorial,
                                 **shape))
@@ -137,6 +142,7 @@ def workloads(args):
 def _label(w):
     extra = f" {w['graph']}" if w["kind"] == "flex" else (
         f" p{w['dropout']} tma{w['tma']}{' persistent' if w.get('persistent') else ''}"
+        f"{' warp_spec' if w.get('warp_spec') else ''}"
         if w["kind"] == "ours" else "")
     return f"{w['kind']} {w['batch']}x{w['heads']}x{w['seq']} d{w['head_dim']}{extra}"
 
@@ -157,6 +163,7 @@ def run_attention_workload(w):
     if w["kind"] == "ours":
         os.environ["KERNELS_TMA"] = str(w["tma"])
         os.environ["KERNELS_FWD_PERSISTENT"] = str(w.get("persistent", 0))
+        os.environ["KERNELS_FWD_WARP_SPEC"] = str(w.get("warp_spec", 0))
         from kernels.core.backward import attention_backward
         from kernels.core.forward import attention_forward
 

@@ -409,8 +409,10 @@ def run_project(project, dtypes, head_dims, fwd_flags, bwd_dtypes, bwd_flags, se
                     LABEL.clear()
                     LABEL.update(side="project", dtype=dt, head_dim=d, flags=flags)
                     q, k, v = (t(d, tdt[x]) for x in qkv_dt.get(dt, (dt, dt, dt)))
-                    # "persistent": the persistent forward (an A/B variant, off by default).
+                    # "persistent": the persistent forward; "warpspec": the warp-specialised
+                    # configs offered too (A/B variants, off by default).
                     extra = dict(persistent=True) if "persistent" in flags else {}
+                    os.environ["KERNELS_FWD_WARP_SPEC"] = "1" if "warpspec" in flags else "0"
                     attention_forward(q, k, v, causal=causal, softmax_scale=d ** -0.5,
                                       dropout_p=p, seed=0x5DEECE66D123 if p else 0, **extra)
         for dt in bwd_dtypes:
@@ -681,7 +683,8 @@ def main(argv=None):
     ap.add_argument("--head-dims", default="64,128")
     ap.add_argument("--fwd-flags", default="causal;causal+dropout;plain;dropout",
                     help="';'-separated: causal, causal+dropout, plain, dropout; "
-                         "+persistent (e.g. causal+persistent): the persistent forward")
+                         "+persistent (e.g. causal+persistent): the persistent forward; "
+                         "+warpspec: the warp-specialised configs too")
     ap.add_argument("--bwd-dtypes", default="bf16")
     ap.add_argument("--bwd-flags", default="causal", help="as --fwd-flags; '' skips backward")
     ap.add_argument("--anchor-dtypes", default="fp16,bf16",

@@ -296,6 +296,14 @@ class SplitArgs(NamedTuple):
     n_rows: int
 
 
+class Precision(NamedTuple):
+    """How the forward computes in its inputs' dtype (its PRECISION constexpr): ``widen``,
+    bf16 tiles widened to fp32 after each load (``common.widen_bf16``: the interpreter's bf16),
+    ``dot``, tl.dot's input precision (``common.dot_precision``)."""
+    widen: bool
+    dot: str
+
+
 class SchedArgs(NamedTuple):
     """A persistent forward's tile schedule (the kernel's ``sched``): ``tiles`` an int32 (2,)
     counter, zero between launches (the next tile to hand out, the programs done; the last

@@ -170,7 +170,7 @@ def fp8_unsupported_reason(device) -> Optional[str]:
 # Autotune keys (kernel argument names). Sequence lengths enter as power-of-two buckets, so a new
 # length re-tunes only when it changes bucket.
 FWD_TUNE_KEY = ["BUCKETS", "HEAD_DIM", "HEAD_DIM_V", "SPEC", "KEYS", "PACK_GQA",
-                "SPLIT", "DROPOUT", "DOT_PRECISION", "TMA"]
+                "SPLIT", "DROPOUT", "PRECISION", "TMA"]
 BWD_TUNE_KEY = ["BUCKETS", "HEAD_DIM", "HEAD_DIM_V", "SPEC", "VARLEN", "DROPOUT",
                 "DOT_PRECISION", "TMA"]
 # The backward's row statistics are padded to multiples of this many rows per (sequence, head)
@@ -208,6 +208,8 @@ class Family(NamedTuple):
     tables: Optional[dict] = None  # come from ``tables`` (kernel, padded width, dropout)
     short_fwd_warps: int = 0  # forward, q_len <= SHORT_Q_LEN at padded head_dim <= 64: this
                              # many warps first (0: the table's order)
+    fwd_warp_spec: tuple = ()  # forward entries with a warp-specialised copy (WARP_SPEC),
+                             # offered with KERNELS_FWD_WARP_SPEC=1 (``warp_spec_configs``)
 
 
 # Hopper (sm_90): 227 KiB per block; tl.dot is wgmma, and Triton gives the chained dots of
@@ -232,7 +234,9 @@ HOPPER = Family(
           (16, 64, 8, 2)),
     dq=((128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4, 3), (64, 32, 4, 3), (128, 16, 8, 2)),
     fwd_smem_cap=224 * 1024, bwd_smem_cap=176 * 1024, register_model=True, max_head_dim=(),
-    distinct_rows=True, fwd_edge_regs=96, short_fwd_warps=4)
+    distinct_rows=True, fwd_edge_regs=96, short_fwd_warps=4,
+    fwd_warp_spec=((128, 64, 4, 3), (128, 64, 4, 2), (128, 128, 4, 2), (128, 32, 4, 4),
+                   (64, 64, 4, 3)))
 
 # At q_len <= SHORT_Q_LEN every program of a causal forward runs one query block: its fixed cost
 # (set-up, Q, the final scaling and stores), which every warp issues, is most of its work. On
@@ -409,8 +413,14 @@ def _union(kernel):
 
 def fwd_configs(interpret: bool = False):
     """Candidate configs of the forward kernel (BLOCK_M queries x BLOCK_N keys per step), of
-    every family; ``prune_configs`` keeps the GPU's."""
-    return [_INTERPRET] if interpret else _configs(_union("fwd"))
+    every family, and the warp-specialised copies (WARP_SPEC) of the entries a family lists
+    in ``fwd_warp_spec``; ``prune_configs`` keeps the GPU's."""
+    if interpret:
+        return [_INTERPRET]
+    ws = list(dict.fromkeys(e for fam in _platform_families() for e in fam.fwd_warp_spec))
+    return _configs(_union("fwd")) + [
+        triton.Config(dict(c.kwargs, WARP_SPEC=True), num_warps=c.num_warps,
+                      num_stages=c.num_stages) for c in _configs(ws)]
 
 
 def bwd_configs(interpret: bool = False, kernel: str = "both"):
@@ -542,9 +552,12 @@ def cdna_bwd_lds(config, width: int, elem_bytes: int, dkdv: bool) -> int:
 
 
 def _key(config):
+    """A config's table entry: (BLOCK_M, BLOCK_N, warps, stages[, waves_per_eu]); a forward
+    config with WARP_SPEC on is no family table's entry (``warp_spec_configs``)."""
     wpe = config.kwargs.get("waves_per_eu", 0)
     return (config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps,
-            config.num_stages) + ((wpe,) if wpe else ())
+            config.num_stages) + ((wpe,) if wpe else ()) + (
+        ("warp_spec",) if config.kwargs.get("WARP_SPEC") else ())
 
 
 def _family_entries(configs, family, kernel, width, dropout=False):
@@ -634,12 +647,62 @@ def _fwd_fits_registers(config, block_d: int, dropout: bool, edge_regs: int = 0)
             and (not edge_regs or bm * (block_d + bn) <= edge_regs * threads))
 
 
+# Warp specialisation (WARP_SPEC; kernels/core/forward.py ``_fwd_block``): on sm_90 one key
+# loop, every tile masked, split by Triton 3.6 into a TMA producer warpgroup and two consumer
+# warpgroups (12 warps, setmaxnreg 40 / 232; 168 registers, no spills, no C7515 at head_dim 64
+# and 128, plain, causal and windowed, fp16 and bf16: tools/sm90_static.py). What the pass
+# takes (Triton 3.6): Q, K, V through descriptors (TMA 2 or 3), no early return (packed
+# sequences), no dropout (its Philox words' join / reshape), one tile loop per program (not
+# persistent); not compiled here: split-KV, packed GQA heads, FP8, paged caches, head dims over
+# 128. num_warps 8 compiles unspecialised: 4-warp entries only.
+WARP_SPEC_MAX_WIDTH = 128
+
+
+def warp_spec_enabled() -> bool:
+    """True when the environment sets KERNELS_FWD_WARP_SPEC=1: the forward's autotuner (and a
+    launch without it, first) then also takes the warp-specialised configs where they apply
+    (``warp_spec_configs``); off by default until a GPU says they win and are right."""
+    return os.environ.get("KERNELS_FWD_WARP_SPEC", "0") == "1"
+
+
+def warp_spec_configs(configs, args, family, block_d, elem_bytes, budget):
+    """The WARP_SPEC configs of ``configs`` that the launch ``args`` may take: ``family``'s
+    ``fwd_warp_spec`` entries, fitting ``budget`` bytes of shared memory, where the kernel
+    compiles them (see above); [] unless ``warp_spec_enabled()``."""
+    if not warp_spec_enabled() or not family.fwd_warp_spec or block_d > WARP_SPEC_MAX_WIDTH:
+        return []
+    keys, fp8 = args.get("KEYS"), args.get("FP8")
+    if (args.get("TMA") not in (2, 3) or args.get("DROPOUT") or args.get("SPLIT")
+            or args.get("PACK_GQA") or args.get("sched") is not None
+            or (keys is not None and (keys.varlen or keys.page_size))
+            or (fp8 is not None and fp8.mode)):
+        return []
+    by_key = {_key(c)[:-1]: c for c in configs if c.kwargs.get("WARP_SPEC")}
+    return [by_key[e] for e in family.fwd_warp_spec
+            if e in by_key and smem_bytes(by_key[e], block_d, elem_bytes) <= budget]
+
+
 def prune_configs(configs, named_args, **kwargs):
-    """Triton `early_config_prune` hook of the forward: keep the running GPU family's configs
+    """Triton `early_config_prune` hook of the forward: the warp-specialised configs first
+    where they are enabled and apply (``warp_spec_configs``), then ``prune_table_configs``."""
+    args = {**named_args, **kwargs}
+    block_d = _padded_width(args)
+    q = _q_tensor(args)
+    elem_bytes = q.element_size() if q is not None else 2
+    gpu = _launch_gpu(args)
+    family = family_of(gpu)
+    budget = min(family.fwd_smem_cap, gpu.smem_per_block)
+    return warp_spec_configs(configs, args, family, block_d, elem_bytes, budget) + \
+        prune_table_configs(configs, named_args, **kwargs)
+
+
+def prune_table_configs(configs, named_args, **kwargs):
+    """The forward's configs from the family tables: keep the running GPU family's configs
     (``family_of``) whose tiles fit its shared memory at this head_dim and, for wgmma tiles,
     stay within the register budgets (e.g. 128x64 with 4 warps at head_dim 128 spilled). The
     kernel's arguments arrive in ``named_args`` (positional) and ``kwargs`` (keywords: every
     launch here passes them by name). Never returns an empty list."""
+    configs = [c for c in configs if not c.kwargs.get("WARP_SPEC")]
     args = {**named_args, **kwargs}
     block_d = _padded_width(args)
     q = _q_tensor(args)

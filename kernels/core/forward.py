@@ -27,8 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .call import (AttentionCall, DropArgs, FwdStrides, KeyLayout, SchedArgs, SplitArgs,
-                   make_problem, new_out, packed_view, score_args, score_spec, seed_tensor)
+from .call import (AttentionCall, DropArgs, FwdStrides, KeyLayout, Precision, SchedArgs,
+                   SplitArgs, make_problem, new_out, packed_view, score_args, score_spec,
+                   seed_tensor)
 from .common import (block_d, dot_operand, dot_precision, interpreter_active,
                      round_for_store, widen, widen_bf16)
 from .configs import (FWD_TUNE_KEY, PACK_GQA_MAX_Q_LEN, autotune_enabled, clamp_splits,
@@ -72,9 +73,9 @@ def _attn_fwd(Q, K, V, O, LSE, DESC_Q, DESC_K, DESC_V, strides,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
               HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
               SPEC: tl.constexpr, KEYS: tl.constexpr, PACK_GQA: tl.constexpr,
-              SPLIT: tl.constexpr, DROPOUT: tl.constexpr, WIDEN: tl.constexpr,
-              DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, FP8: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+              SPLIT: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+              TMA: tl.constexpr, FP8: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WARP_SPEC: tl.constexpr):
     """One program = BLOCK_M query rows of one (batch or packed sequence, query head), against
     the keys they see (or, with SPLIT, one of ``split.num_splits`` even shares of those keys).
     Grid: (cdiv(rows, BLOCK_M) * (num_splits if SPLIT else 1), heads, batch or sequences),
@@ -128,17 +129,24 @@ def _attn_fwd(Q, K, V, O, LSE, DESC_Q, DESC_K, DESC_V, strides,
     tiles upcast to Q's dtype after each load, k_descale in the score scale, acc * v_descale
     at the end. l_i, lse and split partials are those of the descaled scores. No dropout with
     FP8.
+    PRECISION (``call.Precision``): bf16 widened after each load (the interpreter), tl.dot's
+    input precision. WARP_SPEC (a config's constexpr; its configs are offered with
+    KERNELS_FWD_WARP_SPEC=1: ``configs.warp_spec_configs``): one warp-specialised key loop,
+    every tile masked (``_fwd_block``), on sm_90 a TMA producer warpgroup and two consumer
+    warpgroups (num_warps 4; Triton 3.6's NVGPUWarpSpecialization). Same results as without,
+    bit for bit (a masked tile that every row sees whole computes what the unmasked one does).
     """
     if sched is None:
         # Causal: the longest rows (the last blocks) of every head first (``program_ids``).
         pid, pid_h, b = program_ids(SPEC.causal, False)
         _fwd_block((pid, pid_h, b), Q, K, V, O, LSE, DESC_Q, DESC_K, DESC_V, strides,
                    seq, score, drop, split, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, SPEC, KEYS,
-                   PACK_GQA, SPLIT, DROPOUT, WIDEN, DOT_PRECISION, TMA, FP8, BLOCK_M, BLOCK_N)
+                   PACK_GQA, SPLIT, DROPOUT, PRECISION, TMA, FP8, BLOCK_M, BLOCK_N, WARP_SPEC)
     else:
         # Persistent: each program draws tiles from the launch's counter until none is left,
         # in the order a grid's programs would start (``tiles.tile_ids``).
         tl.static_assert(not KEYS.varlen)   # a tile of a short sequence returns early
+        tl.static_assert(not WARP_SPEC, "WARP_SPEC: not persistent (a loop around its loop)")
         rows = seq.group * seq.q_len if PACK_GQA else seq.q_len
         n_blocks = tl.cdiv(rows, BLOCK_M) * (split.num_splits if SPLIT else 1)
         n_tiles = tl.cast(n_blocks, tl.int64) * sched.heads * sched.batch
@@ -148,8 +156,8 @@ def _attn_fwd(Q, K, V, O, LSE, DESC_Q, DESC_K, DESC_V, strides,
                                      False)
             _fwd_block((pid, pid_h, b), Q, K, V, O, LSE, DESC_Q, DESC_K, DESC_V, strides,
                        seq, score, drop, split, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, SPEC,
-                       KEYS, PACK_GQA, SPLIT, DROPOUT, WIDEN, DOT_PRECISION, TMA, FP8, BLOCK_M,
-                       BLOCK_N)
+                       KEYS, PACK_GQA, SPLIT, DROPOUT, PRECISION, TMA, FP8, BLOCK_M, BLOCK_N,
+                       WARP_SPEC)
             tile = tl.atomic_add(sched.tiles, 1).to(tl.int64)
         # The last program to finish drawing resets the counter for the next launch on this
         # stream: every other program has drawn its last ticket before counting itself done.
@@ -165,15 +173,17 @@ def _fwd_block(tile, Q, K, V, O, LSE, DESC_Q, DESC_K, DESC_V, strides,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
                SPEC: tl.constexpr, KEYS: tl.constexpr, PACK_GQA: tl.constexpr,
-               SPLIT: tl.constexpr, DROPOUT: tl.constexpr, WIDEN: tl.constexpr,
-               DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, FP8: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+               SPLIT: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+               TMA: tl.constexpr, FP8: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WARP_SPEC: tl.constexpr):
     """``_attn_fwd``'s work for one tile = (pid, pid_h, b): query block ``pid`` (with SPLIT,
     block ``pid // split.num_splits``'s key share ``pid % split.num_splits``) of head ``pid_h``
     (kv head with PACK_GQA) of batch entry or packed sequence ``b``; the arguments as there."""
     pid, pid_h, b = tile
     stride_q, stride_k, stride_v = strides.q, strides.k, strides.v
     stride_o, stride_lse = strides.o, strides.lse
+    WIDEN: tl.constexpr = PRECISION.widen
+    DOT_PRECISION: tl.constexpr = PRECISION.dot
     VARLEN: tl.constexpr = KEYS.varlen
     SEQUSED_K: tl.constexpr = KEYS.k_lens
     PAGED: tl.constexpr = KEYS.page_size
@@ -292,16 +302,32 @@ def _fwd_block(tile, Q, K, V, O, LSE, DESC_Q, DESC_K, DESC_V, strides,
     offs_n0 = tl.arange(0, BLOCK_N)
     q_edge = edge_bound(offs_m + diag, score.window, SPEC.edge, False)[:, None] \
         if SPEC.edge != 0 else 0
-    MASKED: tl.constexpr = (True, False, True)
-    for RANGE in tl.static_range(0 if SPEC.edge != 0 else 1, 3):
-        if RANGE == 0:
+    # WARP_SPEC: the three ranges as ONE loop over [lo, hi), every tile masked. Triton 3.6's
+    # Hopper warp specialisation takes a kernel with a single loop of loads and dots: a second
+    # loop before or after it (warp-specialised or not) fails in the pass (MLIR assertion
+    # "aBlock && bBlock" in its insertAsyncCopy), a masked tile peeled off the loop or the
+    # mask under an ``if`` in it leave the kernel unspecialised, and so does num_warps 8. It
+    # also needs Q read by a descriptor (TMA 2 or TMA_HOST; a pointer load fails in the pass),
+    # no early return (VARLEN's), and every op of the loop split along the rows between the
+    # two consumer warpgroups: dropout's tl.join / reshape of the Philox words is not.
+    if WARP_SPEC:
+        tl.static_assert((TMA == 2 or TMA == TMA_HOST) and not VARLEN and not PAGED
+                         and not DROPOUT, "WARP_SPEC: Q, K, V by descriptors (TMA 2 or 3); "
+                         "no VARLEN, PAGED or DROPOUT")
+    MASKED: tl.constexpr = (True, WARP_SPEC, True)
+    for RANGE in tl.static_range(1 if WARP_SPEC or SPEC.edge == 0 else 0,
+                                 2 if WARP_SPEC else 3):
+        if WARP_SPEC:
+            range_lo, range_hi = lo, hi
+        elif RANGE == 0:
             range_lo, range_hi = lo, full_lo
         elif RANGE == 1:
             range_lo, range_hi = full_lo, full_hi
         else:
             range_lo, range_hi = full_hi, hi
         for start_n in tl.range(range_lo, range_hi, BLOCK_N,
-                                num_stages=1 if RANGE == 2 else None):
+                                num_stages=1 if RANGE == 2 else None,
+                                warp_specialize=WARP_SPEC):
             start_n = tl.multiple_of(start_n, BLOCK_N)
             offs_n = start_n + offs_n0
             if PAGED:
@@ -447,9 +473,11 @@ def set_desc_blocks(nargs):
 
 
 def _with_desc_blocks(configs):
-    """``configs`` as copies whose pre_hook is ``set_desc_blocks``."""
-    return [triton.Config(dict(c.kwargs), num_warps=c.num_warps, num_stages=c.num_stages,
-                          num_ctas=c.num_ctas, maxnreg=c.maxnreg, pre_hook=set_desc_blocks)
+    """``configs`` as copies whose pre_hook is ``set_desc_blocks``, WARP_SPEC off where they do
+    not set it (every launch passes it: a direct launch takes each parameter's value)."""
+    return [triton.Config({"WARP_SPEC": False, **c.kwargs}, num_warps=c.num_warps,
+                          num_stages=c.num_stages, num_ctas=c.num_ctas, maxnreg=c.maxnreg,
+                          pre_hook=set_desc_blocks)
             for c in configs]
 
 
@@ -607,7 +635,8 @@ class ForwardPlan:
                          varlen=pb.varlen, k_lens=k_lens is not None,
                          page_size=k.shape[2] if paged else 0),
                      PACK_GQA=bool(pack_gqa), SPLIT=num_splits > 1, DROPOUT=call.dropout_mode,
-                     WIDEN=widen_bf16(q.dtype), DOT_PRECISION=dot_precision(q.dtype), TMA=tma,
+                     PRECISION=Precision(widen=widen_bf16(q.dtype),
+                                         dot=dot_precision(q.dtype)), TMA=tma,
                      FP8=fp8, **{name: None for name in ("DESC_Q", "DESC_K", "DESC_V")
                                  if name not in descs},
                      **(dict(Q=dummy, K=dummy, V=dummy) if host else {}))
