@@ -15,9 +15,9 @@ same: the plan's key holds the shapes, strides, dtypes and devices (hence the in
 specialises on) and the 16-byte alignment of every data pointer; no per-call int reaches a
 kernel (the dropout seed is a device tensor: kernels/core/dropout.py ``load_seed``).
 
-Host tensor descriptors (the forward's TMA_HOST: ``KernelStep(descs=...)``) are made from the
-per-call tensors: through Triton at the first launch, encoded here for direct ones and kept
-per buffer address (``_HostDescs``).
+Host tensor descriptors (the forward's and the backward's TMA_HOST: ``KernelStep(descs=...)``)
+are made from the per-call tensors: through Triton at the first launch, encoded here for
+direct ones and kept per buffer address (``_HostDescs``).
 
 Direct launches are used on CUDA only, with no Triton launch hooks installed (a profiler's
 hooks see every launch through Triton's own path); the interpreter always goes through Triton.
