@@ -49,7 +49,7 @@ from .common import (LOG2E, block_d, dot_operand, dot_precision, interpreter_act
                      round_for_store, widen, widen_bf16)
 from .configs import (BWD_ROW_PAD, BWD_TUNE_KEY, TMA_DKDV_DROPOUT_MAX_WIDTH, autotune_enabled,
                       bwd_configs, fixed_configs, host_descriptors_enabled,
-                      prune_bwd_configs)
+                      prune_bwd_configs, with_pre_hook)
 from .dropout import load_seed
 from .score import dropout_keep, mods_aux_grad, probs_from_lse, scaled_scores, score_grad
 from .launch import KernelStep, launch_context
@@ -507,9 +507,7 @@ def set_bwd_desc_blocks(nargs):
 
 def _with_desc_blocks(configs):
     """``configs`` as copies whose pre_hook is ``set_bwd_desc_blocks``."""
-    return [triton.Config(dict(c.kwargs), num_warps=c.num_warps, num_stages=c.num_stages,
-                          num_ctas=c.num_ctas, maxnreg=c.maxnreg, pre_hook=set_bwd_desc_blocks)
-            for c in configs]
+    return with_pre_hook(configs, set_bwd_desc_blocks)
 
 
 # On a GPU each kernel is autotuned separately (dK/dV favours long key blocks, dQ long query

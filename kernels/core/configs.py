@@ -494,6 +494,16 @@ def autotune_enabled() -> bool:
     return os.environ.get("KERNELS_AUTOTUNE", "1") != "0"
 
 
+def with_pre_hook(configs, pre_hook, **defaults):
+    """``configs`` as copies whose ``pre_hook`` is ``pre_hook`` (a kernel's host descriptor
+    blocks: ``forward.set_desc_blocks``, ``backward.set_bwd_desc_blocks``), with ``defaults``
+    for the kwargs a config does not set."""
+    return [triton.Config({**defaults, **c.kwargs}, num_warps=c.num_warps,
+                          num_stages=c.num_stages, num_ctas=c.num_ctas, maxnreg=c.maxnreg,
+                          pre_hook=pre_hook)
+            for c in configs]
+
+
 def fixed_configs(configs, prune, kernel_args):
     """The configs a launch may use without autotuning, in order: those of ``configs`` that
     ``prune`` (an ``early_config_prune`` hook) keeps for these keyword arguments of the kernel.

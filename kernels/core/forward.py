@@ -35,7 +35,7 @@ from .common import (block_d, dot_operand, dot_precision, interpreter_active,
 from .configs import (FWD_TUNE_KEY, PACK_GQA_MAX_Q_LEN, autotune_enabled, clamp_splits,
                       fixed_configs, fwd_configs, host_descriptors_enabled, nominal_tiles,
                       num_splits_heuristic, persistent_capable, persistent_enabled,
-                      persistent_programs, prune_configs, tma_capable)
+                      persistent_programs, prune_configs, tma_capable, with_pre_hook)
 from .dropout import load_seed
 from .fp8 import (FP8_NONE, P_SCALE_C, descale_args, fp8_spec, load_descale, one_descale,
                   p_operand)
@@ -475,10 +475,7 @@ def set_desc_blocks(nargs):
 def _with_desc_blocks(configs):
     """``configs`` as copies whose pre_hook is ``set_desc_blocks``, WARP_SPEC off where they do
     not set it (every launch passes it: a direct launch takes each parameter's value)."""
-    return [triton.Config({"WARP_SPEC": False, **c.kwargs}, num_warps=c.num_warps,
-                          num_stages=c.num_stages, num_ctas=c.num_ctas, maxnreg=c.maxnreg,
-                          pre_hook=set_desc_blocks)
-            for c in configs]
+    return with_pre_hook(configs, set_desc_blocks, WARP_SPEC=False)
 
 
 _attn_fwd_tuned = triton.autotune(configs=_with_desc_blocks(fwd_configs()), key=FWD_TUNE_KEY,
