@@ -20,7 +20,8 @@ and backward before host descriptors, for the same A/B).
 ``KERNELS_FWD_PERSISTENT=1`` launches dense forward calls persistently (``persistent_enabled``:
 ``PERSISTENT_PROGRAMS_PER_SM`` programs per SM drawing query blocks, longest first, from a
 counter; the A/B of benchmarks/gpu_check.sh's stage "persistent_ab"); off by default until a GPU
-says it wins.
+says it wins. ``KERNELS_FWD_WARP_SPEC=1`` offers the forward's autotuner warp-specialised
+configs where they apply (``warp_spec_configs``; stage "warpspec_ab"); off by default too.
 """
 import functools
 import math
