@@ -676,10 +676,10 @@ def warp_spec_enabled() -> bool:
     return os.environ.get("KERNELS_FWD_WARP_SPEC", "0") == "1"
 
 
-def warp_spec_configs(configs, args, family, block_d, elem_bytes, budget):
-    """The WARP_SPEC configs of ``configs`` that the launch ``args`` may take: ``family``'s
-    ``fwd_warp_spec`` entries, fitting ``budget`` bytes of shared memory, where the kernel
-    compiles them (see above); [] unless ``warp_spec_enabled()``."""
+def warp_spec_configs(configs, args, block_d, elem_bytes, family, budget):
+    """The WARP_SPEC configs of ``configs`` that the launch ``args`` (``_fwd_launch``) may
+    take: ``family``'s ``fwd_warp_spec`` entries, fitting ``budget`` bytes of shared memory,
+    where the kernel compiles them (see above); [] unless ``warp_spec_enabled()``."""
     if not warp_spec_enabled() or not family.fwd_warp_spec or block_d > WARP_SPEC_MAX_WIDTH:
         return []
     keys, fp8 = args.get("KEYS"), args.get("FP8")
@@ -693,34 +693,32 @@ def warp_spec_configs(configs, args, family, block_d, elem_bytes, budget):
             if e in by_key and smem_bytes(by_key[e], block_d, elem_bytes) <= budget]
 
 
+def _fwd_launch(named_args, kwargs):
+    """What the forward's pruning reads of a launch: (its arguments by name, padded head dim,
+    q's element size, the GPU's config family, the shared memory a block may use). The
+    kernel's arguments arrive in ``named_args`` (positional) and ``kwargs`` (keywords: every
+    launch here passes them by name)."""
+    args = {**named_args, **kwargs}
+    q = _q_tensor(args)
+    gpu = _launch_gpu(args)
+    family = family_of(gpu)
+    return (args, _padded_width(args), q.element_size() if q is not None else 2, family,
+            min(family.fwd_smem_cap, gpu.smem_per_block))
+
+
 def prune_configs(configs, named_args, **kwargs):
     """Triton `early_config_prune` hook of the forward: the warp-specialised configs first
-    where they are enabled and apply (``warp_spec_configs``), then ``prune_table_configs``."""
-    args = {**named_args, **kwargs}
-    block_d = _padded_width(args)
-    q = _q_tensor(args)
-    elem_bytes = q.element_size() if q is not None else 2
-    gpu = _launch_gpu(args)
-    family = family_of(gpu)
-    budget = min(family.fwd_smem_cap, gpu.smem_per_block)
-    return warp_spec_configs(configs, args, family, block_d, elem_bytes, budget) + \
-        prune_table_configs(configs, named_args, **kwargs)
+    where they are enabled and apply (``warp_spec_configs``), then those of the family tables
+    (``_prune_table``). Never returns an empty list."""
+    launch = _fwd_launch(named_args, kwargs)
+    return warp_spec_configs(configs, *launch) + _prune_table(
+        [c for c in configs if not c.kwargs.get("WARP_SPEC")], *launch)
 
 
-def prune_table_configs(configs, named_args, **kwargs):
+def _prune_table(configs, args, block_d, elem_bytes, family, budget):
     """The forward's configs from the family tables: keep the running GPU family's configs
     (``family_of``) whose tiles fit its shared memory at this head_dim and, for wgmma tiles,
-    stay within the register budgets (e.g. 128x64 with 4 warps at head_dim 128 spilled). The
-    kernel's arguments arrive in ``named_args`` (positional) and ``kwargs`` (keywords: every
-    launch here passes them by name). Never returns an empty list."""
-    configs = [c for c in configs if not c.kwargs.get("WARP_SPEC")]
-    args = {**named_args, **kwargs}
-    block_d = _padded_width(args)
-    q = _q_tensor(args)
-    elem_bytes = q.element_size() if q is not None else 2
-    gpu = _launch_gpu(args)
-    family = family_of(gpu)
-    budget = min(family.fwd_smem_cap, gpu.smem_per_block)
+    stay within the register budgets (e.g. 128x64 with 4 warps at head_dim 128 spilled)."""
     dropout = bool(args.get("DROPOUT", False))
     candidates = _family_entries(configs, family, "fwd", block_d, dropout)
     lds = cdna_fwd_lds if family.wave64 else smem_bytes

@@ -26,8 +26,10 @@ def _id(cfg):
 
 def _tiles(configs):
     """One config per tile shape: warps and stages do not change what the interpreter
-    computes, the tile shapes (every GPU family's) move the masks and the dropout tiles."""
-    return list({(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]): c for c in configs}.values())
+    computes, the tile shapes (every GPU family's) move the masks and the dropout tiles. Not
+    the warp-specialised forward copies (no dropout; tests/core/test_warp_spec.py)."""
+    return list({(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]): c for c in configs
+                 if not c.kwargs.get("WARP_SPEC")}.values())
 
 
 def _inputs(q_len, k_len, heads_kv=2, dtype=torch.float16):
