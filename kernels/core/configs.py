@@ -470,8 +470,6 @@ def persistent_capable(device) -> bool:
     interpreter: always, so the CPU suite covers the code)."""
     if interpreter_active():
         return True
-    if device.type != "cuda":
-        return False
     gpu = gpu_of(device)
     return not gpu.is_amd and gpu.capability[0] in PERSISTENT_MAJORS
 
