@@ -16,7 +16,6 @@ from helpers import DEVICE, GRAD_FACTOR, assert_parity, randn
 
 import kernels
 import reference
-from kernels import ops
 from kernels.core import fallback
 from kernels.core.call import AttentionCall
 

@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 
 import kernels
 import reference
-from kernels import ops
 from kernels.core.forward import attention_forward
 
 

@@ -86,7 +86,8 @@ def check(out, lse, q, k, v, ds, *, causal, scale, window=None, softcap=None, si
     kw = dict(causal=causal, scale=scale, window=window, softcap=softcap, sinks=sinks)
     ref, ref_lse = oracle(qd, kd, vd, **kw)
     # out_pt: FP8 P for e4m3 q; an FP8 cache read by fp16 / bf16 q rounds P to q's dtype.
-    pt, _ = oracle(qd, kd, vd, p_round=e4m3_p if fp8_q else (lambda p: p.to(q.dtype).double()), **kw)
+    p_round = e4m3_p if fp8_q else (lambda p: p.to(q.dtype).double())
+    pt, _ = oracle(qd, kd, vd, p_round=p_round, **kw)
     assert_fp8_parity(out, ref, pt.to(out.dtype), factor=3.0 if softcap else 2.0, name=name)
     fin = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), fin), name

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from helpers import randn
 
 import kernels
-from kernels import ops, sdpa
+from kernels import sdpa
 from kernels.core import launch
 
 pytestmark = pytest.mark.gpu
@@ -150,7 +150,8 @@ def test_direct_launch_equals_tritons_own(monkeypatch):
     first = kernels.attention(q, k, v)
     direct = kernels.attention(q, k, v)
     assert any(p.fwd is not None and p.fwd.step.direct is not None
-               for p in kernels.plans.values() if hasattr(p, "fwd")), "no plan kept its compiled kernel"
+               for p in kernels.plans.values() if hasattr(p, "fwd")), \
+        "no plan kept its compiled kernel"
     monkeypatch.setattr(launch, "_hooks_installed", lambda: True)
     through_triton = kernels.attention(q, k, v)
     assert torch.equal(first, direct) and torch.equal(direct, through_triton)

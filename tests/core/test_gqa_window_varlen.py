@@ -14,7 +14,6 @@ from helpers import DEVICE, GRAD_FACTOR, assert_parity, fa2_oracle, randn
 
 import kernels
 import reference
-from kernels import ops
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 

@@ -193,7 +193,6 @@ def test_compiled_fullgraph():
 
 
 def _fallback(monkeypatch):
-    from kernels import ops
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr("kernels.core.backend._warned_fallback", True)
 

@@ -611,7 +611,6 @@ def test_score_mod_neg_inf_kvcache(num_splits):
 def _fallback_neg_inf(monkeypatch):
     """NEG_INF through the PyTorch fallback (the interpreter off at call time, as a user
     without it): (out, lse, grads) and the oracle's."""
-    from kernels import ops
     q, k, v = (randn(1, 2, 17, 16, requires_grad=True) for _ in range(3))
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr("kernels.core.backend._warned_fallback", True)

@@ -16,7 +16,6 @@ from helpers import DEVICE, assert_parity, randn
 import kernels
 import reference
 from kernels import MaskMod, ScoreMod
-from kernels import ops
 
 F16, F32 = torch.float16, torch.float32
 

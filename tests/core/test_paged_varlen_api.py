@@ -31,7 +31,9 @@ def _case(lens_q, lens_k, heads_q=4, heads_kv=2, d=16, page=4, seed=0):
     q = torch.randn(sum(lens_q), heads_q, d, generator=gen)
     cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32)
     cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32)
-    to = (lambda t: t.to(DEVICE))
+    def to(t):
+        return t.to(DEVICE)
+
     return (to(q), to(kp), to(vp), to(table), to(cu_q), to(cu_k),
             to(torch.tensor(lens_k, dtype=torch.int32)), to(torch.cat(ks)), to(torch.cat(vs)))
 

@@ -422,7 +422,6 @@ def test_group_of_one_is_plain_attention(tmp_path, monkeypatch):
     seed), shard/unshard are the identity. Fallback path, in this process."""
     import kernels
     import kernels.distributed as kd
-    from kernels import ops
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr("kernels.core.backend._warned_fallback", True)
     dist = _single_process_group(tmp_path)
