@@ -18,11 +18,13 @@
 """
 import collections
 import dataclasses
+import hashlib
 import threading
 import warnings
 
 import torch
 
+from .core import call as _call_module
 from .core.backend import AttentionPlan, KVCacheRunner, PagedVarlenRunner
 from .core.call import (AttentionCall, call_spec, default_softmax_scale, lse_shape, new_like,
                         new_out, parse_spec, with_tensors, without_tensors)
@@ -446,18 +448,40 @@ def public_descales(q_descale, k_descale, v_descale):
 _LIB = torch.library.Library("fused_attention", "FRAGMENT")
 
 
+def op_revision(paths) -> str:
+    """The ops' overload name: "r" + a hash of the files at ``paths`` (this module and
+    kernels/core/call.py: the schemas, and the spec strings a compiled graph carries).
+    Inductor's FX-graph cache keys a graph on its code, which names each op but not its schema
+    (pytorch/pytorch#187319, open): a graph compiled and cached by another version of this
+    package would call ``fused_attention::fwd`` with that version's arguments. With the
+    revision in every op's name, another version's graphs are never this one's."""
+    digest = hashlib.sha1()
+    for path in paths:
+        try:
+            with open(path, "rb") as f:
+                digest.update(f.read())
+        except OSError:   # no source beside the module (a frozen install): its path then
+            digest.update(str(path).encode())
+    return "r" + digest.hexdigest()[:12]
+
+
+_REVISION = op_revision((__file__, _call_module.__file__))
+
+
 def _define(name, schema, impl, fake):
-    """``fused_attention::<name>`` with its CPU and CUDA kernel and its fake; defined once per
-    process: a re-executed module (a reload, a tool re-importing the package) registers its
-    functions over the old ones. Returns the op."""
-    if not hasattr(torch.ops.fused_attention, name):
-        _LIB.define(name + schema)
+    """``fused_attention::<name>`` (overload ``_REVISION``) with its CPU and CUDA kernel and
+    its fake; defined once per process: a re-executed module (a reload, a tool re-importing
+    the package) registers its functions over the old ones. Returns the op (an OpOverload)."""
+    qualified = f"{name}.{_REVISION}"
+    packet = getattr(torch.ops.fused_attention, name, None)
+    if packet is None or _REVISION not in packet.overloads():
+        _LIB.define(qualified + schema)
     with warnings.catch_warnings():   # "Overriding a previously registered kernel" (re-import)
         warnings.simplefilter("ignore", UserWarning)
         for key in ("CPU", "CUDA"):
-            _LIB.impl(name, impl, key)
-        torch.library.register_fake(f"fused_attention::{name}", fake, lib=_LIB)
-    return getattr(torch.ops.fused_attention, name).default
+            _LIB.impl(qualified, impl, key)
+        torch.library.register_fake(f"fused_attention::{qualified}", fake, lib=_LIB)
+    return getattr(getattr(torch.ops.fused_attention, name), _REVISION)
 
 
 def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seed,
@@ -581,7 +605,7 @@ def _check_vmappable(named_dims):
             raise _vmap_refusal(f"a mapped {name}")
 
 
-@torch.library.register_vmap("fused_attention::fwd")
+@torch.library.register_vmap(_fwd_op)
 def _fwd_vmap(info, in_dims, q, k, v, cu_q, cu_k, max_q, max_k, seed, alibi_slopes, sinks,
               mod_aux, spec):
     q_d, k_d, v_d, cu_q_d, cu_k_d, _, _, seed_d, alibi_d, sinks_d, aux_d, _ = in_dims
@@ -599,7 +623,7 @@ def _fwd_vmap(info, in_dims, q, k, v, cu_q, cu_k, max_q, max_k, seed, alibi_slop
     return (_unfold(out, n), _unfold(lse, n)), (0, 0)
 
 
-@torch.library.register_vmap("fused_attention::bwd")
+@torch.library.register_vmap(_bwd_op)
 def _bwd_vmap(info, in_dims, do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, seed, alibi_slopes,
               sinks, mod_aux, spec, aux_grad, own_output):
     (do_d, q_d, k_d, v_d, o_d, lse_d, cu_q_d, cu_k_d, _, _, seed_d, alibi_d, sinks_d, aux_d,

@@ -183,3 +183,32 @@ def test_reimport_keeps_the_ops():
     out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_compiled_graphs_name_the_ops_revision(tmp_path):
+    """A compiled graph calls the ops by an overload named after this version's op layer
+    (``pipeline.op_revision``), so that Inductor's FX-graph cache, which keys graphs on their
+    code and not on op schemas, never hands this version another version's graph."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    x = torch.randn(1, 2, 9, 16, device=DEVICE)
+    torch.compile(lambda x: kernels.attention(x, x, x, causal=True), backend=backend,
+                  fullgraph=True)(x)
+    targets = {str(n.target) for gm in graphs for n in gm.graph.nodes
+               if n.op == "call_function"}
+    assert f"fused_attention.fwd.{pipeline._REVISION}" in targets, targets
+    for op in (pipeline._fwd_op, pipeline._fwd_fp8_op, pipeline._bwd_op, pipeline._kvcache_op,
+               pipeline._varlen_paged_op):
+        assert op._overloadname == pipeline._REVISION
+    # The revision follows the bytes of the files it hashes (a schema edit changes it).
+    a, b = tmp_path / "a.py", tmp_path / "b.py"
+    a.write_text('schema = "(Tensor q) -> Tensor"\n')
+    b.write_text("spec = 1\n")
+    first = pipeline.op_revision((a, b))
+    assert first == pipeline.op_revision((a, b)) and first.startswith("r")
+    a.write_text('schema = "(Tensor q, Tensor k) -> Tensor"\n')
+    assert pipeline.op_revision((a, b)) != first
