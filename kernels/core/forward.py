@@ -145,7 +145,8 @@ def _attn_fwd(Q, K, V, O, LSE, DESC_Q, DESC_K, DESC_V, strides,
     else:
         # Persistent: each program draws tiles from the launch's counter until none is left,
         # in the order a grid's programs would start (``tiles.tile_ids``).
-        tl.static_assert(not KEYS.varlen)   # a tile of a short sequence returns early
+        tl.static_assert(not KEYS.varlen, "persistent: not with packed sequences (a tile "
+                         "past a short sequence's rows returns early)")
         tl.static_assert(not WARP_SPEC, "WARP_SPEC: not persistent (a loop around its loop)")
         rows = seq.group * seq.q_len if PACK_GQA else seq.q_len
         n_blocks = tl.cdiv(rows, BLOCK_M) * (split.num_splits if SPLIT else 1)
