@@ -26,11 +26,12 @@
 # BOOK_TIMEOUT (default 540 s); BOOK_ARGS="--book-layers 8" roughly halves the generation part.
 # Stage "tma_ab" (`GPU_CHECK_STAGES="versions precompile tma_ab"` alone, ~2-3 min; last in the
 # "speed" list): ours and SDPA flash (the drift check), bf16, head_dim 128 and 64, causal, seq
-# 128 / 512 / 1024, fwd / bwd / fwd_bwd, with tensor-descriptor loads (KERNELS_TMA=1: host
-# descriptors for dense calls) into WORK/tma1/, with the forward's descriptors made in the
-# kernel per program (KERNELS_TMA=kernel) into WORK/tmakernel/ and without TMA (KERNELS_TMA=0)
-# into WORK/tma0/: at short lengths the per-program fixed cost weighs most
-# (docs/performance.md).
+# 128 / 512 / 1024 / 4096, fwd / bwd / fwd_bwd, with tensor-descriptor loads (KERNELS_TMA=1:
+# host descriptors for dense calls, forward and backward) into WORK/tma1/, with the
+# descriptors made in the kernel per program (KERNELS_TMA=kernel) into WORK/tmakernel/ and
+# without TMA (KERNELS_TMA=0) into WORK/tma0/: at short lengths the per-program fixed cost
+# weighs most, at 4096 the backward's per-tile cost of the host descriptors' coordinates
+# (docs/gpu.md; the 4096 rows come last and are not precompiled: they run as time allows).
 # Stage list "variants" (`GPU_CHECK_STAGES=variants`, one device call of ~8 min): versions,
 # precompile (ours only, dropout 0, with the persistent forward and the warp-specialised
 # configs: PRECOMPILE_ARGS), then stage "persistent_ab": ours and SDPA flash (the drift
@@ -66,8 +67,8 @@
 #   host        benchmarks/host.py: the host's time per call through the public API (ours vs
 #               SDPA and the book's module, a tiny shape), ~40 s; host/
 #   fp8         FP8 (e4m3) vs our bf16: causal prefill 4k d128, decode at 32k keys; fp8/
-#   tma_ab      last, when >= 60 s are left: ours and flash at seq 128 / 512 / 1k, d128 and
-#               d64, with (tma1/) and without (tma0/) descriptors
+#   tma_ab      last, when >= 60 s are left: ours and flash at seq 128 / 512 / 1k / 4k, d128
+#               and d64, with host (tma1/), per-program (tmakernel/) and no (tma0/) descriptors
 # Each stage's limit is what is left less a reserve for the stages after it (STAGE_RESERVE).
 # Stage list "suite": versions, then the compiled test suite (its limit: GPU_CHECK_BUDGET - 15 s,
 # or TESTS_TIMEOUT_SUITE).
@@ -278,7 +279,7 @@ print(\"device\", torch.cuda.get_device_name() if torch.cuda.is_available() else
             KERNELS_TMA=$tma stage "tma_ab KERNELS_TMA=$tma" "$tma_limit" "${PYM[@]}" \
                 benchmarks --out-dir "$WORK/tma$tma" --no-plots --skip-parity --no-modules \
                 --no-features --providers kernels sdpa_flash --dtypes bf16 --head-dims 128 64 \
-                --dropout 0.0 --seq-lens 128 512 1024 --modes fwd bwd fwd_bwd \
+                --dropout 0.0 --seq-lens 128 512 1024 4096 --modes fwd bwd fwd_bwd \
                 --time-budget $(( tma_limit - 15 ))
         done
         pack
