@@ -53,8 +53,8 @@ from .configs import (BWD_ROW_PAD, BWD_TUNE_KEY, TMA_DKDV_DROPOUT_MAX_WIDTH, aut
 from .dropout import load_seed
 from .score import dropout_keep, mods_aux_grad, probs_from_lse, scaled_scores, score_grad
 from .launch import KernelStep, launch_context
-from .tma import (TMA_HOST, TMA_HOST_MODE, desc_tile, host_desc_layout, row_tiles, tma_capable,
-                  tma_rows_ok)
+from .tma import (TMA_HOST, TMA_HOST_MODE, desc_tile, host_desc_layout, host_descs, row_tiles,
+                  set_row_blocks, tma_capable, tma_rows_ok)
 from .tiles import (clamp_ranges, edge_bound, key_range, mask_key_bounds, mask_query_bounds,
                     program_ids, query_range, seq_bounds)
 
@@ -496,10 +496,7 @@ def set_bwd_desc_blocks(nargs):
     the host descriptors' blocks for the config's tiles (``_DESC_BLOCKS``; DESC_STATS (2, 1, 1,
     BLOCK_M): both planes of BLOCK_M rows). The autotuner calls it before timing or launching
     a config, as ``launch_first_compiling`` does; nothing to do without host descriptors."""
-    for name, (rows, width) in _DESC_BLOCKS.items():
-        desc = nargs.get(name)
-        if desc is not None:
-            desc.block_shape = [1, 1, nargs[rows], nargs[width]]
+    set_row_blocks(nargs, _DESC_BLOCKS)
     stats = nargs.get("DESC_STATS")
     if stats is not None:
         stats.block_shape = [2, 1, 1, nargs["BLOCK_M"]]
@@ -661,17 +658,14 @@ class BackwardPlan:
         assert not (pb.varlen and TMA_HOST_MODE in (tma_dkdv, tma_dq)), \
             "host descriptors are for dense calls"
 
-        def host_descs(on, named):
-            layouts = {name: host_desc_layout(x) for name, x in named} if on else {}
-            assert None not in layouts.values(), "host descriptors cannot describe these tensors"
-            return {name: (name, *layout) for name, layout in layouts.items()}
-
-        dkdv_descs = host_descs(tma_dkdv == TMA_HOST_MODE, (("DESC_Q", pb.q), ("DESC_DO", do)))
+        dkdv_descs = host_descs((("DESC_Q", pb.q), ("DESC_DO", do))) \
+            if tma_dkdv == TMA_HOST_MODE else {}
         if dkdv_descs:
             stride_b, stride_h, stride_plane = stats_strides
             dkdv_descs["DESC_STATS"] = ("DESC_STATS", list(self.stats_shape),
                                         [stride_plane, stride_b, stride_h, 1])
-        dq_descs = host_descs(tma_dq == TMA_HOST_MODE, (("DESC_K", pb.k), ("DESC_V", pb.v)))
+        dq_descs = host_descs((("DESC_K", pb.k), ("DESC_V", pb.v))) \
+            if tma_dq == TMA_HOST_MODE else {}
         self.dkdv_params = tuple(f"DESC_{n}" if dkdv_descs else n for n in ("Q", "DO", "STATS"))
         self.dq_params = tuple(f"DESC_{n}" if dq_descs else n for n in ("K", "V"))
         dkdv_fixed = dict(common, TMA=tma_dkdv, **{n: None for n in _DKDV_DESCS

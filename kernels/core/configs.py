@@ -136,14 +136,26 @@ def tma_capable(device=None) -> bool:
     """Whether the forward may use tensor-descriptor (TMA) loads on ``device``: on the GPU
     generations of ``TMA_MAJORS``, and always under Triton's interpreter (which emulates descriptor
     loads, so the CPU test suite covers that code path); never with ``KERNELS_TMA=0``."""
-    if not tma_enabled():
-        return False
+    # AMD GPUs have no TMA unit: Triton rewrites descriptor loads into pointer loads there,
+    # with more VGPRs and a scratch allocator for nothing.
+    return tma_enabled() and _nvidia_generation_in(device, TMA_MAJORS)
+
+
+def _nvidia_generation_in(device, majors) -> bool:
+    """Whether ``device`` (``gpu_of``: a CUDA device, or the static tools' stub target for CPU
+    tensors) is an NVIDIA GPU whose compute capability's major is in ``majors``; always under
+    Triton's interpreter, so that the CPU test suite covers what those GPUs run."""
     if interpreter_active():
         return True
     gpu = gpu_of(device)
-    # AMD GPUs have no TMA unit: Triton rewrites descriptor loads into pointer loads there,
-    # with more VGPRs and a scratch allocator for nothing.
-    return not gpu.is_amd and gpu.capability[0] in TMA_MAJORS
+    return not gpu.is_amd and gpu.capability[0] in majors
+
+
+def sm_count_of(device) -> int:
+    """Streaming multiprocessors of the CUDA ``device`` (on AMD: compute units, 304 on MI300X,
+    256 on MI355X, each running a workgroup as an NVIDIA SM runs a block)."""
+    return gpu_of(device).compute_units or torch.cuda.get_device_properties(
+        device).multi_processor_count
 
 
 def unsupported_gpu_reason(device) -> Optional[str]:
@@ -468,10 +480,7 @@ PERSISTENT_MAJORS = (9,)
 def persistent_capable(device) -> bool:
     """Whether a persistent forward may launch on ``device`` (``PERSISTENT_MAJORS``; the
     interpreter: always, so the CPU suite covers the code)."""
-    if interpreter_active():
-        return True
-    gpu = gpu_of(device)
-    return not gpu.is_amd and gpu.capability[0] in PERSISTENT_MAJORS
+    return _nvidia_generation_in(device, PERSISTENT_MAJORS)
 
 
 def persistent_enabled() -> bool:
@@ -483,9 +492,7 @@ def persistent_programs(device) -> int:
     """How many programs a persistent forward launches on ``device`` at most."""
     if device.type != "cuda" or interpreter_active():
         return PERSISTENT_INTERPRET_PROGRAMS
-    gpu = gpu_of(device)
-    return PERSISTENT_PROGRAMS_PER_SM * (gpu.compute_units or torch.cuda.get_device_properties(
-        device).multi_processor_count)
+    return PERSISTENT_PROGRAMS_PER_SM * sm_count_of(device)
 
 
 def autotune_enabled() -> bool:
@@ -849,11 +856,7 @@ def num_splits_heuristic(device, n_programs, n_key_tiles, sm_count=None):
     if sm_count is None:
         if device.type != "cuda" or interpreter_active():
             return 1
-        gpu = gpu_of(device)
-        # AMD: compute units (304 on MI300X, 256 on MI355X), each running a workgroup as an
-        # NVIDIA SM runs a block.
-        sm_count = gpu.compute_units or torch.cuda.get_device_properties(
-            device).multi_processor_count
+        sm_count = sm_count_of(device)
     if n_programs >= 0.8 * sm_count or n_key_tiles <= 1:
         return 1
     max_splits = min(MAX_SPLITS, sm_count, n_key_tiles)

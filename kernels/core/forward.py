@@ -45,7 +45,8 @@ from .tiles import (clamp_ranges, edge_bound, key_range, mask_key_bounds, progra
 from .paged import page_rows, paged_problem, paged_varlen_problem
 from .splitkv import combine_splits
 from .launch import KernelStep, launch_context
-from .tma import TMA_HOST, TMA_HOST_MODE, desc_tile, host_desc_layout, row_tiles, tma_rows_ok
+from .tma import (TMA_HOST, TMA_HOST_MODE, desc_tile, host_desc_layout, host_descs, row_tiles,
+                  set_row_blocks, tma_rows_ok)
 
 
 @triton.jit
@@ -461,16 +462,17 @@ def tile_counter(device, key):
     return counter
 
 
+# The host descriptors' blocks (``TMA_HOST``): the (rows, width) constexprs of each tensor's.
+_DESC_BLOCKS = {"DESC_Q": ("BLOCK_M", "BLOCK_D"), "DESC_K": ("BLOCK_N", "BLOCK_D"),
+                "DESC_V": ("BLOCK_N", "BLOCK_DV")}
+
+
 def set_desc_blocks(nargs):
     """A forward config's ``pre_hook``: the host descriptors' blocks (``TMA_HOST``) for the
     config's tiles, (1, 1, BLOCK_M, BLOCK_D) for Q and (1, 1, BLOCK_N, BLOCK_D or BLOCK_DV)
     for K and V. The autotuner calls it before timing or launching a config, as
     ``launch_first_compiling`` does; nothing to do without host descriptors."""
-    for name, rows, width in (("DESC_Q", "BLOCK_M", "BLOCK_D"), ("DESC_K", "BLOCK_N", "BLOCK_D"),
-                              ("DESC_V", "BLOCK_N", "BLOCK_DV")):
-        desc = nargs.get(name)
-        if desc is not None:
-            desc.block_shape = [1, 1, nargs[rows], nargs[width]]
+    set_row_blocks(nargs, _DESC_BLOCKS)
 
 
 def _with_desc_blocks(configs):
@@ -620,9 +622,8 @@ class ForwardPlan:
         # (a fixed pointer: the launcher does not look three tensors up per call).
         host = tma == TMA_HOST_MODE
         self.tile_params = ("DESC_Q", "DESC_K", "DESC_V") if host else ("Q", "K", "V")
-        descs = {} if not host else {
-            name: (name, *host_desc_layout(x))
-            for name, x in (("DESC_Q", pb.q), ("DESC_K", pb.k), ("DESC_V", pb.v))}
+        descs = host_descs((("DESC_Q", pb.q), ("DESC_K", pb.k), ("DESC_V", pb.v))) \
+            if host else {}
         # A paged view's batch stride is the page stride, with packed queries too.
         kv_strides = (lambda x: x.stride()[:3]) if paged else pb.strides
         fixed = dict(strides=FwdStrides(q=pb.strides(pb.q), k=kv_strides(pb.k),

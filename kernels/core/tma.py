@@ -20,8 +20,8 @@ import triton.language as tl
 from .common import interpreter_active
 from .configs import tma_capable
 
-__all__ = ["row_tiles", "desc_tile", "host_desc_layout", "TMA_HOST", "TMA_HOST_MODE",
-           "tma_rows_ok", "tma_scratch", "tma_capable"]
+__all__ = ["row_tiles", "desc_tile", "host_desc_layout", "host_descs", "set_row_blocks",
+           "TMA_HOST", "TMA_HOST_MODE", "tma_rows_ok", "tma_scratch", "tma_capable"]
 
 # The TMA mode for host-side descriptors (the TMA constexpr of ``_attn_fwd``, ``_bwd_dkdv`` and
 # ``_bwd_dq``): the streamed tiles read through descriptors made once per call on the host, not
@@ -88,6 +88,26 @@ def host_desc_layout(x):
         if not (0 < strides[i] * size < _TMA_MAX_STRIDE and strides[i] * size % _TMA_ALIGN == 0):
             return None
     return shape, strides
+
+
+def host_descs(named):
+    """A ``KernelStep``'s ``descs`` for the 4-D tensors ``named`` ((kernel parameter, tensor)
+    pairs): {parameter: (parameter, shape, strides)}, the per-call tensor passed under the
+    parameter's own name; every tensor must be one ``host_desc_layout`` describes."""
+    layouts = {name: host_desc_layout(x) for name, x in named}
+    assert None not in layouts.values(), "host descriptors cannot describe these tensors"
+    return {name: (name, *layout) for name, layout in layouts.items()}
+
+
+def set_row_blocks(nargs, blocks):
+    """Host descriptors' blocks for a config (a ``pre_hook``'s work, ``nargs`` the launch's
+    arguments with the config's): each parameter of ``blocks`` ({parameter: (rows constexpr,
+    width constexpr)}) that holds a descriptor gets block (1, 1, rows, width), one tile of a
+    (B, heads, rows, D) tensor (``desc_tile``); the others (None) are left alone."""
+    for name, (rows, width) in blocks.items():
+        desc = nargs.get(name)
+        if desc is not None:
+            desc.block_shape = [1, 1, nargs[rows], nargs[width]]
 
 
 @contextlib.contextmanager
