@@ -4,6 +4,7 @@ and the public routes (eager, custom op, FlashAttention names) agreeing with one
 Kernel-level FP8 parity lives in tests/core/test_fp8.py."""
 import pytest
 import torch
+from helpers import DEVICE
 
 import kernels
 from kernels import flash_attn_interface as fa
@@ -11,16 +12,16 @@ from kernels import flash_attn_interface as fa
 FP8 = torch.float8_e4m3fn
 
 
-def _fp8(*shape, scale=1.0):
-    return (torch.randn(*shape) * scale).to(FP8)
+def _fp8(*shape, scale=1.0, device="cpu"):
+    return (torch.randn(*shape, device=device) * scale).to(FP8)
 
 
-def _qkv(B=2, Hq=4, Hkv=2, L=17, D=16):
-    return _fp8(B, Hq, L, D), _fp8(B, Hkv, L, D), _fp8(B, Hkv, L, D)
+def _qkv(B=2, Hq=4, Hkv=2, L=17, D=16, device="cpu"):
+    return tuple(_fp8(B, h, L, D, device=device) for h in (Hq, Hkv, Hkv))
 
 
-def _descales(B=2, Hkv=2):
-    return [torch.rand(B, Hkv) + 0.5 for _ in range(3)]
+def _descales(B=2, Hkv=2, device="cpu"):
+    return [torch.rand(B, Hkv, device=device) + 0.5 for _ in range(3)]
 
 
 # ------------------------------------------------------------------------------ refusals
@@ -119,6 +120,8 @@ def test_flash_attn_names():
 
 
 # ------------------------------------------------------------------------------ routes agree
+# On DEVICE: on an FP8 GPU (sm_89+) these run the FP8 kernel, elsewhere the interpreter (CPU)
+# or the fallback's FP8 twin (older GPUs). The refusals above need no device.
 def _interpreted():
     from kernels.core.common import KERNELS_INTERPRETED
     return KERNELS_INTERPRETED
@@ -127,8 +130,8 @@ def _interpreted():
 def test_public_routes_agree():
     """Eager, the custom op (torch.compile), and the FlashAttention names give the same bits
     for one FP8 call with per-(batch, head) descales."""
-    q, k, v = _qkv(L=17)
-    qd, kd, vd = _descales()
+    q, k, v = _qkv(L=17, device=DEVICE)
+    qd, kd, vd = _descales(device=DEVICE)
     kw = dict(causal=True, q_descale=qd, k_descale=kd, v_descale=vd)
     out = kernels.attention(q, k, v, **kw)
     assert out.dtype == torch.bfloat16 and out.shape == (2, 4, 17, 16)
@@ -148,8 +151,8 @@ def test_public_routes_agree():
 def test_descales_scale_the_result():
     """Descales are the inputs' scales: doubling v_descale doubles the output, and
     q_descale * k_descale acts as the softmax scale (exactly, for powers of two)."""
-    q, k, v = _qkv(L=9)
-    ones = torch.ones(2, 2)
+    q, k, v = _qkv(L=9, device=DEVICE)
+    ones = torch.ones(2, 2, device=DEVICE)
     base = kernels.attention(q, k, v, causal=False, softmax_scale=0.5).float()
     doubled = kernels.attention(q, k, v, causal=False, softmax_scale=0.5,
                                 v_descale=2 * ones).float()
@@ -165,25 +168,25 @@ def test_kvcache_fp8_append_and_per_tensor_scale():
     route over the same pages gives the same rows."""
     torch.manual_seed(0)
     B, Hq, Hkv, L, D = 2, 4, 2, 32, 16
-    q = torch.randn(B, Hq, 1, D).to(torch.bfloat16)
-    k_cache, v_cache = _fp8(B, Hkv, L, D), _fp8(B, Hkv, L, D)
-    lens = torch.tensor([5, 20], dtype=torch.int32)
-    k_new = torch.randn(B, Hkv, 1, D).to(torch.bfloat16)
-    v_new = torch.randn(B, Hkv, 1, D).to(torch.bfloat16)
+    q = torch.randn(B, Hq, 1, D, device=DEVICE).to(torch.bfloat16)
+    k_cache, v_cache = _fp8(B, Hkv, L, D, device=DEVICE), _fp8(B, Hkv, L, D, device=DEVICE)
+    lens = torch.tensor([5, 20], dtype=torch.int32, device=DEVICE)
+    k_new = torch.randn(B, Hkv, 1, D, device=DEVICE).to(torch.bfloat16)
+    v_new = torch.randn(B, Hkv, 1, D, device=DEVICE).to(torch.bfloat16)
     kc1, vc1 = k_cache.clone(), v_cache.clone()
     out1 = kernels.attention_with_kvcache(q, kc1, vc1, lens, k_new, v_new, k_scale=0.5,
-                                          v_scale=torch.tensor([0.25]))
+                                          v_scale=torch.tensor([0.25], device=DEVICE))
     kc2, vc2 = k_cache.clone(), v_cache.clone()
     out2 = kernels.attention_with_kvcache(q, kc2, vc2, lens, k_new, v_new,
-                                          k_descale=torch.full((B, Hkv), 0.5),
-                                          v_descale=torch.full((B, Hkv), 0.25))
+                                          k_descale=torch.full((B, Hkv), 0.5, device=DEVICE),
+                                          v_descale=torch.full((B, Hkv), 0.25, device=DEVICE))
     assert torch.equal(out1, out2) and out1.dtype == torch.bfloat16
     for cache, new, scale in ((kc1, k_new, 0.5), (vc1, v_new, 0.25)):
         for b in range(B):
             pos = int(lens[b])
             expect = (new[b, :, 0].float() / scale).clamp(-448, 448).to(FP8)
             assert torch.equal(cache[b, :, pos].view(torch.uint8), expect.view(torch.uint8))
-    untouched = torch.ones(L, dtype=torch.bool)
+    untouched = torch.ones(L, dtype=torch.bool, device=DEVICE)
     untouched[[5]] = False
     assert torch.equal(kc1[0, :, untouched].view(torch.uint8),
                        k_cache[0, :, untouched].view(torch.uint8))
@@ -196,8 +199,8 @@ def test_varlen_descales_per_sequence():
     lens = [5, 12]
     Hq, Hkv, D = 4, 2, 16
     q, k, v = _fp8(sum(lens), Hq, D), _fp8(sum(lens), Hkv, D), _fp8(sum(lens), Hkv, D)
-    qd, kd, vd = _descales(len(lens), Hkv)
-    cu = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32)
+    qd, kd, vd = _descales(len(lens), Hkv, device=DEVICE)
+    cu = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32, device=DEVICE)
     out = kernels.attention_varlen(q, k, v, cu, cu, q_descale=qd, k_descale=kd, v_descale=vd)
     for s in range(len(lens)):
         rows = slice(int(cu[s]), int(cu[s + 1]))
@@ -213,12 +216,12 @@ def test_flash_attn_kvcache_fp8_host_append():
     as the kernels' append does: the same cache bytes and output as the kernel route."""
     torch.manual_seed(2)
     B, L, Hq, Hkv, D = 2, 24, 4, 2, 16
-    kd, vd = torch.rand(B, Hkv) + 0.5, torch.rand(B, Hkv) + 0.5
-    k_cache, v_cache = _fp8(B, L, Hkv, D), _fp8(B, L, Hkv, D)
-    lens = torch.tensor([3, 10], dtype=torch.int32)
-    k_new = torch.randn(B, 2, Hkv, D).to(torch.bfloat16)
-    v_new = torch.randn(B, 2, Hkv, D).to(torch.bfloat16)
-    q2 = torch.randn(B, 2, Hq, D).to(torch.bfloat16)
+    kd, vd = torch.rand(B, Hkv, device=DEVICE) + 0.5, torch.rand(B, Hkv, device=DEVICE) + 0.5
+    k_cache, v_cache = _fp8(B, L, Hkv, D, device=DEVICE), _fp8(B, L, Hkv, D, device=DEVICE)
+    lens = torch.tensor([3, 10], dtype=torch.int32, device=DEVICE)
+    k_new = torch.randn(B, 2, Hkv, D, device=DEVICE).to(torch.bfloat16)
+    v_new = torch.randn(B, 2, Hkv, D, device=DEVICE).to(torch.bfloat16)
+    q2 = torch.randn(B, 2, Hq, D, device=DEVICE).to(torch.bfloat16)
     kc1, vc1 = k_cache.clone(), v_cache.clone()   # the kernels' append (seqlen_new == seqlen_q)
     out1 = fa.flash_attn_with_kvcache(q2, kc1, vc1, k_new, v_new, cache_seqlens=lens,
                                       causal=True, k_descale=kd, v_descale=vd)
