@@ -556,7 +556,8 @@ def _causal_bias(q_len, k_len, group):
     bias = _BIASES.get(key)
     if bias is None:
         hidden = ~block_visible(0, q_len, 0, k_len, q_len, k_len, True, None, "cpu")
-        bias = torch.zeros((q_len, k_len)).masked_fill_(hidden, float("-inf")).repeat(group, 1)
+        bias = torch.zeros((q_len, k_len), device="cpu").masked_fill_(
+            hidden, float("-inf")).repeat(group, 1)
         if len(_BIASES) >= _MAX_BIASES:
             _BIASES.clear()
         _BIASES[key] = bias
@@ -589,8 +590,8 @@ def _small_weights(pb, q, k, need_lse=True):
         # Z as fp32, the scale folded in (as nn.Dropout's mask), drawn as such: the output's
         # bmm and its backward then need no scaling of their own (autograd's would be two more
         # passes over the weights, ~0.25 ms of a 4 ms module step at 8 x 2 x 64 x 64).
-        z = pb.kept(0, pb.q_len, 0, pb.k_len, torch.empty(s.numel(), dtype=torch.float32),
-                    scaled=True)
+        z = pb.kept(0, pb.q_len, 0, pb.k_len,
+                    torch.empty(s.numel(), dtype=torch.float32, device=s.device), scaled=True)
     return p * z.view(p.shape), lse
 
 

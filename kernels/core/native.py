@@ -182,6 +182,9 @@ def draw_keep(seed, counter, bound, out, slot=None, keep=True, value=None):
     assert counter.dtype.itemsize == 8 and counter.is_contiguous() and out.is_contiguous()
     assert out.element_size() == (1 if value is None else 4)
     assert slot is None or slot.numel() == n
+    # The loop writes through raw pointers: a tensor off the CPU (a meta buffer made on a
+    # default device) would crash the process, not raise.
+    assert all(t.device.type == "cpu" for t in (counter, out) + (() if slot is None else (slot,)))
     if n:
         fn(int(seed), counter.data_ptr(), n, int(bound),
            None if slot is None else slot.data_ptr(), int(bool(keep)), out.data_ptr(),

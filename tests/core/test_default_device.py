@@ -1,0 +1,91 @@
+"""The library never relies on torch's default device: under ``torch.device(...)`` (or
+``torch.set_default_device``) every public entry point gives the same bits as without it,
+on its inputs' device. A default device of "meta" makes any tensor the library creates
+without a device unusable, so a missed ``device=`` fails here (it crashed the fallback's
+dropout: a meta buffer handed to its NumPy mask drawer)."""
+import contextlib
+
+import pytest
+import torch
+from helpers import DEVICE, interpreter_unusable_reason
+
+import kernels
+from kernels import flash_attn_interface as fa
+
+
+@pytest.fixture(params=["kernel", "fallback"])
+def route(request, monkeypatch):
+    """The kernel (the GPU, or the interpreter on a CPU) or, on a CPU, the PyTorch fallback."""
+    if request.param == "fallback":
+        if DEVICE != "cpu":
+            pytest.skip("the fallback route of CPU tensors: run on a CPU machine")
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+    elif DEVICE == "cpu" and interpreter_unusable_reason():
+        pytest.skip(interpreter_unusable_reason())
+    return request.param
+
+
+def _calls():
+    """(name, a function of fresh leaves -> the tensors to compare, the leaves' shapes)."""
+    B, H, HKV, L, D = 2, 4, 2, 19, 16
+    cu = torch.tensor([0, 7, 19], dtype=torch.int32, device=DEVICE)
+
+    def dense(**kw):
+        def call(q, k, v):
+            out = kernels.attention(q, k, v, **kw)
+            return out if isinstance(out, tuple) else (out,)
+        return call
+
+    def varlen(q, k, v):
+        return (kernels.attention_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1),
+                                         v[0].transpose(0, 1), cu, cu, dropout_p=0.2, seed=4),)
+
+    def kvcache(q, k, v):
+        k_cache = torch.zeros(B, HKV, 32, D, device=DEVICE)
+        v_cache = torch.zeros(B, HKV, 32, D, device=DEVICE)
+        lens = torch.tensor([3, 11], dtype=torch.int32, device=DEVICE)
+        with torch.no_grad():
+            out = kernels.attention_with_kvcache(q[:, :, :2].detach(), k_cache, v_cache, lens,
+                                                 k[:, :, :2].detach(), v[:, :, :2].detach(),
+                                                 num_splits=2, return_lse=True)
+        return (*out, k_cache, v_cache)
+
+    def flash(q, k, v):
+        return (fa.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                   dropout_p=0.1, causal=True),)
+
+    qkv = ((B, H, L, D), (B, HKV, L, D), (B, HKV, L, D))
+    return [
+        ("plain", dense(), qkv),
+        ("dropout", dense(dropout_p=0.3, seed=5), qkv),
+        ("window+softcap+lse", dense(window=6, softcap=2.0, return_lse=True), qkv),
+        ("non-causal dropout", dense(causal=False, dropout_p=0.2, seed=3), qkv),
+        ("sinks+alibi", lambda q, k, v: (kernels.attention(
+            q, k, v, sinks=torch.linspace(-1, 1, H, device=DEVICE),
+            alibi_slopes=torch.full((H,), 0.25, device=DEVICE)),), qkv),
+        ("varlen dropout", varlen, ((1, H, L, D), (1, HKV, L, D), (1, HKV, L, D))),
+        ("kv cache append, split-KV", kvcache, qkv),
+        ("FlashAttention API, drawn seed", flash, qkv),
+    ]
+
+
+def _run(fn, shapes, seed, default=None):
+    torch.manual_seed(seed)   # the same leaves, and the same drawn dropout seed
+    leaves = [torch.randn(*s, device=DEVICE, requires_grad=True) for s in shapes]
+    with torch.device(default) if default else contextlib.nullcontext():
+        outs = fn(*leaves)
+        grads = ()
+        if outs[0].requires_grad:
+            grads = torch.autograd.grad(outs[0].float().square().sum(), leaves)
+    return outs + tuple(grads)
+
+
+@pytest.mark.parametrize("case", range(len(_calls())), ids=[c[0] for c in _calls()])
+def test_same_bits_under_any_default_device(case, route):
+    name, fn, shapes = _calls()[case]
+    expected = _run(fn, shapes, case)
+    got = _run(fn, shapes, case, default="meta")
+    assert len(got) == len(expected)
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert g.device == e.device, f"{name}: output {i} on {g.device}, expected {e.device}"
+        assert torch.equal(g, e), f"{name}: output {i} differs under a meta default device"
