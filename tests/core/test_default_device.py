@@ -1,8 +1,10 @@
-"""The library never relies on torch's default device: under ``torch.device(...)`` (or
-``torch.set_default_device``) every public entry point gives the same bits as without it,
-on its inputs' device. A default device of "meta" makes any tensor the library creates
+"""The library never relies on torch's defaults: under another default device
+(``torch.device(...)``, ``torch.set_default_device``) or default dtype
+(``torch.set_default_dtype``) every public entry point gives the same bits, dtypes and
+devices as without it. A default device of "meta" makes any tensor the library creates
 without a device unusable, so a missed ``device=`` fails here (it crashed the fallback's
-dropout: a meta buffer handed to its NumPy mask drawer)."""
+dropout: a meta buffer handed to its native mask drawer); float64 catches a missed
+``dtype=``."""
 import contextlib
 
 import pytest
@@ -11,6 +13,8 @@ from helpers import DEVICE, interpreter_unusable_reason
 
 import kernels
 from kernels import flash_attn_interface as fa
+
+F32 = torch.float32
 
 
 @pytest.fixture(params=["kernel", "fallback"])
@@ -41,8 +45,8 @@ def _calls():
                                          v[0].transpose(0, 1), cu, cu, dropout_p=0.2, seed=4),)
 
     def kvcache(q, k, v):
-        k_cache = torch.zeros(B, HKV, 32, D, device=DEVICE)
-        v_cache = torch.zeros(B, HKV, 32, D, device=DEVICE)
+        k_cache = torch.zeros(B, HKV, 32, D, dtype=F32, device=DEVICE)
+        v_cache = torch.zeros(B, HKV, 32, D, dtype=F32, device=DEVICE)
         lens = torch.tensor([3, 11], dtype=torch.int32, device=DEVICE)
         with torch.no_grad():
             out = kernels.attention_with_kvcache(q[:, :, :2].detach(), k_cache, v_cache, lens,
@@ -61,18 +65,32 @@ def _calls():
         ("window+softcap+lse", dense(window=6, softcap=2.0, return_lse=True), qkv),
         ("non-causal dropout", dense(causal=False, dropout_p=0.2, seed=3), qkv),
         ("sinks+alibi", lambda q, k, v: (kernels.attention(
-            q, k, v, sinks=torch.linspace(-1, 1, H, device=DEVICE),
-            alibi_slopes=torch.full((H,), 0.25, device=DEVICE)),), qkv),
+            q, k, v, sinks=torch.linspace(-1, 1, H, dtype=F32, device=DEVICE),
+            alibi_slopes=torch.full((H,), 0.25, dtype=F32, device=DEVICE)),), qkv),
         ("varlen dropout", varlen, ((1, H, L, D), (1, HKV, L, D), (1, HKV, L, D))),
         ("kv cache append, split-KV", kvcache, qkv),
         ("FlashAttention API, drawn seed", flash, qkv),
     ]
 
 
+@contextlib.contextmanager
+def _default_dtype(dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+DEFAULTS = {"meta device": lambda: torch.device("meta"),
+            "float64 dtype": lambda: _default_dtype(torch.float64)}
+
+
 def _run(fn, shapes, seed, default=None):
     torch.manual_seed(seed)   # the same leaves, and the same drawn dropout seed
-    leaves = [torch.randn(*s, device=DEVICE, requires_grad=True) for s in shapes]
-    with torch.device(default) if default else contextlib.nullcontext():
+    leaves = [torch.randn(*s, dtype=F32, device=DEVICE, requires_grad=True) for s in shapes]
+    with DEFAULTS[default]() if default else contextlib.nullcontext():
         outs = fn(*leaves)
         grads = ()
         if outs[0].requires_grad:
@@ -80,12 +98,15 @@ def _run(fn, shapes, seed, default=None):
     return outs + tuple(grads)
 
 
+@pytest.mark.parametrize("default", list(DEFAULTS))
 @pytest.mark.parametrize("case", range(len(_calls())), ids=[c[0] for c in _calls()])
-def test_same_bits_under_any_default_device(case, route):
+def test_same_bits_under_other_defaults(case, default, route):
     name, fn, shapes = _calls()[case]
     expected = _run(fn, shapes, case)
-    got = _run(fn, shapes, case, default="meta")
+    got = _run(fn, shapes, case, default=default)
     assert len(got) == len(expected)
     for i, (g, e) in enumerate(zip(got, expected)):
-        assert g.device == e.device, f"{name}: output {i} on {g.device}, expected {e.device}"
-        assert torch.equal(g, e), f"{name}: output {i} differs under a meta default device"
+        assert (g.device, g.dtype) == (e.device, e.dtype), (
+            f"{name}: output {i} is {g.dtype} on {g.device} under a default {default}, "
+            f"expected {e.dtype} on {e.device}")
+        assert torch.equal(g, e), f"{name}: output {i} differs under a default {default}"
