@@ -5,6 +5,7 @@ any test module imports ``kernels``.
 """
 import os
 import zlib
+from typing import NamedTuple
 
 import torch
 
@@ -29,6 +30,29 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+class Route(NamedTuple):
+    """Where a test's attention runs (the ``route`` fixture): ``name`` "kernel" or "fallback",
+    and ``device``, where the test makes its tensors for it."""
+    name: str
+    device: str
+
+
+@pytest.fixture(params=["kernel", "fallback"])
+def route(request, monkeypatch):
+    """Both routes a call can take: "kernel", the Triton kernels (on the GPU when there is one,
+    else in Triton's interpreter; skipped where that interpreter cannot run), and "fallback",
+    the PyTorch fallback that CPU tensors take without the interpreter (on a GPU machine too).
+    Gives a ``Route``."""
+    from helpers import DEVICE, interpreter_unusable_reason
+    if request.param == "fallback":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        monkeypatch.setattr("kernels.core.backend._warned_fallback", True)
+        return Route("fallback", "cpu")
+    if DEVICE == "cpu" and interpreter_unusable_reason():
+        pytest.skip(interpreter_unusable_reason())
+    return Route("kernel", DEVICE)
 
 
 @pytest.fixture(autouse=True)
@@ -104,8 +128,10 @@ QUICK = {
         "test_twin_matches_package_class[qwen3-torch.float32]",
     ],
     "transformers": [
-        "tests/integrations/test_hf.py::test_logits_match_eager[llama]",
-        "tests/integrations/test_hf.py::test_training_step_gradients_match_eager[gpt2]",
+        "tests/integrations/test_hf.py::test_logits_match_eager[kernel-llama]",
+        "tests/integrations/test_hf.py::test_training_step_gradients_match_eager[kernel-gpt2]",
+        "tests/integrations/test_hf_new_models.py::"
+        "test_training_step_gradients_match_eager[fallback-gemma2]",
     ],
     "FlashAttention 2's API (kernels.flash_attn_interface)": [
         "tests/test_flash_attn_interface.py::test_one_line_switch",

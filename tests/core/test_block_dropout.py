@@ -8,7 +8,7 @@ single-call result.
 """
 import pytest
 import torch
-from helpers import DEVICE, GRAD_FACTOR, assert_parity, randn
+from helpers import GRAD_FACTOR, assert_parity, randn
 
 import kernels
 import reference
@@ -22,22 +22,12 @@ COL_SPLITS = {"aligned": [(0, 8), (8, 24), (24, 40)],
               "odd": [(0, 2), (2, 9), (9, 23), (23, 40)]}
 
 
-@pytest.fixture(params=["kernel", "fallback"])
-def path(request, monkeypatch):
-    if request.param == "fallback":
-        if DEVICE != "cpu":
-            pytest.skip("the fallback serves CPU tensors")
-        monkeypatch.setenv("TRITON_INTERPRET", "0")
-        monkeypatch.setattr("kernels.core.backend._warned_fallback", True)
-    return request.param
-
-
 @pytest.mark.parametrize("cols", sorted(COL_SPLITS))
-def test_blocks_draw_the_whole_sequence_mask(path, cols):
+def test_blocks_draw_the_whole_sequence_mask(route, cols):
     COLS = COL_SPLITS[cols]
     B, H, S, D = 2, 2, 40, 16
-    q, k, v, do = (randn(B, H, S, D) for _ in range(4))
-    keep = reference.dropout_keep_mask(SEED, B, H, S, S, P, device=DEVICE)
+    q, k, v, do = (randn(B, H, S, D, device=route.device) for _ in range(4))
+    keep = reference.dropout_keep_mask(SEED, B, H, S, S, P, device=route.device)
     outs, lses = {}, {}
     for r0, r1 in ROWS:
         for c0, c1 in COLS:

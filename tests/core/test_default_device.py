@@ -9,7 +9,6 @@ import contextlib
 
 import pytest
 import torch
-from helpers import DEVICE, interpreter_unusable_reason
 
 import kernels
 from kernels import flash_attn_interface as fa
@@ -17,22 +16,11 @@ from kernels import flash_attn_interface as fa
 F32 = torch.float32
 
 
-@pytest.fixture(params=["kernel", "fallback"])
-def route(request, monkeypatch):
-    """The kernel (the GPU, or the interpreter on a CPU) or, on a CPU, the PyTorch fallback."""
-    if request.param == "fallback":
-        if DEVICE != "cpu":
-            pytest.skip("the fallback route of CPU tensors: run on a CPU machine")
-        monkeypatch.setenv("TRITON_INTERPRET", "0")
-    elif DEVICE == "cpu" and interpreter_unusable_reason():
-        pytest.skip(interpreter_unusable_reason())
-    return request.param
-
-
-def _calls():
-    """(name, a function of fresh leaves -> the tensors to compare, the leaves' shapes)."""
+def _calls(device="cpu"):
+    """(name, a function of fresh leaves on ``device`` -> the tensors to compare, the leaves'
+    shapes)."""
     B, H, HKV, L, D = 2, 4, 2, 19, 16
-    cu = torch.tensor([0, 7, 19], dtype=torch.int32, device=DEVICE)
+    cu = torch.tensor([0, 7, 19], dtype=torch.int32, device=device)
 
     def dense(**kw):
         def call(q, k, v):
@@ -45,9 +33,9 @@ def _calls():
                                          v[0].transpose(0, 1), cu, cu, dropout_p=0.2, seed=4),)
 
     def kvcache(q, k, v):
-        k_cache = torch.zeros(B, HKV, 32, D, dtype=F32, device=DEVICE)
-        v_cache = torch.zeros(B, HKV, 32, D, dtype=F32, device=DEVICE)
-        lens = torch.tensor([3, 11], dtype=torch.int32, device=DEVICE)
+        k_cache = torch.zeros(B, HKV, 32, D, dtype=F32, device=device)
+        v_cache = torch.zeros(B, HKV, 32, D, dtype=F32, device=device)
+        lens = torch.tensor([3, 11], dtype=torch.int32, device=device)
         with torch.no_grad():
             out = kernels.attention_with_kvcache(q[:, :, :2].detach(), k_cache, v_cache, lens,
                                                  k[:, :, :2].detach(), v[:, :, :2].detach(),
@@ -65,8 +53,8 @@ def _calls():
         ("window+softcap+lse", dense(window=6, softcap=2.0, return_lse=True), qkv),
         ("non-causal dropout", dense(causal=False, dropout_p=0.2, seed=3), qkv),
         ("sinks+alibi", lambda q, k, v: (kernels.attention(
-            q, k, v, sinks=torch.linspace(-1, 1, H, dtype=F32, device=DEVICE),
-            alibi_slopes=torch.full((H,), 0.25, dtype=F32, device=DEVICE)),), qkv),
+            q, k, v, sinks=torch.linspace(-1, 1, H, dtype=F32, device=device),
+            alibi_slopes=torch.full((H,), 0.25, dtype=F32, device=device)),), qkv),
         ("varlen dropout", varlen, ((1, H, L, D), (1, HKV, L, D), (1, HKV, L, D))),
         ("kv cache append, split-KV", kvcache, qkv),
         ("FlashAttention API, drawn seed", flash, qkv),
@@ -87,9 +75,9 @@ DEFAULTS = {"meta device": lambda: torch.device("meta"),
             "float64 dtype": lambda: _default_dtype(torch.float64)}
 
 
-def _run(fn, shapes, seed, default=None):
+def _run(fn, shapes, seed, device, default=None):
     torch.manual_seed(seed)   # the same leaves, and the same drawn dropout seed
-    leaves = [torch.randn(*s, dtype=F32, device=DEVICE, requires_grad=True) for s in shapes]
+    leaves = [torch.randn(*s, dtype=F32, device=device, requires_grad=True) for s in shapes]
     with DEFAULTS[default]() if default else contextlib.nullcontext():
         outs = fn(*leaves)
         grads = ()
@@ -101,9 +89,9 @@ def _run(fn, shapes, seed, default=None):
 @pytest.mark.parametrize("default", list(DEFAULTS))
 @pytest.mark.parametrize("case", range(len(_calls())), ids=[c[0] for c in _calls()])
 def test_same_bits_under_other_defaults(case, default, route):
-    name, fn, shapes = _calls()[case]
-    expected = _run(fn, shapes, case)
-    got = _run(fn, shapes, case, default=default)
+    name, fn, shapes = _calls(route.device)[case]
+    expected = _run(fn, shapes, case, route.device)
+    got = _run(fn, shapes, case, route.device, default=default)
     assert len(got) == len(expected)
     for i, (g, e) in enumerate(zip(got, expected)):
         assert (g.device, g.dtype) == (e.device, e.dtype), (

@@ -5,7 +5,7 @@ import copy
 
 import pytest
 import torch
-from helpers import DEVICE, GRAD_FACTOR, assert_parity, interpreter_unusable_reason
+from helpers import GRAD_FACTOR, assert_parity
 
 from kernels import hf
 
@@ -21,32 +21,24 @@ def skip_module_unless_registered():
         pytest.skip(str(e), allow_module_level=True)
 
 
-@pytest.fixture(params=["kernel", "fallback"])
-def route(request, monkeypatch):
-    """Where a test's attention runs: "kernel", the Triton kernel (on the GPU when there is
-    one, else in Triton's interpreter), or "fallback", the PyTorch fallback that CPU tensors
-    take without the interpreter (what ``triton_fused`` models on a CPU run). The tensors and
-    models the test makes are on that route's device (torch's default device)."""
+@pytest.fixture
+def model_route(route, monkeypatch):
+    """``route`` (tests/conftest.py) for whole models and transformers' calls: the tensors and
+    models the test makes are on the route's device (made torch's default device there), and
+    every backend decision the test's calls make is the route's."""
     from kernels.core import backend
-    fallback = request.param == "fallback"
-    device = DEVICE if not fallback else "cpu"
-    if device == "cpu" and not fallback and interpreter_unusable_reason():
-        pytest.skip(interpreter_unusable_reason())
-    if fallback:
-        monkeypatch.setenv("TRITON_INTERPRET", "0")
-        monkeypatch.setattr(backend, "_warned_fallback", True)
-    decided = []   # every backend decision the test's calls made
+    fallback = route.name == "fallback"
+    decided = []
 
     def use_fallback(*args, **kwargs):
         decided.append(choose(*args, **kwargs))
         return decided[-1]
     choose = backend._use_fallback
     monkeypatch.setattr(backend, "_use_fallback", use_fallback)
-    with contextlib.nullcontext() if device == "cpu" else torch.device(device):
-        yield request.param
-    # The route taken is the one named. (On a GPU a cached plan keeps its decision: the kernel
-    # route may make none.)
-    assert all(d == fallback for d in decided), f"route {request.param}: decisions {decided}"
+    with contextlib.nullcontext() if route.device == "cpu" else torch.device(route.device):
+        yield route
+    # (On a GPU a cached plan keeps its decision: the kernel route may make none.)
+    assert all(d == fallback for d in decided), f"route {route.name}: decisions {decided}"
     assert decided or not fallback, "no attention call was made on the fallback route"
 
 
@@ -74,7 +66,7 @@ def masked_attention(q, k, v, mask, scaling, *, softcap=None, sinks=None, dtype=
 
 def models(transformers, config, oracle, prepare=None, **from_config):
     """(ours, eager fp32, float64 oracle) of ``config``, one set of random weights, on torch's
-    default device (``route``'s): eager built with ``from_config`` keywords and changed by
+    default device (``model_route``'s): eager built with ``from_config`` keywords and changed by
     ``prepare(eager)`` if given, then copied to ours ("triton_fused") and to the oracle (the
     registered attention ``oracle``, in float64)."""
     eager = transformers.AutoModelForCausalLM.from_config(

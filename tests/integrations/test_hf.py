@@ -16,7 +16,7 @@ import torch
 from helpers import assert_parity
 from hf_helpers import (VOCAB, assert_training_grads_match, masked_attention, models,
                         padded_batch, skip_module_unless_registered)
-from hf_helpers import route  # noqa: F401 (the fixture the tests below use)
+from hf_helpers import model_route  # noqa: F401 (the fixture the tests below use)
 
 transformers = pytest.importorskip(
     "transformers", reason="Hugging Face transformers is not installed (pip install -e '.[hf]')")
@@ -158,7 +158,7 @@ _CASES = {
 
 
 @pytest.mark.parametrize("case", list(_CASES))
-@pytest.mark.usefixtures("route")
+@pytest.mark.usefixtures("model_route")
 def test_attention_matches_transformers_mask(case):
     q_len, kv_len, q_off, kv_off, width, window, rows = _CASES[case]
     batch, heads, heads_kv, dim = len(rows), 4, 2, 8
@@ -241,7 +241,7 @@ def test_models_refuse_what_they_cannot_do_exactly():
 # Whole models: logits, generation, training
 # --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen2"])
-@pytest.mark.usefixtures("route")
+@pytest.mark.usefixtures("model_route")
 def test_logits_match_eager(kind):
     ours, eager, oracle = _models(kind)
     ids, mask = padded_batch([7, 5], 9, left=[False, True])  # right- and left-padded rows
@@ -254,7 +254,7 @@ def test_logits_match_eager(kind):
             assert_parity(out[valid], ref[valid], lowp[valid], name=f"{kind} logits")
 
 
-@pytest.mark.usefixtures("route")
+@pytest.mark.usefixtures("model_route")
 def test_packed_sequences_match_eager():
     """Padding-free batches: position_ids restart at each packed sequence, no attention mask,
     no cache (transformers marks packed sequences only then)."""
@@ -279,7 +279,7 @@ def test_packed_sequences_match_eager():
 
 @pytest.mark.parametrize("kind,cache", [("gpt2", "dynamic"), ("llama", "static"),
                                         ("qwen2", "dynamic")])
-@pytest.mark.usefixtures("route")
+@pytest.mark.usefixtures("model_route")
 def test_greedy_generate_matches_eager(kind, cache):
     """Left-padded batch of prompts, KV cache (q_len 1 against the cache): dynamic, or static
     (keys past the last query are empty slots); Qwen2 generates past its sliding window, so its
@@ -297,13 +297,13 @@ def test_greedy_generate_matches_eager(kind, cache):
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "qwen2"])
-@pytest.mark.usefixtures("route")
+@pytest.mark.usefixtures("model_route")
 def test_training_step_gradients_match_eager(kind):
     ours, eager, oracle = _models(kind)
     assert_training_grads_match(kind, ours, eager, oracle, [8, 5], 8, left=[False, True])
 
 
-@pytest.mark.usefixtures("route")
+@pytest.mark.usefixtures("model_route")
 def test_training_with_dropout_is_reproducible():
     ours, _, _ = _models("llama", attention_dropout=0.25, num_hidden_layers=1)
     ours.train()

@@ -23,7 +23,7 @@ import torch
 from helpers import GRAD_FACTOR, assert_parity
 from hf_helpers import (VOCAB, assert_training_grads_match, masked_attention, models,
                         padded_batch, skip_module_unless_registered)
-from hf_helpers import route  # noqa: F401 (the fixture the tests below use)
+from hf_helpers import model_route  # noqa: F401 (the fixture the tests below use)
 
 transformers = pytest.importorskip(
     "transformers", reason="Hugging Face transformers is not installed (pip install -e '.[hf]')")
@@ -182,7 +182,7 @@ _CALLS = {
 
 @pytest.mark.parametrize("feature", ["softcap", "sinks", "v_dim", "softcap+sinks+v_dim"])
 @pytest.mark.parametrize("case", list(_CALLS))
-@pytest.mark.usefixtures("route")
+@pytest.mark.usefixtures("model_route")
 def test_attention_function_features(case, feature):
     """softcap, s_aux and a value head_dim of their own, dense and packed (padding) calls."""
     q_len, kv_len, q_off, kv_off, width, window, rows = _CALLS[case]
@@ -221,7 +221,7 @@ def test_attention_function_features(case, feature):
     assert (out[~valid_q] == 0).all()
 
 
-@pytest.mark.usefixtures("route")
+@pytest.mark.usefixtures("model_route")
 def test_attention_function_sink_gradients():
     """Sinks are learned: their gradient (and q's, k's, v's) flows through the packed path."""
     rows = ("11111100", "00111111")
@@ -319,7 +319,7 @@ def test_chunked_mask_layout_is_transformers_pattern(case):
     assert not got[~valid_q].any()
 
 
-@pytest.mark.usefixtures("route")
+@pytest.mark.usefixtures("model_route")
 def test_chunked_attention_matches_transformers_mask():
     """The kernel itself on a chunked, left/right-padded, cached call (packed) and on a dense
     one starting its keys at a chunk boundary (kv_start > 0)."""
@@ -356,7 +356,7 @@ _PACKED_CHUNKED = {
 
 
 @pytest.mark.parametrize("case", list(_PACKED_CHUNKED))
-@pytest.mark.usefixtures("route")
+@pytest.mark.usefixtures("model_route")
 def test_packed_chunked_attention_matches_transformers_mask(case):
     """Padding-free packed rows through a chunked layer, both masks built by this transformers'
     own ``create_chunked_causal_mask`` (whichever way this version builds them): the kernel on
@@ -389,7 +389,7 @@ def test_packed_chunked_attention_matches_transformers_mask(case):
     assert_parity(out, ref, lowp, name=case)
 
 
-@pytest.mark.usefixtures("route")
+@pytest.mark.usefixtures("model_route")
 def test_kept_query_rows_of_a_mask():
     """mask[:, :, -n:, :] (Gemma 4's KV-shared layers under generate): the last n query rows,
     keys and alignment unchanged, packed layouts re-derived; any other index is refused."""
@@ -457,7 +457,7 @@ _FEATURE = {"gemma2": "softcap", "gpt_oss": "sinks", "llama4": "mask", "gemma4":
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.usefixtures("route")
+@pytest.mark.usefixtures("model_route")
 def test_logits_match_eager(kind):
     ours, eager, oracle = _models(kind)
     ids, mask = padded_batch([10, 7], 11, left=[False, True])  # right- and left-padded rows
@@ -477,7 +477,7 @@ def test_logits_match_eager(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.usefixtures("route")
+@pytest.mark.usefixtures("model_route")
 def test_greedy_generate_matches_eager(kind):
     """Left-padded prompts, dynamic KV cache, generating past the sliding windows and chunks
     (their caches drop keys: kv_offset > 0)."""
@@ -492,7 +492,7 @@ def test_greedy_generate_matches_eager(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.usefixtures("route")
+@pytest.mark.usefixtures("model_route")
 def test_training_step_gradients_match_eager(kind):
     ours, eager, oracle = _models(kind)
     assert_training_grads_match(kind, ours, eager, oracle, [9, 6], 9, left=[False, True])
@@ -500,7 +500,7 @@ def test_training_step_gradients_match_eager(kind):
         assert all(layer.self_attn.sinks.grad.abs().max() > 0 for layer in ours.model.layers)
 
 
-@pytest.mark.usefixtures("route")
+@pytest.mark.usefixtures("model_route")
 def test_llama4_packed_sequences_match_eager():
     """Padding-free packed rows through the chunked layer (chunks of 4), as this transformers
     version counts chunks: by position ids (from 5.23; they restart at 0 with each sequence) or
