@@ -747,14 +747,21 @@ def _prune_table(configs, args, block_d, elem_bytes, family, budget):
         return kept
     if fitting:
         return fitting
-    # None fits (fp32 with head_dim > 128): the smallest tiles with fewer pipeline stages. As
-    # listed (4 stages) fp32 head_dim 256 needs 264 KiB on sm_90, over the 227 KiB a block gets.
-    smallest = min(candidates or configs, key=lambda c: lds(c, block_d, elem_bytes))
+    # None fits (fp32 with head_dim > 128): as listed (4 stages) fp32 head_dim 256 needs 264 KiB
+    # on sm_90, over the 227 KiB a block gets.
+    return [_least_shared_memory(candidates or configs,
+                                 lambda c: lds(c, block_d, elem_bytes), budget)]
+
+
+def _least_shared_memory(configs, estimate, budget):
+    """The config of ``configs`` with the smallest shared-memory ``estimate``, with fewer
+    pipeline stages until it is within ``budget`` (or down to one): where nothing fits."""
+    smallest = min(configs, key=estimate)
     for stages in range(max(smallest.num_stages, 1), 0, -1):
         cfg = triton.Config(dict(smallest.kwargs), num_warps=smallest.num_warps,
                             num_stages=stages, pre_hook=smallest.pre_hook)
-        if stages == 1 or lds(cfg, block_d, elem_bytes) <= budget:
-            return [cfg]
+        if stages == 1 or estimate(cfg) <= budget:
+            return cfg
 
 
 # Register budgets of the backward's wgmma tiles (sm_90; 255 registers per thread).
@@ -812,8 +819,9 @@ def prune_bwd_configs(configs, named_args, **kwargs):
         return (acc + (4 if dropout else 2) * tile <= _DQ_LIVE_REGS
                 and (cfg.num_warps > 4 or acc <= _DQ_ACC_REGS_4_WARPS))
 
+    lds = cdna_bwd_lds if family.wave64 else _bwd_smem_bytes
+
     def fits(cfg):
-        lds = cdna_bwd_lds if family.wave64 else _bwd_smem_bytes
         return (lds(cfg, width, elem, dkdv) <= budget and _stages_ok(cfg, args)
                 and (not family.register_model or width >= WIDE_MIN_WIDTH
                      or fits_registers(cfg)))
@@ -823,10 +831,19 @@ def prune_bwd_configs(configs, named_args, **kwargs):
         # dK/dV keeps its shared-row 64-key tiles: with grouped heads they spilled least.
         return kept if dkdv else _prefer_distinct_rows(kept, family, width,
                                                        lambda c: c.kwargs["BLOCK_M"])
+    # None fits the family's cap: its smallest tile where the GPU still holds it (bf16 dQ at
+    # head_dim 256 on sm_100), else the wide-head tiles (WIDE) that fit, else the least shared
+    # memory. (fp32 at head_dim 256 on sm_90: every dQ tile's resident rows alone passed 227
+    # KiB, the smallest, 128 x 16, needed 311 KiB: the launch had no config that loads.)
     smallest = min(candidates or configs,
                    key=lambda c: (c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"], -c.num_warps,
                                   c.num_stages))
-    return [smallest]
+    if lds(smallest, width, elem, dkdv) <= gpu.smem_per_block:
+        return [smallest]
+    wide = _family_entries(configs, family, "dkdv" if dkdv else "dq", WIDE_MIN_WIDTH)
+    fitting = [c for c in wide if lds(c, width, elem, dkdv) <= budget and _stages_ok(c, args)]
+    return fitting or [_least_shared_memory(candidates + wide or configs,
+                                            lambda c: lds(c, width, elem, dkdv), budget)]
 
 
 # --------------------------------------------------------------------------------------------

@@ -74,6 +74,24 @@ def test_every_launch_keeps_a_config_that_fits(gpu, capability, smem, card, dtyp
                        <= smem * 1024 for c in kept), (card, kernel, d)
 
 
+@pytest.mark.parametrize("capability,smem,card", GENERATIONS, ids=[g[2] for g in GENERATIONS])
+@pytest.mark.parametrize("dropout", [0, 1])
+def test_fp32_launches_keep_a_config_that_fits(gpu, capability, smem, card, dropout):
+    """fp32 doubles every tile's bytes: where none of the family's tiles fits, the pruning
+    still keeps one that does (the wide-head tiles, or fewer stages). On sm_90 at head_dim 256
+    the dQ launch was left with 128 x 16 alone, 311 KiB of shared memory: no launch at all."""
+    gpu(capability, smem)
+    for d in HEAD_DIMS:
+        for cfg in _fwd_kept(d, torch.float32, dropout):
+            assert configs.smem_bytes(cfg, block_d(d), 4) <= smem * 1024, (card, d, _key(cfg))
+        for kernel in ("dkdv", "dq"):
+            kept = _bwd_kept(kernel, d, torch.float32, dropout)
+            assert kept, (card, kernel, d)
+            for cfg in kept:
+                assert configs._bwd_smem_bytes(cfg, block_d(d), 4, kernel == "dkdv") <= (
+                    smem * 1024), (card, kernel, d, _key(cfg))
+
+
 def test_hopper_defaults_unchanged(gpu):
     """sm_90's choices are the ones its static check was run on (docs/gpu.md,
     "Per-tile speed"): 128-key forward tiles without dropout, 128-row dQ tiles on 8 warps."""
