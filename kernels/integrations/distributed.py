@@ -91,7 +91,7 @@ def _agree(caller, group, world, rank, device, error, fields, names):
     """One all-gather of every rank's (verdict, fields): raise on every rank if any rank
     rejected its input or the ranks disagree on a field. Returns the (world, n) int64 table."""
     row = torch.tensor([1 if error is not None else 0] + [int(f) for f in fields],
-                       dtype=torch.int64)
+                       dtype=torch.int64, device="cpu")
     table = torch.empty(world * row.numel(), dtype=torch.int64, device=device)
     # all_gather_single: torch >= 2.13's name of all_gather_into_tensor (deprecated there).
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

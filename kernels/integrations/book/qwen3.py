@@ -147,7 +147,8 @@ class FusedQwen3GroupedQueryAttentionBatchedKV(_Qwen3Init):
         keys = torch.cat([k_r[0].transpose(0, 1) for k_r, _ in next_cache]).to(q.dtype)
         values = torch.cat([v_r[0].transpose(0, 1) for _, v_r in next_cache]).to(q.dtype)
         cu_q = torch.arange(0, (b + 1) * n, n, dtype=torch.int32, device=dev)
-        cu_k = torch.tensor([0] + k_lens, dtype=torch.int64).cumsum(0).to(dev, torch.int32)
+        cu_k = torch.tensor([0] + k_lens, dtype=torch.int64, device="cpu").cumsum(0).to(
+            dev, torch.int32)
         return _ops.attention_varlen(q.reshape(b * n, self.num_heads, self.head_dim), keys,
                                      values, cu_q, cu_k, max_seqlen_q=n,
                                      max_seqlen_k=max(k_lens), causal=True)
