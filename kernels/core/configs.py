@@ -821,10 +821,12 @@ def prune_bwd_configs(configs, named_args, **kwargs):
 
     lds = cdna_bwd_lds if family.wave64 else _bwd_smem_bytes
 
+    def fits_memory(cfg):
+        return lds(cfg, width, elem, dkdv) <= budget and _stages_ok(cfg, args)
+
     def fits(cfg):
-        return (lds(cfg, width, elem, dkdv) <= budget and _stages_ok(cfg, args)
-                and (not family.register_model or width >= WIDE_MIN_WIDTH
-                     or fits_registers(cfg)))
+        return fits_memory(cfg) and (not family.register_model or width >= WIDE_MIN_WIDTH
+                                     or fits_registers(cfg))
 
     kept = [cfg for cfg in candidates if fits(cfg)]
     if kept:
@@ -841,7 +843,7 @@ def prune_bwd_configs(configs, named_args, **kwargs):
     if lds(smallest, width, elem, dkdv) <= gpu.smem_per_block:
         return [smallest]
     wide = _family_entries(configs, family, "dkdv" if dkdv else "dq", WIDE_MIN_WIDTH)
-    fitting = [c for c in wide if lds(c, width, elem, dkdv) <= budget and _stages_ok(c, args)]
+    fitting = [c for c in wide if fits_memory(c)]
     return fitting or [_least_shared_memory(candidates + wide or configs,
                                             lambda c: lds(c, width, elem, dkdv), budget)]
 

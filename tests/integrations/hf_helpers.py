@@ -29,11 +29,11 @@ def model_route(route, monkeypatch):
     from kernels.core import backend
     fallback = route.name == "fallback"
     decided = []
+    choose = backend._use_fallback
 
     def use_fallback(*args, **kwargs):
         decided.append(choose(*args, **kwargs))
         return decided[-1]
-    choose = backend._use_fallback
     monkeypatch.setattr(backend, "_use_fallback", use_fallback)
     with contextlib.nullcontext() if route.device == "cpu" else torch.device(route.device):
         yield route
