@@ -1,5 +1,8 @@
-"""Test devices, inputs and the parity assertion (the budget rule lives in reference.parity;
-fa2_oracle derives the extra allowance of FlashAttention-2-style gradients in float64)."""
+"""Test devices, inputs, the parity assertion and ``check_dense`` (the budget rule lives in
+reference.parity; fa2_oracle derives the extra allowance of FlashAttention-2-style gradients in
+float64)."""
+import math
+
 import torch
 
 import reference
@@ -123,3 +126,44 @@ def _group_sum(t, group, index):
         return t
     b, h, n, d = t.shape
     return t.view(b, h // group, group, n, d).sum(2)
+
+
+def grads_of(out, leaves, do):
+    """d(out)/d(leaves) for the upstream gradient ``do`` (cast to out's dtype)."""
+    return torch.autograd.grad(out, leaves, do.to(out.dtype))
+
+
+def check_dense(b, hq, hkv, q_len, k_len, d, dtype, *, causal=True, window=None, dropout_p=0.0,
+                seed=None):
+    """``kernels.attention`` vs the float64 oracle (``reference.attention``, dropout through
+    ``reference.dropout_keep_mask``): the output and dq/dk/dv by the budget rule, the
+    gradients plus ``fa2_oracle``'s allowance (from the kernel's own o and lse); fresh inputs on DEVICE. Returns the kernel's (out, grads)."""
+    import kernels
+
+    q = randn(b, hq, q_len, d, dtype=dtype, requires_grad=True)
+    k = randn(b, hkv, k_len, d, dtype=dtype, requires_grad=True)
+    v = randn(b, hkv, k_len, d, dtype=dtype, requires_grad=True)
+    do = randn(b, hq, q_len, d, dtype=dtype)
+    out, lse = kernels.attention(q, k, v, causal=causal, window=window, dropout_p=dropout_p,
+                                 seed=seed, return_lse=True)
+    grads = grads_of(out, (q, k, v), do)
+    keep = None
+    if dropout_p > 0:
+        keep = reference.dropout_keep_mask(seed, b, hq, q_len, k_len, dropout_p, device=DEVICE)
+    kw = dict(causal=causal, window=window, dropout_p=dropout_p, keep_mask=keep)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    ref = reference.attention(*leaves, upcast=True, **kw)
+    ref_grads = grads_of(ref, leaves, do)
+    lowp = reference.attention(*leaves, upcast=False, **kw)
+    lowp_grads = grads_of(lowp, leaves, do)
+    assert_parity(out, ref, lowp)
+
+    scale = 1.0 / math.sqrt(d)
+    given_o, noise = fa2_oracle(q.detach(), k.detach(), v.detach(), do, out.detach(), lse,
+                                causal=causal, softmax_scale=scale, dropout_p=dropout_p,
+                                keep_mask=keep, window=window)
+    for name, g, r, lp, e, n in zip(("dq", "dk", "dv"), grads, ref_grads, lowp_grads, given_o,
+                                    noise):
+        inherited = (e - r).abs().max().item() if r.numel() else 0.0
+        assert_parity(g, r, lp, factor=GRAD_FACTOR, extra=inherited + n, name=name)
+    return out, grads

@@ -19,6 +19,7 @@ import sys
 import warnings
 
 import torch
+from triton.runtime.errors import OutOfResources
 
 from . import fallback
 from .backward import BackwardPlan
@@ -48,6 +49,25 @@ def _fp8_notice():
                       "the same results within the FP8 parity rule, but not an FP8 kernel and "
                       "no FP8 speed-up. Said once per process.", RuntimeWarning,
                       stacklevel=_caller_stacklevel())
+_warned_unfit = set()
+
+
+def _unfit_notice(err, device, launch):
+    """Say (once per GPU and reason) that a signature's ``launch`` ("forward", "backward",
+    "KV-cache forward") has no config this GPU loads -- Triton's ``OutOfResources`` from every
+    config its pruning kept, ``err`` the last one's -- and that the signature runs the
+    fallback from now on. Seen: fp32 at head_dim 512 on GPUs with 99 KiB of shared memory per
+    block (sm_86, sm_89, sm_120), whose backward tiles need 129 KiB (docs/features.md)."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
+    key = (name, launch, str(err))
+    if key not in _warned_unfit:
+        _warned_unfit.add(key)
+        warnings.warn(f"kernels: no launch config of the Triton {launch} loads on {name} "
+                      f"({err}); calls of this signature run a PyTorch path with the same "
+                      f"semantics (dropout mask included), at PyTorch's speed",
+                      RuntimeWarning, stacklevel=_caller_stacklevel())
+
+
 # Frames of these files are ours or PyTorch's (custom-op dispatch, nn.Module calls, compiled
 # graphs): a warning skips them to land on the caller's own line.
 _INTERNAL = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
@@ -125,7 +145,9 @@ class AttentionPlan:
     """How one validated signature of ``attention`` (dense) or ``attention_varlen`` (packed:
     ``max_seqlens`` given) runs: ``call`` (an ``AttentionCall`` without seed or mods' tensors,
     which come per call) and ``num_splits``; the Triton plans are built at the first launch.
-    The backend is chosen per call (``_use_fallback``); a backward follows its forward's."""
+    The backend is chosen per call (``_use_fallback``); a backward follows its forward's.
+    A launch with no config this GPU loads (``OutOfResources``) turns the plan to the
+    fallback for good (``unfit``, warned once by ``_unfit_notice``)."""
 
     def __init__(self, call, num_splits=0, max_seqlens=(None, None), fp8=False):
         self.call, self.num_splits = call, int(num_splits)
@@ -135,10 +157,14 @@ class AttentionPlan:
         self.bwd = {}
         self.cuda_route = None
         self.fp8 = fp8   # FP8 inputs (forward only; e4m3 k / v): the backend's FP8 rule
+        self.unfit = False   # a launch had no config that loads: the fallback from then on
 
     def route(self, q):
         """``_use_fallback(q)``: decided once per plan on a GPU (a plan is for one device),
-        per call on the CPU (TRITON_INTERPRET is read at each call)."""
+        per call on the CPU (TRITON_INTERPRET is read at each call); the fallback once a
+        launch of this plan could not load (``unfit``)."""
+        if self.unfit:
+            return True
         route = self.cuda_route
         if route is None or not q.is_cuda:
             route = _use_fallback(q, self.fp8)
@@ -146,25 +172,34 @@ class AttentionPlan:
                 self.cuda_route = route
         return route
 
+    def _unfit(self, err, q, launch):
+        """A launch of this plan has no config that loads: the fallback from now on."""
+        self.unfit, self.fwd, self.bwd = True, None, {}
+        _unfit_notice(err, q.device, launch)
+
     def forward(self, q, k, v, seed_t, call, cu_q=None, cu_k=None, route=None):
         """(out, lse) for this call's tensors; ``call``: the plan's with this call's mods'
         tensors; ``route``: the ``_use_fallback`` decision when the caller made it."""
         if q.shape[1] == 0:  # no query heads: an empty problem, like batch = 0
             return (new_out(q, v.shape[-1], call.out_dtype),
                     q.new_empty(lse_shape(q, cu_q is not None), dtype=torch.float32))
-        if self.route(q) if route is None else route:
+        if self.unfit or (self.route(q) if route is None else route):
             # o None: the fallback's own buffer when its layout is new_out's (no copy)
             return fallback.forward(q, k, v, cu_q, cu_k, call.with_seed(seed_t), None)
         if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
             q, k, v = unit_last(q), unit_last(k), unit_last(v)
-        plan = self.fwd
-        if plan is None:
-            max_q, max_k = self.max_seqlens
-            plan = self.fwd = ForwardPlan(q, k, v, call, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                                          max_seqlen_q=_longest(cu_q, max_q),
-                                          max_seqlen_k=_longest(cu_k, max_k),
-                                          num_splits=self.num_splits)
-        return plan(q, k, v, call, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seed=seed_t)
+        try:
+            plan = self.fwd
+            if plan is None:
+                max_q, max_k = self.max_seqlens
+                plan = self.fwd = ForwardPlan(
+                    q, k, v, call, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                    max_seqlen_q=_longest(cu_q, max_q), max_seqlen_k=_longest(cu_k, max_k),
+                    num_splits=self.num_splits)
+            return plan(q, k, v, call, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seed=seed_t)
+        except OutOfResources as err:   # raised at load, before anything was launched
+            self._unfit(err, q, "forward")
+        return fallback.forward(q, k, v, cu_q, cu_k, call.with_seed(seed_t), None)
 
     def recorded_forward(self, q, k, v, seed_t, call, packed, need_lse):
         """(route, (out, lse) or None) for a call that wants gradients: the route
@@ -187,28 +222,34 @@ class AttentionPlan:
         if q.shape[1] == 0:  # no query heads: nothing reads k or v, whose gradients are 0
             return new_like(q), new_like(k).zero_(), new_like(v).zero_()
         do = unit_last(do)
-        if self.route(q) if route is None else route:
-            into = (new_like(q), new_like(k), new_like(v)) if into else (None, None, None)
-            return fallback.backward(do, q, k, v, o, lse, cu_q, cu_k, call.with_seed(seed_t),
-                                     *into, daux=daux)
-        if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
-            q, k, v = unit_last(q), unit_last(k), unit_last(v)
-        if own_output:   # the forward's own output: one layout for the signature
-            key = (do.stride(), do.data_ptr() % 16 == 0, daux is not None)
-        else:            # an integration's (out, lse) may come from elsewhere
-            o = unit_last(o)
-            key = (do.stride(), do.data_ptr() % 16 == 0, o.stride(), o.data_ptr() % 16 == 0,
-                   daux is not None)
-        plan = self.bwd.get(key)
-        if plan is None:
-            max_q, max_k = self.max_seqlens
-            plan = self.bwd[key] = BackwardPlan(
-                do, q, k, v, o, lse, call, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                max_seqlen_q=_longest(cu_q, max_q), max_seqlen_k=_longest(cu_k, max_k),
-                aux_grad=daux is not None)
-        # (the kernels' gradients are in ``new_like``'s layouts already: ``into`` is not needed)
-        return plan(do, q, k, v, o, lse, call, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                    seed=seed_t, daux=daux)
+        if not (self.unfit or (self.route(q) if route is None else route)):
+            if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+                q, k, v = unit_last(q), unit_last(k), unit_last(v)
+            if own_output:   # the forward's own output: one layout for the signature
+                key = (do.stride(), do.data_ptr() % 16 == 0, daux is not None)
+            else:            # an integration's (out, lse) may come from elsewhere
+                o = unit_last(o)
+                key = (do.stride(), do.data_ptr() % 16 == 0, o.stride(),
+                       o.data_ptr() % 16 == 0, daux is not None)
+            try:
+                plan = self.bwd.get(key)
+                if plan is None:
+                    max_q, max_k = self.max_seqlens
+                    plan = self.bwd[key] = BackwardPlan(
+                        do, q, k, v, o, lse, call, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                        max_seqlen_q=_longest(cu_q, max_q), max_seqlen_k=_longest(cu_k, max_k),
+                        aux_grad=daux is not None)
+                # (the kernels' gradients are in ``new_like``'s layouts already)
+                return plan(do, q, k, v, o, lse, call, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                            seed=seed_t, daux=daux)
+            except OutOfResources as err:
+                # Raised at a kernel's load. The launches before it wrote only the plan's own
+                # buffers (daux is the dQ launch's, the last), so the fallback starts afresh
+                # from (o, lse): the kernel forward's are those of the fallback's rule.
+                self._unfit(err, q, "backward")
+        into = (new_like(q), new_like(k), new_like(v)) if into else (None, None, None)
+        return fallback.backward(do, q, k, v, o, lse, cu_q, cu_k, call.with_seed(seed_t),
+                                 *into, daux=daux)
 
 
 class KVCacheRunner:
@@ -220,23 +261,31 @@ class KVCacheRunner:
         self.call, self.num_splits = call, int(num_splits)
         self.plan = None
         self.fp8 = fp8   # an FP8 cache: the backend's FP8 rule
+        self.unfit = False   # as ``AttentionPlan.unfit``
 
     def __call__(self, q, k_cache, v_cache, cache_seqlens, k, v, call, block_table=None):
         """(out, lse); ``call``: the runner's with this call's mods' tensors."""
         if q.shape[1] == 0:  # no query heads (and so no kv heads: no cache entry to append)
             return (new_out(q, v_cache.shape[-1], call.out_dtype),
                     q.new_empty(tuple(q.shape[:3]), dtype=torch.float32))
-        if _use_fallback(q, self.fp8):
-            return fallback.kvcache_forward(q, k_cache, v_cache, cache_seqlens, k, v, call,
-                                            new_out(q, v_cache.shape[-1], call.out_dtype),
-                                            block_table=block_table)
-        q = unit_last(q)
-        k = None if k is None else unit_last(k)
-        v = None if v is None else unit_last(v)
-        if self.plan is None:
-            self.plan = KVCachePlan(q, k_cache, v_cache, cache_seqlens, k, v, call,
-                                    num_splits=self.num_splits, block_table=block_table)
-        return self.plan(q, k_cache, v_cache, cache_seqlens, k, v, call, block_table=block_table)
+        if not (self.unfit or _use_fallback(q, self.fp8)):
+            q = unit_last(q)
+            k = None if k is None else unit_last(k)
+            v = None if v is None else unit_last(v)
+            try:
+                if self.plan is None:
+                    self.plan = KVCachePlan(q, k_cache, v_cache, cache_seqlens, k, v, call,
+                                            num_splits=self.num_splits, block_table=block_table)
+                return self.plan(q, k_cache, v_cache, cache_seqlens, k, v, call,
+                                 block_table=block_table)
+            except OutOfResources as err:
+                # An append launched before the failing load wrote what the fallback writes
+                # again: the new rows at cache_seqlens, which no launch advances.
+                self.unfit, self.plan = True, None
+                _unfit_notice(err, q.device, "KV-cache forward")
+        return fallback.kvcache_forward(q, k_cache, v_cache, cache_seqlens, k, v, call,
+                                        new_out(q, v_cache.shape[-1], call.out_dtype),
+                                        block_table=block_table)
 
 
 class PagedVarlenRunner:
@@ -248,6 +297,7 @@ class PagedVarlenRunner:
         self.call, self.num_splits, self.max_seqlen_q = call, int(num_splits), max_seqlen_q
         self.plan = None
         self.fp8 = fp8   # an FP8 cache: the backend's FP8 rule
+        self.unfit = False   # as ``AttentionPlan.unfit``
 
     def __call__(self, q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, call):
         """(out (total_q, heads_q, Dv), lse (heads_q, total_q)); ``call``: the runner's with
@@ -255,14 +305,19 @@ class PagedVarlenRunner:
         if q.shape[1] == 0:
             return (new_out(q, v_cache.shape[-1], call.out_dtype),
                     q.new_empty(lse_shape(q, True), dtype=torch.float32))
-        if _use_fallback(q, self.fp8):
-            return fallback.varlen_paged_forward(q, k_cache, v_cache, cu_seqlens_q, seqused_k,
-                                                 block_table, call)
-        q = unit_last(q)
-        if self.plan is None:
-            self.plan = VarlenPagedPlan(
-                q, k_cache, v_cache, call, cu_seqlens_q=cu_seqlens_q,
-                max_seqlen_q=_longest(cu_seqlens_q, self.max_seqlen_q), seqused_k=seqused_k,
-                block_table=block_table, num_splits=self.num_splits)
-        return self.plan(q, k_cache, v_cache, call, cu_seqlens_q=cu_seqlens_q,
-                         seqused_k=seqused_k, block_table=block_table)
+        if not (self.unfit or _use_fallback(q, self.fp8)):
+            q = unit_last(q)
+            try:
+                if self.plan is None:
+                    self.plan = VarlenPagedPlan(
+                        q, k_cache, v_cache, call, cu_seqlens_q=cu_seqlens_q,
+                        max_seqlen_q=_longest(cu_seqlens_q, self.max_seqlen_q),
+                        seqused_k=seqused_k, block_table=block_table,
+                        num_splits=self.num_splits)
+                return self.plan(q, k_cache, v_cache, call, cu_seqlens_q=cu_seqlens_q,
+                                 seqused_k=seqused_k, block_table=block_table)
+            except OutOfResources as err:
+                self.unfit, self.plan = True, None
+                _unfit_notice(err, q.device, "paged forward")
+        return fallback.varlen_paged_forward(q, k_cache, v_cache, cu_seqlens_q, seqused_k,
+                                             block_table, call)

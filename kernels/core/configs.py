@@ -300,6 +300,13 @@ WIDE_MIN_WIDTH = 512
 WIDE = dict(fwd=((32, 32, 8, 1), (32, 16, 8, 2)),
             dkdv=((16, 32, 8, 2), (16, 16, 8, 1)),
             dq=((16, 16, 8, 1),))
+# fp32 at those widths on NVIDIA: with IEEE dots (PyTorch's default "highest" matmul
+# precision: FMA loops, no tensor cores) WIDE's forward tiles spilled 4-23 KB on sm_86 to
+# sm_100 and took 130-132 KiB, over the 99 KiB of sm_86/89/120; 16 x 16 on 4 warps compiled
+# spill-free everywhere, IEEE or TF32 (239-255 registers, 64-65 KiB).
+# The fp32 backward's smallest tiles need 128-129 KiB: on the 99 KiB GPUs it has no config
+# that loads (backend.AttentionPlan then runs the fallback, warned).
+WIDE_FP32 = dict(fwd=((16, 16, 4, 1),))
 
 # AMD CDNA (MI300: gfx942, MI350: gfx950): 64-lane waves, MFMA, LDS. Chosen from what LLVM's
 # AMDGPU backend makes of each entry (tools/amd_static.py, triton 3.9): per arch, kernel,
@@ -420,8 +427,9 @@ def _platform_families():
 def _union(kernel):
     """Every family's entries of this platform for ``kernel`` and the wide tiles, in order,
     once: what an autotuner is built with (its pruning then keeps the running GPU's own)."""
+    wide = list(WIDE[kernel]) + ([] if hip_runtime() else list(WIDE_FP32.get(kernel, ())))
     return list(dict.fromkeys([e for fam in _platform_families()
-                               for e in getattr(fam, kernel)] + list(WIDE[kernel])))
+                               for e in getattr(fam, kernel)] + wide))
 
 
 def fwd_configs(interpret: bool = False):
@@ -576,15 +584,18 @@ def _key(config):
         ("warp_spec",) if config.kwargs.get("WARP_SPEC") else ())
 
 
-def _family_entries(configs, family, kernel, width, dropout=False):
+def _family_entries(configs, family, kernel, width, dropout=False, elem_bytes=2):
     """``configs`` that ``family`` lists for ``kernel`` at this padded head_dim (and, for the
-    AMD families, with or without dropout), in the family's order of preference."""
+    AMD families, with or without dropout; on NVIDIA at the widest heads, for elements of
+    ``elem_bytes``), in the family's order of preference."""
     table = getattr(family, kernel)
     if family.wave64 and width < WIDE_MIN_WIDTH:
         table = family.tables[(kernel, min(max(width, 64), 256), bool(dropout))]
         allowed = set(table)
     elif width >= WIDE_MIN_WIDTH:
         table = WIDE[kernel]
+        if elem_bytes >= 4 and not family.wave64:
+            table = WIDE_FP32.get(kernel, table)
         allowed = set(table)
     elif family.register_model:
         allowed = set(table)
@@ -725,7 +736,7 @@ def _prune_table(configs, args, block_d, elem_bytes, family, budget):
     (``family_of``) whose tiles fit its shared memory at this head_dim and, for wgmma tiles,
     stay within the register budgets (e.g. 128x64 with 4 warps at head_dim 128 spilled)."""
     dropout = bool(args.get("DROPOUT", False))
-    candidates = _family_entries(configs, family, "fwd", block_d, dropout)
+    candidates = _family_entries(configs, family, "fwd", block_d, dropout, elem_bytes)
     lds = cdna_fwd_lds if family.wave64 else smem_bytes
     fitting = [c for c in candidates if lds(c, block_d, elem_bytes) <= budget]
     spec = args.get("SPEC")

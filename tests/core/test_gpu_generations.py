@@ -92,6 +92,19 @@ def test_fp32_launches_keep_a_config_that_fits(gpu, capability, smem, card, drop
                     smem * 1024), (card, kernel, d, _key(cfg))
 
 
+@pytest.mark.parametrize("capability,smem,card", GENERATIONS, ids=[g[2] for g in GENERATIONS])
+@pytest.mark.parametrize("dropout", [0, 1])
+def test_fp32_widest_heads_forward_takes_its_own_tile(gpu, capability, smem, card, dropout):
+    """Above head_dim 256 in fp32 (IEEE dots: FMA loops) the wide-head 8-warp forward tiles
+    spilled 4-23 KB and took 130-132 KiB (no load on the 99 KiB cards); every generation takes
+    the one fp32 tile, 16 x 16 on 4 warps, spill-free at 64 KiB. bf16 keeps the wide-head
+    tiles."""
+    gpu(capability, smem)
+    for d in (320, 512):
+        assert [_key(c) for c in _fwd_kept(d, torch.float32, dropout)] == [(16, 16, 4, 1)]
+        assert _key(_fwd_kept(d, torch.bfloat16, dropout)[0]) == configs.WIDE["fwd"][0]
+
+
 def test_hopper_defaults_unchanged(gpu):
     """sm_90's choices are the ones its static check was run on (docs/gpu.md,
     "Per-tile speed"): 128-key forward tiles without dropout, 128-row dQ tiles on 8 warps."""

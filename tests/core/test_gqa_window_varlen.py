@@ -10,48 +10,13 @@ import warnings
 
 import pytest
 import torch
-from helpers import DEVICE, GRAD_FACTOR, assert_parity, fa2_oracle, randn
+from helpers import (DEVICE, GRAD_FACTOR, assert_parity, check_dense, fa2_oracle, grads_of,
+                     randn)
 
 import kernels
 import reference
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
-
-
-def _grads(out, leaves, do):
-    return torch.autograd.grad(out, leaves, do.to(out.dtype))
-
-
-def check_dense(b, hq, hkv, q_len, k_len, d, dtype, *, causal=True, window=None, dropout_p=0.0,
-                seed=None):
-    """Kernel vs oracle: output, lse and dq/dk/dv. Returns the kernel's (out, grads)."""
-    q = randn(b, hq, q_len, d, dtype=dtype, requires_grad=True)
-    k = randn(b, hkv, k_len, d, dtype=dtype, requires_grad=True)
-    v = randn(b, hkv, k_len, d, dtype=dtype, requires_grad=True)
-    do = randn(b, hq, q_len, d, dtype=dtype)
-    out, lse = kernels.attention(q, k, v, causal=causal, window=window, dropout_p=dropout_p,
-                                 seed=seed, return_lse=True)
-    grads = _grads(out, (q, k, v), do)
-    keep = None
-    if dropout_p > 0:
-        keep = reference.dropout_keep_mask(seed, b, hq, q_len, k_len, dropout_p, device=DEVICE)
-    kw = dict(causal=causal, window=window, dropout_p=dropout_p, keep_mask=keep)
-    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    ref = reference.attention(*leaves, upcast=True, **kw)
-    ref_grads = _grads(ref, leaves, do)
-    lowp = reference.attention(*leaves, upcast=False, **kw)
-    lowp_grads = _grads(lowp, leaves, do)
-    assert_parity(out, ref, lowp)
-
-    scale = 1.0 / math.sqrt(d)
-    given_o, noise = fa2_oracle(q.detach(), k.detach(), v.detach(), do, out.detach(), lse,
-                                causal=causal, softmax_scale=scale, dropout_p=dropout_p,
-                                keep_mask=keep, window=window)
-    for name, g, r, lp, e, n in zip(("dq", "dk", "dv"), grads, ref_grads, lowp_grads, given_o,
-                                    noise):
-        inherited = (e - r).abs().max().item() if r.numel() else 0.0
-        assert_parity(g, r, lp, factor=GRAD_FACTOR, extra=inherited + n, name=name)
-    return out, grads
 
 
 # ------------------------------------------------------------------------------------------
@@ -88,7 +53,7 @@ def test_gqa_backward_bit_identical_reruns():
     k = randn(1, 2, 45, 32, dtype=BF16, requires_grad=True)
     v = randn(1, 2, 45, 32, dtype=BF16, requires_grad=True)
     do = randn(1, 8, 45, 32, dtype=BF16)
-    runs = [_grads(kernels.attention(q, k, v, dropout_p=0.2, seed=7, window=20), (q, k, v), do)
+    runs = [grads_of(kernels.attention(q, k, v, dropout_p=0.2, seed=7, window=20), (q, k, v), do)
             for _ in range(2)]
     for first, second in zip(*runs):
         assert torch.equal(first, second)
@@ -138,7 +103,7 @@ def test_window_skips_tiles_outside_the_band():
     v.requires_grad_()
     do = randn(1, 2, n, d)
     out = kernels.attention(q, k, v, window=window)
-    dq, dk, dv = _grads(out, (q, k, v), do)
+    dq, dk, dv = grads_of(out, (q, k, v), do)
 
     far = 2 * 128
     # Rows i >= p1 + window - 1 no longer see the poison; keys j < p0 - window + 1 are seen only
@@ -153,7 +118,7 @@ def test_window_skips_tiles_outside_the_band():
     assert torch.isfinite(dq[:, :, row_ok]).all()
     assert torch.isfinite(dk[:, :, key_ok]).all() and torch.isfinite(dv[:, :, key_ok]).all()
     torch.testing.assert_close(out[:, :, row_ok].double(), ref[:, :, row_ok], rtol=0, atol=1e-5)
-    ref_dq, ref_dk, ref_dv = _grads(ref, leaves, do)
+    ref_dq, ref_dk, ref_dv = grads_of(ref, leaves, do)
     for got, want, sl in ((dq, ref_dq, row_ok), (dk, ref_dk, key_ok), (dv, ref_dv, key_ok)):
         torch.testing.assert_close(got[:, :, sl].double(), want[:, :, sl].double(), rtol=0,
                                    atol=1e-5)
@@ -191,7 +156,7 @@ def check_varlen(lens_q, lens_k, hq, hkv, d, dtype, *, causal=True, window=None,
     out, lse = kernels.attention_varlen(q, k, v, cu_q, cu_k, causal=causal, window=window,
                                         dropout_p=dropout_p, seed=seed, return_lse=True)
     assert out.shape == q.shape and lse.shape == (hq, q.shape[0]) and lse.dtype == F32
-    grads = _grads(out, (q, k, v), do)
+    grads = grads_of(out, (q, k, v), do)
     keeps = None
     if dropout_p > 0:
         keeps = reference.dropout_keep_mask_varlen(seed, cu_q, cu_k, hq, dropout_p,
@@ -199,9 +164,9 @@ def check_varlen(lens_q, lens_k, hq, hkv, d, dtype, *, causal=True, window=None,
     kw = dict(causal=causal, window=window, dropout_p=dropout_p, keep_masks=keeps)
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     ref = reference.attention_varlen(*leaves, cu_q, cu_k, upcast=True, **kw)
-    ref_grads = _grads(ref, leaves, do)
+    ref_grads = grads_of(ref, leaves, do)
     lowp = reference.attention_varlen(*leaves, cu_q, cu_k, upcast=False, **kw)
-    lowp_grads = _grads(lowp, leaves, do)
+    lowp_grads = grads_of(lowp, leaves, do)
     assert_parity(out, ref, lowp)
 
     # The FA-2 allowance, sequence by sequence, each gradient's worst case.
@@ -243,7 +208,7 @@ def test_varlen_sequence_equals_dense_alone(causal, window):
     q, k, v, do = _packed(LENS_Q, LENS_K_OTHER, 4, 2, 24, F16)
     out, lse = kernels.attention_varlen(q, k, v, _cu(LENS_Q), _cu(LENS_K_OTHER), causal=causal,
                                         window=window, return_lse=True)
-    grads = _grads(out, (q, k, v), do)
+    grads = grads_of(out, (q, k, v), do)
     cq, ck = _cu(LENS_Q).tolist(), _cu(LENS_K_OTHER).tolist()
     for s in range(len(LENS_Q)):
         seq = [_seq(t.detach(), c, s).requires_grad_() for t, c in ((q, cq), (k, ck), (v, ck))]
@@ -251,7 +216,7 @@ def test_varlen_sequence_equals_dense_alone(causal, window):
         assert torch.equal(_seq(out, cq, s), o_s)
         assert torch.equal(lse[:, cq[s]:cq[s + 1]], lse_s[0])
         if o_s.numel():
-            g_s = _grads(o_s, seq, _seq(do, cq, s))
+            g_s = grads_of(o_s, seq, _seq(do, cq, s))
             for g, c, gs in zip(grads, (cq, ck, ck), g_s):
                 assert torch.equal(_seq(g, c, s), gs)
 
@@ -272,12 +237,12 @@ def test_varlen_backward_tiles_past_a_sequence_end_ignore_the_next():
     cu = _cu(lens)
     out, lse = kernels.attention_varlen(q, k, v, cu, cu, causal=True, return_lse=True)
     assert lse[:, rows].max() < -350
-    grads = _grads(out, (q, k, v), do)
+    grads = grads_of(out, (q, k, v), do)
     assert all(torch.isfinite(g).all() for g in grads)
     cq = cu.tolist()
     seq = [_seq(t.detach(), cq, 0).requires_grad_() for t in (q, k, v)]
     o_0 = kernels.attention(*seq, causal=True)
-    for g, g_0 in zip(grads, _grads(o_0, seq, _seq(do, cq, 0))):
+    for g, g_0 in zip(grads, grads_of(o_0, seq, _seq(do, cq, 0))):
         assert torch.equal(_seq(g, cq, 0), g_0)
 
 
@@ -333,7 +298,7 @@ def test_varlen_compiles_fullgraph():
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager" if DEVICE == "cpu"
                              else "inductor")(q, k, v)
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
-    for a, b in zip(_grads(compiled, (q, k, v), do), _grads(eager, (q, k, v), do)):
+    for a, b in zip(grads_of(compiled, (q, k, v), do), grads_of(eager, (q, k, v), do)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
@@ -352,13 +317,13 @@ def test_fallback_gqa_window_varlen(monkeypatch):
     ]
     for call in calls:
         expected = call()
-        exp_grads = _grads(expected, (q, k, v), do) if expected.dim() == 3 else None
+        exp_grads = grads_of(expected, (q, k, v), do) if expected.dim() == 3 else None
         monkeypatch.setenv("TRITON_INTERPRET", "0")
         monkeypatch.setattr("kernels.core.backend._warned_fallback", True)
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             got = call()
-            got_grads = _grads(got, (q, k, v), do) if got.dim() == 3 else None
+            got_grads = grads_of(got, (q, k, v), do) if got.dim() == 3 else None
         monkeypatch.setenv("TRITON_INTERPRET", "1")
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
         if exp_grads is not None:
