@@ -146,8 +146,9 @@ class AttentionPlan:
     ``max_seqlens`` given) runs: ``call`` (an ``AttentionCall`` without seed or mods' tensors,
     which come per call) and ``num_splits``; the Triton plans are built at the first launch.
     The backend is chosen per call (``_use_fallback``); a backward follows its forward's.
-    A launch with no config this GPU loads (``OutOfResources``) turns the plan to the
-    fallback for good (``unfit``, warned once by ``_unfit_notice``)."""
+    A launch with no config this GPU loads (``OutOfResources``) turns that pass to the
+    fallback for good (``unfit``, warned once by ``_unfit_notice``): the forward's, the whole
+    call; the backward's, the backward only (it starts from the kernel forward's o and lse)."""
 
     def __init__(self, call, num_splits=0, max_seqlens=(None, None), fp8=False):
         self.call, self.num_splits = call, int(num_splits)
@@ -157,13 +158,13 @@ class AttentionPlan:
         self.bwd = {}
         self.cuda_route = None
         self.fp8 = fp8   # FP8 inputs (forward only; e4m3 k / v): the backend's FP8 rule
-        self.unfit = False   # a launch had no config that loads: the fallback from then on
+        self.unfit = ()   # the passes ("forward", "backward") with no config that loads
 
     def route(self, q):
         """``_use_fallback(q)``: decided once per plan on a GPU (a plan is for one device),
         per call on the CPU (TRITON_INTERPRET is read at each call); the fallback once a
-        launch of this plan could not load (``unfit``)."""
-        if self.unfit:
+        forward of this plan could not load (``unfit``)."""
+        if "forward" in self.unfit:
             return True
         route = self.cuda_route
         if route is None or not q.is_cuda:
@@ -173,8 +174,13 @@ class AttentionPlan:
         return route
 
     def _unfit(self, err, q, launch):
-        """A launch of this plan has no config that loads: the fallback from now on."""
-        self.unfit, self.fwd, self.bwd = True, None, {}
+        """This plan's ``launch`` ("forward" or "backward") has no config that loads: that
+        pass runs the fallback from now on."""
+        self.unfit += (launch,)
+        if launch == "forward":
+            self.fwd = None
+        else:
+            self.bwd = {}
         _unfit_notice(err, q.device, launch)
 
     def forward(self, q, k, v, seed_t, call, cu_q=None, cu_k=None, route=None):
@@ -183,7 +189,7 @@ class AttentionPlan:
         if q.shape[1] == 0:  # no query heads: an empty problem, like batch = 0
             return (new_out(q, v.shape[-1], call.out_dtype),
                     q.new_empty(lse_shape(q, cu_q is not None), dtype=torch.float32))
-        if self.unfit or (self.route(q) if route is None else route):
+        if "forward" in self.unfit or (self.route(q) if route is None else route):
             # o None: the fallback's own buffer when its layout is new_out's (no copy)
             return fallback.forward(q, k, v, cu_q, cu_k, call.with_seed(seed_t), None)
         if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
@@ -222,7 +228,7 @@ class AttentionPlan:
         if q.shape[1] == 0:  # no query heads: nothing reads k or v, whose gradients are 0
             return new_like(q), new_like(k).zero_(), new_like(v).zero_()
         do = unit_last(do)
-        if not (self.unfit or (self.route(q) if route is None else route)):
+        if not ("backward" in self.unfit or (self.route(q) if route is None else route)):
             if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
                 q, k, v = unit_last(q), unit_last(k), unit_last(v)
             if own_output:   # the forward's own output: one layout for the signature
@@ -261,7 +267,7 @@ class KVCacheRunner:
         self.call, self.num_splits = call, int(num_splits)
         self.plan = None
         self.fp8 = fp8   # an FP8 cache: the backend's FP8 rule
-        self.unfit = False   # as ``AttentionPlan.unfit``
+        self.unfit = False   # its launch had no config that loads: the fallback from then on
 
     def __call__(self, q, k_cache, v_cache, cache_seqlens, k, v, call, block_table=None):
         """(out, lse); ``call``: the runner's with this call's mods' tensors."""
@@ -297,7 +303,7 @@ class PagedVarlenRunner:
         self.call, self.num_splits, self.max_seqlen_q = call, int(num_splits), max_seqlen_q
         self.plan = None
         self.fp8 = fp8   # an FP8 cache: the backend's FP8 rule
-        self.unfit = False   # as ``AttentionPlan.unfit``
+        self.unfit = False   # its launch had no config that loads: the fallback from then on
 
     def __call__(self, q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, call):
         """(out (total_q, heads_q, Dv), lse (heads_q, total_q)); ``call``: the runner's with

@@ -52,14 +52,21 @@ def _unloadable(monkeypatch, plan_class):
                                                ("backward", backend.BackwardPlan)])
 def test_unloadable_launch_runs_the_fallback(launch, plan_class, monkeypatch):
     attempts = _unloadable(monkeypatch, plan_class)
+    kernel_forwards = []
+    if launch == "backward":   # count the kernel forwards
+        run = backend.ForwardPlan.__call__
+        monkeypatch.setattr(backend.ForwardPlan, "__call__", lambda self, *a, **kw: (
+            kernel_forwards.append(1), run(self, *a, **kw))[1])
     with pytest.warns(RuntimeWarning, match=f"no launch config of the Triton {launch} loads"):
         check_dense(1, 4, 2, 33, 33, 16, F32, dropout_p=0.2, seed=11)
     assert len(attempts) == 1
-    # The signature stays on the fallback: no second attempt, no second warning.
+    # That pass stays on the fallback: no second attempt, no second warning. A failing
+    # backward leaves the forward on the kernel.
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         check_dense(1, 4, 2, 33, 33, 16, F32, dropout_p=0.2, seed=12)
     assert len(attempts) == 1
+    assert len(kernel_forwards) == (2 if launch == "backward" else 0)
 
 
 def test_unloadable_kvcache_launch_runs_the_fallback(monkeypatch):
