@@ -644,7 +644,7 @@ class BackwardPlan:
         common = dict(strides=strides, BUCKETS=pb.tune_buckets(),
                       HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), HEAD_DIM_V=head_dim_v,
                       # Sinks are in lse already: the backward compiles as without them.
-                      BLOCK_DV=BLOCK_DV, SPEC=score_spec(call)._replace(sinks=False),
+                      BLOCK_DV=BLOCK_DV, SPEC=score_spec(call, q.dtype)._replace(sinks=False),
                       VARLEN=pb.varlen,
                       DROPOUT=call.dropout_mode, DOT_PRECISION=dot_precision(q.dtype),
                       WIDEN=widen_bf16(q.dtype))

@@ -30,9 +30,9 @@ from typing import NamedTuple, Optional
 import torch
 import triton
 
-from .common import LOG2E
+from .common import LOG2E, dot_precision
 from .dropout import dropout_threshold
-from .mods import NO_MODS, CallMods, MaskMod, ModFns, ScoreMod, lookup
+from .mods import NO_MODS, SOFTCAP, SOFTCAP_EXACT, CallMods, MaskMod, ModFns, ScoreMod, lookup
 
 # The left edge of what a causal query sees (the kernels' EDGE constexpr, kernels/core/tiles.py):
 # none, a sliding window of ``window`` keys, or the query's chunk of ``chunk_size`` positions.
@@ -421,11 +421,14 @@ def score_args(call: AttentionCall, dummy: torch.Tensor) -> ScoreArgs:
                      sinks=dummy if mods.sinks is None else mods.sinks)
 
 
-def score_spec(call: AttentionCall) -> ScoreSpec:
-    """The kernels' SPEC constexpr."""
+def score_spec(call: AttentionCall, dtype: torch.dtype) -> ScoreSpec:
+    """The kernels' SPEC constexpr for inputs of ``dtype``: fp32 with IEEE dots takes the
+    exact soft-capping (``mods.SOFTCAP_EXACT``), whose error is PyTorch's."""
     mods = call.mods
+    exact = dtype == torch.float32 and dot_precision(dtype) == "ieee"
     return ScoreSpec(causal=call.causal, edge=call.edge,
-                     mods=tuple(ModFns(m.fn, m.grad) for m, _ in mods.score_mods()),
+                     mods=tuple(SOFTCAP_EXACT if exact and m is SOFTCAP else ModFns(m.fn, m.grad)
+                                for m, _ in mods.score_mods()),
                      mask_mod=None if mods.mask_mod is None else mods.mask_mod.fn,
                      sinks=mods.sinks is not None,
                      mask_ranges=None if mods.mask_mod is None or mods.mask_mod.kv_range is None

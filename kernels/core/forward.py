@@ -630,7 +630,7 @@ class ForwardPlan:
                                         v=kv_strides(pb.v), o=o_strides, lse=pb.lse_strides),
                      BUCKETS=pb.tune_buckets(),
                      HEAD_DIM=D, BLOCK_D=block_d(D), HEAD_DIM_V=Dv, BLOCK_DV=block_d(Dv),
-                     SPEC=score_spec(call), KEYS=KeyLayout(
+                     SPEC=score_spec(call, q.dtype), KEYS=KeyLayout(
                          varlen=pb.varlen, k_lens=k_lens is not None,
                          page_size=k.shape[2] if paged else 0),
                      PACK_GQA=bool(pack_gqa), SPLIT=num_splits > 1, DROPOUT=call.dropout_mode,

@@ -157,6 +157,10 @@ def _check(case, dtype=torch.float32, b=2, hq=4, hkv=2, q_len=19, k_len=23, d=16
 CASES = {
     "softcap": dict(causal=True, softcap=2.0),
     "softcap_noncausal": dict(causal=False, softcap=0.7),
+    # Gemma 2's cap and Grok's order of magnitude, where scores are small against the cap: an
+    # fp32 tanh computed as 1 - 2 / (exp(2x) + 1) lost cap x eps there (mods.SOFTCAP_EXACT).
+    "softcap_50": dict(causal=True, softcap=50.0),
+    "softcap_20_noncausal": dict(causal=False, softcap=20.0),
     "alibi": dict(causal=True, alibi_slopes="heads"),
     "alibi_per_batch": dict(causal=False, alibi_slopes="batch"),
     "sinks": dict(causal=True, sinks="random"),
