@@ -49,15 +49,18 @@ def _fp8_notice():
                       "the same results within the FP8 parity rule, but not an FP8 kernel and "
                       "no FP8 speed-up. Said once per process.", RuntimeWarning,
                       stacklevel=_caller_stacklevel())
+
+
 _warned_unfit = set()
 
 
 def _unfit_notice(err, device, launch):
     """Say (once per GPU and reason) that a signature's ``launch`` ("forward", "backward",
     "KV-cache forward") has no config this GPU loads -- Triton's ``OutOfResources`` from every
-    config its pruning kept, ``err`` the last one's -- and that the signature runs the
-    fallback from now on. Seen: fp32 at head_dim 512 on GPUs with 99 KiB of shared memory per
-    block (sm_86, sm_89, sm_120), whose backward tiles need 129 KiB (docs/features.md)."""
+    config its pruning kept, ``err`` the last one's -- and that this pass of the signature runs
+    the fallback from now on. Seen: the fp32 backward at head_dim 512 on GPUs with 99 KiB of
+    shared memory per block (sm_86, sm_89, sm_120), whose tiles need 128-129 KiB
+    (docs/features.md)."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
     key = (name, launch, str(err))
     if key not in _warned_unfit:
