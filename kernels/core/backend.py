@@ -192,22 +192,21 @@ class AttentionPlan:
         if q.shape[1] == 0:  # no query heads: an empty problem, like batch = 0
             return (new_out(q, v.shape[-1], call.out_dtype),
                     q.new_empty(lse_shape(q, cu_q is not None), dtype=torch.float32))
-        if "forward" in self.unfit or (self.route(q) if route is None else route):
-            # o None: the fallback's own buffer when its layout is new_out's (no copy)
-            return fallback.forward(q, k, v, cu_q, cu_k, call.with_seed(seed_t), None)
-        if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
-            q, k, v = unit_last(q), unit_last(k), unit_last(v)
-        try:
-            plan = self.fwd
-            if plan is None:
-                max_q, max_k = self.max_seqlens
-                plan = self.fwd = ForwardPlan(
-                    q, k, v, call, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                    max_seqlen_q=_longest(cu_q, max_q), max_seqlen_k=_longest(cu_k, max_k),
-                    num_splits=self.num_splits)
-            return plan(q, k, v, call, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seed=seed_t)
-        except OutOfResources as err:   # raised at load, before anything was launched
-            self._unfit(err, q, "forward")
+        if not ("forward" in self.unfit or (self.route(q) if route is None else route)):
+            if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+                q, k, v = unit_last(q), unit_last(k), unit_last(v)
+            try:
+                plan = self.fwd
+                if plan is None:
+                    max_q, max_k = self.max_seqlens
+                    plan = self.fwd = ForwardPlan(
+                        q, k, v, call, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                        max_seqlen_q=_longest(cu_q, max_q), max_seqlen_k=_longest(cu_k, max_k),
+                        num_splits=self.num_splits)
+                return plan(q, k, v, call, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seed=seed_t)
+            except OutOfResources as err:   # raised at load, before anything was launched
+                self._unfit(err, q, "forward")
+        # o None: the fallback's own buffer when its layout is new_out's (no copy)
         return fallback.forward(q, k, v, cu_q, cu_k, call.with_seed(seed_t), None)
 
     def recorded_forward(self, q, k, v, seed_t, call, packed, need_lse):

@@ -266,7 +266,6 @@ def _softcap_exact_grad(ds, s, b, h, q_idx, kv_idx, aux):
     return ds * (1.0 - t * t)
 
 
-
 # --------------------------------------------------------------------------- built-in: ALiBi
 @triton.jit
 def _alibi_fn(s, b, h, q_idx, kv_idx, aux):
