@@ -38,6 +38,15 @@ Every function here has FlashAttention 2's signature and semantics (flash_attn 2
 ``cache_leftpad`` hides each row's keys before it (a mask mod; positions, rotary included,
 stay absolute, as in FlashAttention).
 
+FlashAttention 3's ``attention_chunk`` (Llama 4's chunked attention) and learnable sinks
+(gpt-oss; ``s_aux`` in vLLM's FlashAttention 3, ``learnable_sink`` in ``flash_attn.cute``) are
+keyword arguments of the dense, varlen and KV-cache functions. A chunk C keeps query i (position
+P = i + seqlen_k - seqlen_q) to keys in [C * floor(P / C), C * floor(P / C) + C), on top of its
+causal mask or window: with ``causal`` it is our built-in ``chunk_size`` (a window then stays a
+mask mod), without it a mask mod (``CHUNK_MASK``) whose tile ranges skip other chunks' tiles.
+The sinks are our ``sinks``: a (heads,) logit in every row's softmax denominator, with a
+gradient (FlashAttention 3's backward has neither).
+
 ``unpad_input`` / ``pad_input``: ``flash_attn.bert_padding``'s helpers (2.7+ signatures and
 return values) in plain PyTorch, to pack a padded batch for the varlen functions and back.
 
@@ -81,10 +90,9 @@ __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_
            "pad_input", "WINDOW_MASK"]
 
 # FlashAttention 3's arguments that FlashAttention 2's API does not have and we cannot honour.
-_FA3_ONLY = ("qv", "scheduler_metadata",
-             "attention_chunk", "sm_margin", "pack_gqa", "sink_token_length", "rotary_seqlens",
-             "page_table", "seqused_q", "seqused_k", "cu_seqlens_k_new", "max_seqlen_q",
-             "cu_seqlens_q", "s_aux", "learnable_sink")
+_FA3_ONLY = ("qv", "scheduler_metadata", "sm_margin", "pack_gqa", "sink_token_length",
+             "rotary_seqlens", "page_table", "seqused_q", "seqused_k", "cu_seqlens_k_new",
+             "max_seqlen_q", "cu_seqlens_q")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn)
 _FP8 = torch.float8_e4m3fn
 # Keys per identity slice of the probabilities' slow path (our head_dim_v limit).
@@ -114,7 +122,7 @@ def _window_queries(b, kv_lo, kv_hi, aux):
 
 
 def _window_torch(b, h, q_idx, kv_idx, aux):
-    left, right = aux[0].reshape(-1).tolist()
+    left, right = aux[0].reshape(-1).tolist()[:2]
     return (kv_idx >= q_idx - left) & (kv_idx <= q_idx + right)
 
 
@@ -151,22 +159,98 @@ LEFTPAD_MASK = MaskMod("flash_attn.leftpad", _leftpad_fn, _leftpad_torch,
                        kv_range=_leftpad_keys, q_range=_leftpad_queries)
 
 
-def _bounds_tensor(left, right, device):
-    """int32 (left, right) on ``device``: made once per window in eager mode (no host-to-device
-    copy per call; the kernels only read it), a constant of the graph under torch.compile."""
+# FlashAttention 3's ``attention_chunk`` C without ``causal``: query position P sees the keys
+# of its own chunk of positions, [C * floor(P / C), C * floor(P / C) + C), inside its window
+# (FlashAttention 3's local mask: the chunk narrows both window edges). aux[0] = int32
+# (left, right, C). With ``causal`` the chunk is our built-in ``chunk_size`` instead (its tiles
+# are skipped by the kernels' own chunk edge) and the window, if any, WINDOW_MASK.
+@triton.jit
+def _chunk_start(pos, chunk):
+    """The first position of ``pos``'s chunk: the multiple of ``chunk`` at or below ``pos``.
+    ``pos`` may be negative (queries before the first key when seqlen_q > seqlen_k): the
+    remainder is made non-negative first, since integer ``%`` truncates on the GPU."""
+    return pos - ((pos % chunk) + chunk) % chunk
+
+
+@triton.jit
+def _chunk_fn(b, h, q_idx, kv_idx, aux):
+    chunk = tl.load(aux[0] + 2)
+    start = _chunk_start(q_idx, chunk)
+    return _window_fn(b, h, q_idx, kv_idx, aux) & (kv_idx >= start) & (kv_idx < start + chunk)
+
+
+@triton.jit
+def _chunk_keys(b, q_lo, q_hi, aux):
+    chunk = tl.load(aux[0] + 2)
+    kv_lo, kv_hi = _window_keys(b, q_lo, q_hi, aux)
+    return (tl.maximum(kv_lo, _chunk_start(q_lo, chunk)),
+            tl.minimum(kv_hi, _chunk_start(q_hi - 1, chunk) + chunk))
+
+
+@triton.jit
+def _chunk_queries(b, kv_lo, kv_hi, aux):
+    # A key is seen only by the positions of its own chunk, as a query sees only its own.
+    chunk = tl.load(aux[0] + 2)
+    q_lo, q_hi = _window_queries(b, kv_lo, kv_hi, aux)
+    return (tl.maximum(q_lo, _chunk_start(kv_lo, chunk)),
+            tl.minimum(q_hi, _chunk_start(kv_hi - 1, chunk) + chunk))
+
+
+def _chunk_torch(b, h, q_idx, kv_idx, aux):
+    chunk = int(aux[0].reshape(-1)[2])
+    start = torch.div(q_idx, chunk, rounding_mode="floor") * chunk
+    return _window_torch(b, h, q_idx, kv_idx, aux) & (kv_idx >= start) & (kv_idx < start + chunk)
+
+
+CHUNK_MASK = MaskMod("flash_attn.chunk", _chunk_fn, _chunk_torch, kv_range=_chunk_keys,
+                     q_range=_chunk_queries)
+
+
+# The same with a left-padded KV cache: aux[1] = int32 (batch,) leftpad, as LEFTPAD_MASK.
+@triton.jit
+def _leftpad_chunk_fn(b, h, q_idx, kv_idx, aux):
+    return _chunk_fn(b, h, q_idx, kv_idx, aux) & (kv_idx >= tl.load(aux[1] + b))
+
+
+@triton.jit
+def _leftpad_chunk_keys(b, q_lo, q_hi, aux):
+    kv_lo, kv_hi = _chunk_keys(b, q_lo, q_hi, aux)
+    return tl.maximum(kv_lo, tl.load(aux[1] + b)), kv_hi
+
+
+@triton.jit
+def _leftpad_chunk_queries(b, kv_lo, kv_hi, aux):
+    q_lo, q_hi = _chunk_queries(b, kv_lo, kv_hi, aux)
+    return q_lo, tl.where(kv_hi <= tl.load(aux[1] + b), q_lo, q_hi)
+
+
+def _leftpad_chunk_torch(b, h, q_idx, kv_idx, aux):
+    return _chunk_torch(b, h, q_idx, kv_idx, aux) & (kv_idx >= aux[1].long()[b])
+
+
+LEFTPAD_CHUNK_MASK = MaskMod("flash_attn.leftpad_chunk", _leftpad_chunk_fn,
+                             _leftpad_chunk_torch, kv_range=_leftpad_chunk_keys,
+                             q_range=_leftpad_chunk_queries)
+
+
+def _bounds_tensor(bounds, device):
+    """int32 ``bounds`` ((left, right) or (left, right, chunk)) on ``device``: made once per
+    window in eager mode (no host-to-device copy per call; the kernels only read it), a
+    constant of the graph under torch.compile."""
     if torch.compiler.is_compiling():
-        return torch.tensor([left, right], dtype=torch.int32, device=device)
-    return _cached_bounds(left, right, device)
+        return torch.tensor(bounds, dtype=torch.int32, device=device)
+    return _cached_bounds(bounds, device)
 
 
 @functools.lru_cache(maxsize=64)
-def _cached_bounds(left, right, device):
-    return torch.tensor([left, right], dtype=torch.int32, device=device)
+def _cached_bounds(bounds, device):
+    return torch.tensor(bounds, dtype=torch.int32, device=device)
 
 
-def _window_args(window_size, causal, device, leftpad=None):
-    """Our (causal, window, mask_mod, mod_aux) for FlashAttention's ``window_size``,
-    ``causal`` and (KV cache) ``cache_leftpad``."""
+def _mask_kw(window_size, causal, device, leftpad=None, chunk=0):
+    """Our visibility keywords (causal, window, chunk_size, mask_mod, mod_aux) for
+    FlashAttention's ``window_size`` and ``causal``, FlashAttention 3's ``attention_chunk``
+    (``chunk``, 0: off; validated by ``_fa3_kw``) and (KV cache) ``cache_leftpad``."""
     try:
         left, right = (int(x) for x in window_size)
     except (TypeError, ValueError):
@@ -174,19 +258,27 @@ def _window_args(window_size, causal, device, leftpad=None):
                          f"got {window_size!r}") from None
     left = _WINDOW_CAP if left < 0 else min(left, _WINDOW_CAP)
     right = _WINDOW_CAP if right < 0 else min(right, _WINDOW_CAP)
+    kw = dict(causal=False)
     if causal or right == 0:
         # FlashAttention ignores ``right`` when causal; (left, 0) is causal with a window.
-        causal, window = True, (None if left >= _WINDOW_CAP else left + 1)
-        left = right = _WINDOW_CAP     # the built-in rules do it: the mask mod only pads
+        # The built-in rules do causal and the chunk; the window too when there is no chunk
+        # (ours and a chunk do not combine: then the mask mod keeps the window's left edge).
+        kw["causal"] = True
+        right = _WINDOW_CAP
+        if chunk:
+            kw["chunk_size"] = chunk
+        elif left < _WINDOW_CAP:
+            kw["window"], left = left + 1, _WINDOW_CAP
+        chunk = 0
+    if leftpad is None and left >= _WINDOW_CAP and right >= _WINDOW_CAP and not chunk:
+        return kw
+    bounds = _bounds_tensor((left, right, chunk) if chunk else (left, right), device)
+    if leftpad is None:
+        kw.update(mask_mod=CHUNK_MASK if chunk else WINDOW_MASK, mod_aux=(bounds,))
     else:
-        causal, window = False, None
-    bounds = _bounds_tensor(left, right, device)
-    if leftpad is not None:
-        return causal, window, LEFTPAD_MASK, (bounds, leftpad.to(device=device,
-                                                                  dtype=torch.int32))
-    if causal or (left >= _WINDOW_CAP and right >= _WINDOW_CAP):
-        return causal, window, None, ()
-    return causal, window, WINDOW_MASK, (bounds,)
+        kw.update(mask_mod=LEFTPAD_CHUNK_MASK if chunk else LEFTPAD_MASK,
+                  mod_aux=(bounds, leftpad.to(device=device, dtype=torch.int32)))
+    return kw
 
 
 # ---------------------------------------------------------------------------- validation
@@ -199,6 +291,20 @@ def _reject_fa3(kwargs):
                                       f"2's API and does not support it")
     if kwargs:
         raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(kwargs))}")
+
+
+def _fa3_kw(attention_chunk, s_aux, learnable_sink):
+    """FlashAttention 3's ``attention_chunk`` (an int >= 0, 0: off) and learnable sinks: a
+    (heads,) logit per query head in every row's softmax denominator, named ``s_aux`` in
+    vLLM's FlashAttention 3 and ``learnable_sink`` in ``flash_attn.cute``; they are our
+    ``sinks``. Returns (chunk, sinks)."""
+    if (isinstance(attention_chunk, bool) or not isinstance(attention_chunk, numbers.Integral)
+            or attention_chunk < 0):
+        raise RuntimeError(f"attention_chunk must be an int >= 0 (0: off), got "
+                           f"{attention_chunk!r}")
+    if s_aux is not None and learnable_sink is not None:
+        raise RuntimeError("s_aux and learnable_sink are two names for the same sinks: pass one")
+    return int(attention_chunk), s_aux if s_aux is not None else learnable_sink
 
 
 def _check(q, k, v, dims, layout, fp8_cache=False):
@@ -323,7 +429,8 @@ def _probs_varlen(q, k, cu_q, cu_k, max_q, max_k, dropout_p, seed, kw):
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
                     return_attn_probs=False, *, q_descale=None, k_descale=None,
-                    v_descale=None, **fa3_kwargs):
+                    v_descale=None, attention_chunk=0, s_aux=None, learnable_sink=None,
+                    **fa3_kwargs):
     """FlashAttention 2's ``flash_attn_func`` on our kernels (differentiable).
 
     Args:
@@ -343,6 +450,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
             probabilities with dropout, by a slow path for tests; else an empty tensor).
         q_descale, k_descale, v_descale: FlashAttention 3's FP8 descales, float32 (batch,
             heads_k), with float8_e4m3fn q, k, v (forward only, output bfloat16).
+        attention_chunk: FlashAttention 3's chunked attention (Llama 4), 0 = off: query i
+            (position P = i + seqlen_k - seqlen_q) sees only keys of its own chunk
+            [C * floor(P / C), C * floor(P / C) + C), inside its causal mask or window.
+        s_aux, learnable_sink: FlashAttention 3's learnable sinks (gpt-oss), one name or the
+            other: (heads,) logits in every row's softmax denominator (differentiable).
 
     Returns:
         out (batch, seqlen_q, heads, head_dim); with ``return_attn_probs``: (out, softmax_lse
@@ -351,9 +463,12 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     """
     _reject_fa3(fa3_kwargs)
     _check(q, k, v, 4, "(batch, seqlen, heads, head_dim)")
+    chunk, sinks = _fa3_kw(attention_chunk, s_aux, learnable_sink)
+    kw = dict(softmax_scale=softmax_scale, softcap=_softcap(softcap), alibi_slopes=alibi_slopes,
+              sinks=sinks, **_mask_kw(window_size, causal, q.device, chunk=chunk),
+              **_fp8_kw(q, q_descale, k_descale, v_descale))
     return _dense(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p,
-                  softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
-                  _fp8_kw(q, q_descale, k_descale, v_descale))
+                  return_attn_probs, kw)
 
 
 def _fp8_kw(q, q_descale, k_descale, v_descale):
@@ -364,13 +479,9 @@ def _fp8_kw(q, q_descale, k_descale, v_descale):
     return dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
 
 
-def _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-           return_attn_probs, fp8_kw=None):
-    """The dense functions in our layout (batch, heads, seq, head_dim)."""
-    causal, window, mask_mod, mod_aux = _window_args(window_size, causal, q.device)
-    kw = dict(causal=causal, softmax_scale=softmax_scale, window=window,
-              softcap=_softcap(softcap), alibi_slopes=alibi_slopes, mask_mod=mask_mod,
-              mod_aux=mod_aux, **(fp8_kw or {}))
+def _dense(q, k, v, dropout_p, return_attn_probs, kw):
+    """The dense functions in our layout (batch, heads, seq, head_dim); ``kw``: the call's
+    ``kernels.attention`` keywords other than dropout."""
     seed = _seed(dropout_p, return_attn_probs)
     out, lse = attention(q, k, v, dropout_p=dropout_p, seed=seed, return_lse=True, **kw)
     if not return_attn_probs:
@@ -384,25 +495,24 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
                               deterministic=False, return_attn_probs=False, **fa3_kwargs):
     """``flash_attn_func`` with qkv (batch, seqlen, 3, heads, head_dim) stacked (views of it
     are passed on: the gradient lands in qkv's slices)."""
-    _reject_fa3(fa3_kwargs)
     if not isinstance(qkv, torch.Tensor) or qkv.dim() != 5 or qkv.shape[2] != 3:
         raise RuntimeError(f"qkv must be (batch, seqlen, 3, heads, head_dim), got "
                            f"{tuple(getattr(qkv, 'shape', ()))}")
     return flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale,
                            causal, window_size, softcap, alibi_slopes, deterministic,
-                           return_attn_probs)
+                           return_attn_probs, **fa3_kwargs)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                              deterministic=False, return_attn_probs=False, **fa3_kwargs):
     """``flash_attn_func`` with kv (batch, seqlen_k, 2, heads_k, head_dim) stacked."""
-    _reject_fa3(fa3_kwargs)
     if not isinstance(kv, torch.Tensor) or kv.dim() != 5 or kv.shape[2] != 2:
         raise RuntimeError(f"kv must be (batch, seqlen_k, 2, heads_k, head_dim), got "
                            f"{tuple(getattr(kv, 'shape', ()))}")
     return flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal,
-                           window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+                           window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+                           **fa3_kwargs)
 
 
 # ---------------------------------------------------------------------------- varlen
@@ -410,7 +520,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                            softcap=0.0, alibi_slopes=None, deterministic=False,
                            return_attn_probs=False, block_table=None, *, q_descale=None,
-                           k_descale=None, v_descale=None, **fa3_kwargs):
+                           k_descale=None, v_descale=None, attention_chunk=0, s_aux=None,
+                           learnable_sink=None, **fa3_kwargs):
     """FlashAttention 2's ``flash_attn_varlen_func`` on ``kernels.attention_varlen``.
 
     Args:
@@ -426,6 +537,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             (float8_e4m3fn) under fp16 / bf16 q, with k_descale / v_descale.
         q_descale, k_descale, v_descale: FP8 descales, float32 (batch, heads_k), as in
             ``flash_attn_func``.
+        attention_chunk, s_aux, learnable_sink: as in ``flash_attn_func`` (positions are
+            each sequence's own).
         Others: as in ``flash_attn_func``; alibi_slopes may be (batch, heads).
 
     Returns:
@@ -447,10 +560,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         _check(q, k, v, 3, "(total, heads, head_dim)")
     _index_tensor("cu_seqlens_q", cu_seqlens_q, q.device, (None,))
     _index_tensor("cu_seqlens_k", cu_seqlens_k, q.device, (cu_seqlens_q.numel(),))
-    causal, window, mask_mod, mod_aux = _window_args(window_size, causal, q.device)
-    kw = dict(causal=causal, softmax_scale=softmax_scale, window=window,
-              softcap=_softcap(softcap), alibi_slopes=alibi_slopes, mask_mod=mask_mod,
-              mod_aux=mod_aux, **_fp8_kw(q, q_descale, k_descale, v_descale))
+    chunk, sinks = _fa3_kw(attention_chunk, s_aux, learnable_sink)
+    kw = dict(softmax_scale=softmax_scale, softcap=_softcap(softcap), alibi_slopes=alibi_slopes,
+              sinks=sinks, **_mask_kw(window_size, causal, q.device, chunk=chunk),
+              **_fp8_kw(q, q_descale, k_descale, v_descale))
     if paged:
         _index_tensor("block_table", block_table, q.device, (cu_seqlens_q.numel() - 1, None))
         if dropout_p:
@@ -481,14 +594,13 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
                                      softcap=0.0, alibi_slopes=None, deterministic=False,
                                      return_attn_probs=False, **fa3_kwargs):
     """``flash_attn_varlen_func`` with qkv (total, 3, heads, head_dim) stacked."""
-    _reject_fa3(fa3_kwargs)
     if not isinstance(qkv, torch.Tensor) or qkv.dim() != 4 or qkv.shape[1] != 3:
         raise RuntimeError(f"qkv must be (total, 3, heads, head_dim), got "
                            f"{tuple(getattr(qkv, 'shape', ()))}")
     return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens,
                                   max_seqlen, max_seqlen, dropout_p, softmax_scale, causal,
                                   window_size, softcap, alibi_slopes, deterministic,
-                                  return_attn_probs)
+                                  return_attn_probs, **fa3_kwargs)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -497,14 +609,13 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                                     alibi_slopes=None, deterministic=False,
                                     return_attn_probs=False, **fa3_kwargs):
     """``flash_attn_varlen_func`` with kv (total_k, 2, heads_k, head_dim) stacked."""
-    _reject_fa3(fa3_kwargs)
     if not isinstance(kv, torch.Tensor) or kv.dim() != 4 or kv.shape[1] != 2:
         raise RuntimeError(f"kv must be (total_k, 2, heads_k, head_dim), got "
                            f"{tuple(getattr(kv, 'shape', ()))}")
     return flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k,
                                   max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
                                   window_size, softcap, alibi_slopes, deterministic,
-                                  return_attn_probs)
+                                  return_attn_probs, **fa3_kwargs)
 
 
 # ---------------------------------------------------------------------------- KV cache
@@ -535,7 +646,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
                             return_softmax_lse=False, *, q_descale=None, k_descale=None,
-                            v_descale=None, **fa3_kwargs):
+                            v_descale=None, attention_chunk=0, s_aux=None, learnable_sink=None,
+                            **fa3_kwargs):
     """FlashAttention 2's ``flash_attn_with_kvcache`` on ``kernels.attention_with_kvcache``
     (forward only, as FlashAttention's).
 
@@ -564,12 +676,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         q_descale, k_descale, v_descale: FlashAttention 3's FP8 descales, float32 (batch,
             heads_k): an FP8 (float8_e4m3fn) cache read by fp16 / bf16 q (new k, v in q's
             dtype, quantized into the cache as x / descale), or FP8 q too (new k, v in FP8).
+        attention_chunk, s_aux, learnable_sink: as in ``flash_attn_func``.
         Others: as in ``flash_attn_func``.
 
     Returns:
         out (batch, seqlen_q, heads, head_dim) [, softmax_lse].
     """
     _reject_fa3(fa3_kwargs)
+    chunk, sinks = _fa3_kw(attention_chunk, s_aux, learnable_sink)
     paged = block_table is not None
     if paged and cache_leftpad is not None:
         raise RuntimeError("cache_leftpad cannot be combined with block_table (paged caches)")
@@ -629,10 +743,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if cache_leftpad is not None:
         _index_tensor("cache_leftpad", cache_leftpad, q.device, (B,),
                       not_tensor=TypeError)
-    # FlashAttention rotates each query at its own position when causal or windowed.
-    local = bool(causal) or tuple(window_size) != (-1, -1)
-    causal, window, mask_mod, mod_aux = _window_args(window_size, causal, q.device,
-                                                     cache_leftpad)
+    # FlashAttention rotates each query at its own position when causal or local (a window
+    # or, in FlashAttention 3, a chunk).
+    local = bool(causal) or tuple(window_size) != (-1, -1) or chunk > 0
+    mask_kw = _mask_kw(window_size, causal, q.device, cache_leftpad, chunk)
 
     if rotary_cos is not None:
         pos_k = lens.long()[:, None] + torch.arange(k.shape[1], device=q.device)
@@ -666,10 +780,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         idx = cache_batch_idx.to(device=q.device, dtype=torch.long)
         kc, vc = kc[idx], vc[idx]
     out, lse = attention_with_kvcache(q.transpose(1, 2), kc, vc, lens, new_k, new_v,
-                                      causal=causal, softmax_scale=softmax_scale, window=window,
-                                      num_splits=num_splits, return_lse=True,
-                                      softcap=_softcap(softcap), alibi_slopes=alibi_slopes,
-                                      mask_mod=mask_mod, mod_aux=mod_aux,
+                                      softmax_scale=softmax_scale, num_splits=num_splits,
+                                      return_lse=True, softcap=_softcap(softcap),
+                                      alibi_slopes=alibi_slopes, sinks=sinks, **mask_kw,
                                       **_fp8_kw(q, q_descale, k_descale, v_descale), **extra)
     out = out.transpose(1, 2)
     return (out, lse) if return_softmax_lse else out

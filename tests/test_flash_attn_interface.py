@@ -3,7 +3,9 @@ float64 oracle (reference/) with the parity rule of tests/helpers.py, in FlashAt
 (batch, seqlen, heads, head_dim) layout.
 
 The oracle's masks for FlashAttention's ``window_size`` are written here from FlashAttention's
-documented rule (query i sees keys [i + sk - sq - left, i + sk - sq + right]), the rotary
+documented rule (query i sees keys [i + sk - sq - left, i + sk - sq + right]), FlashAttention
+3's ``attention_chunk`` C from its mask (also only keys of the query's own chunk of positions,
+[C * floor(P / C), C * floor(P / C) + C) for P = i + sk - sq), the rotary
 embedding from its documented pairing, and the KV-cache appends by plain indexing: none of it
 is the module's code. Shapes are tiny (the kernels run in Triton's CPU interpreter).
 """
@@ -27,9 +29,10 @@ PAGED = "block_table" in inspect.signature(kernels.attention_with_kvcache).param
 
 
 # ------------------------------------------------------------------------------ the oracle
-def _fa_mask(causal, window_size, leftpad=0):
+def _fa_mask(causal, window_size, leftpad=0, chunk=0):
     """FlashAttention's visibility as a reference mask_mod (positions on the key axis); keys
-    before ``leftpad`` hidden (a left-padded KV cache row)."""
+    before ``leftpad`` hidden (a left-padded KV cache row); ``chunk`` > 0: FlashAttention 3's
+    ``attention_chunk``."""
     left, right = window_size
     if causal:
         right = 0
@@ -40,6 +43,9 @@ def _fa_mask(causal, window_size, leftpad=0):
             vis = vis & (kv_idx >= q_idx - left)
         if right >= 0:
             vis = vis & (kv_idx <= q_idx + right)
+        if chunk:
+            first = torch.div(q_idx, chunk, rounding_mode="floor") * chunk
+            vis = vis & (kv_idx >= first) & (kv_idx < first + chunk)
         return vis
 
     return visible
@@ -53,14 +59,20 @@ def _ours(t):
 
 
 def _oracle(q, k, v, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-            softmax_scale=None, keep=None, dropout_p=0.0, leftpad=0):
+            softmax_scale=None, keep=None, dropout_p=0.0, leftpad=0, attention_chunk=0,
+            s_aux=None):
     """(ref, lowp) pairs (out in FA layout, lse, grad leaves) of the oracle in float64 and in
-    the input dtype."""
+    the input dtype; ``s_aux``: the sinks (its grad leaf follows q, k, v's)."""
     results = []
     for i in range(2):
         leaves = [_ours(t)[i] for t in (q, k, v)]
-        o, lse = reference.attention(*leaves, causal=False,
-                                     mask_mod=_fa_mask(causal, window_size, leftpad),
+        sinks = None
+        if s_aux is not None:
+            sinks = s_aux.detach().double() if i == 0 else s_aux.detach().clone()
+            leaves.append(sinks.requires_grad_())
+        o, lse = reference.attention(*leaves[:3], causal=False, sinks=sinks,
+                                     mask_mod=_fa_mask(causal, window_size, leftpad,
+                                                       attention_chunk),
                                      softcap=softcap or None, alibi_slopes=alibi_slopes,
                                      softmax_scale=softmax_scale, keep_mask=keep,
                                      dropout_p=dropout_p, upcast=i == 0, return_lse=True)
@@ -74,8 +86,9 @@ def _grads(out, inputs, do):
 
 def _assert_grads(got, ref, lowp, do, names=("dq", "dk", "dv")):
     (ro, _, r_in), (lo, _, l_in) = ref, lowp
-    rg = [g.transpose(1, 2) for g in _grads(ro, r_in, do.double())]
-    lg = [g.transpose(1, 2) for g in _grads(lo, l_in, do)]
+    # q, k, v's gradients back to FlashAttention's layout (the sinks' is (heads,))
+    rg = [g.transpose(1, 2) if g.dim() == 4 else g for g in _grads(ro, r_in, do.double())]
+    lg = [g.transpose(1, 2) if g.dim() == 4 else g for g in _grads(lo, l_in, do)]
     for name, g, r, l in zip(names, got, rg, lg):
         assert_parity(g, r, l, factor=GRAD_FACTOR, name=name)
 
@@ -99,6 +112,12 @@ DENSE = {
     "softcap_alibi": dict(causal=True, softcap=2.0, alibi_slopes="heads"),
     "alibi_batch_window": dict(window_size=(6, 1), alibi_slopes="batch"),
     "scale": dict(softmax_scale=0.7),
+    # FlashAttention 3's chunked attention (Llama 4) and learnable sinks (gpt-oss)
+    "chunk_causal": dict(causal=True, attention_chunk=5),
+    "chunk_causal_window": dict(causal=True, window_size=(3, -1), attention_chunk=6),
+    "chunk_bidirectional": dict(attention_chunk=4),
+    "chunk_two_sided_sinks": dict(window_size=(2, 1), attention_chunk=5, s_aux="heads"),
+    "sinks_causal": dict(causal=True, s_aux="heads"),
 }
 
 
@@ -108,6 +127,8 @@ def _materialise(kw, b, hq):
         kw["alibi_slopes"] = torch.rand(hq, device=DEVICE)
     elif kw.get("alibi_slopes") == "batch":
         kw["alibi_slopes"] = torch.rand(b, hq, device=DEVICE)
+    if kw.get("s_aux") == "heads":
+        kw["s_aux"] = randn(hq)
     return kw
 
 
@@ -136,6 +157,44 @@ def test_flash_attn_func_fp16_deterministic():
         assert torch.equal(a, b)
     ref, lowp = _oracle(q, k, v, causal=True, window_size=(5, -1))
     assert_parity(runs[0][0], ref[0], lowp[0])
+
+
+@pytest.mark.parametrize("name", ["s_aux", "learnable_sink"])
+def test_learnable_sinks_gradient(name):
+    """FlashAttention 3's learnable sinks under either name (vLLM's ``s_aux``,
+    ``flash_attn.cute``'s ``learnable_sink``), in bf16 as models keep them: the sinks' gradient
+    against the oracle's, with q, k, v's."""
+    q, k, v = _qkv(2, 11, 11, 4, 2, 16)
+    sinks = randn(4, dtype=torch.bfloat16, requires_grad=True)
+    out = flash_attn_func(q, k, v, causal=True, window_size=(4, -1), **{name: sinks})
+    do = randn(*out.shape)
+    ref, lowp = _oracle(q, k, v, causal=True, window_size=(4, -1), s_aux=sinks.float())
+    assert_parity(out, ref[0], lowp[0])
+    _assert_grads(_grads(out, (q, k, v, sinks), do), ref, lowp, do,
+                  names=("dq", "dk", "dv", "dsinks"))
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning")
+def test_chunk_without_causal_skips_other_chunks():
+    """``attention_chunk`` without ``causal`` (bidirectional chunks, a mask mod with tile
+    ranges): with chunks of 128 positions (whole tiles of every width up to 128) over 144,
+    NaN values and queries in the first chunk leave the second chunk's outputs and its keys'
+    dK / dV untouched: the first chunk's tiles are never visited by the second's rows."""
+    chunk = 128
+    q, k, v = _qkv(1, chunk + 16, chunk + 16, 1, 1, 16)
+    out = flash_attn_func(q, k, v, attention_chunk=chunk)
+    dq, dk, dv = _grads(out, (q, k, v), torch.ones_like(out))
+    pq, pv = q.detach().clone(), v.detach().clone()
+    pq[:, :chunk], pv[:, :chunk] = float("nan"), float("nan")
+    poisoned = flash_attn_func(q.detach(), k.detach(), pv, attention_chunk=chunk)
+    assert torch.equal(poisoned[:, chunk:], out[:, chunk:].detach())
+    pq.requires_grad_()
+    out_q = flash_attn_func(pq, k, v, attention_chunk=chunk)
+    _, dk_q, dv_q = _grads(out_q, (pq, k, v), torch.ones_like(out_q))
+    assert torch.equal(dk_q[:, chunk:], dk[:, chunk:])
+    assert torch.equal(dv_q[:, chunk:], dv[:, chunk:])
+    ref, lowp = _oracle(q[:, chunk:], k[:, chunk:], v[:, chunk:])
+    assert_parity(out[:, chunk:], ref[0], lowp[0])
 
 
 def test_packed_dense():
@@ -240,7 +299,9 @@ def _varlen_oracle(q, k, v, cu_q, cu_k, kw, upcast):
     """reference.attention_varlen with FlashAttention's mask: (out, lse), differentiable in
     q, k, v (float64 with ``upcast``, else the input dtype)."""
     kw = dict(kw)
-    mask = _fa_mask(kw.pop("causal", False), kw.pop("window_size", (-1, -1)))
+    mask = _fa_mask(kw.pop("causal", False), kw.pop("window_size", (-1, -1)),
+                    chunk=kw.pop("attention_chunk", 0))
+    kw["sinks"] = kw.pop("s_aux", None)
     kw["softcap"] = kw.get("softcap") or None
     return reference.attention_varlen(q, k, v, cu_q, cu_k, causal=False, mask_mod=mask,
                                       upcast=upcast, return_lse=True, **kw)
@@ -248,8 +309,9 @@ def _varlen_oracle(q, k, v, cu_q, cu_k, kw, upcast):
 
 @pytest.mark.parametrize("kw", [dict(causal=True), dict(window_size=(2, 3)),
                                 dict(causal=True, window_size=(3, -1), softcap=2.0,
-                                     alibi_slopes="batch")],
-                         ids=["causal", "two_sided", "window_softcap_alibi"])
+                                     alibi_slopes="batch"),
+                                dict(window_size=(3, 2), attention_chunk=4, s_aux="heads")],
+                         ids=["causal", "two_sided", "window_softcap_alibi", "chunk_sinks"])
 def test_flash_attn_varlen_func(kw):
     lens_q, lens_k = [5, 1, 0, 12], [7, 3, 4, 9]
     cu_q, cu_k = _cu(lens_q), _cu(lens_k)
@@ -436,6 +498,8 @@ KVCACHE = {
     "more_new_than_queries": dict(sq=2, n_new=5, causal=True, softcap=3.0),
     "no_append": dict(sq=3, n_new=0, window_size=(2, 2), alibi_slopes="heads"),
     "int_seqlens": dict(sq=2, n_new=2, causal=True, int_lens=True),
+    "chunk_sinks": dict(sq=3, n_new=3, causal=True, attention_chunk=4, s_aux="heads",
+                        num_splits=2),
 }
 
 
@@ -508,8 +572,11 @@ def test_kvcache_batch_idx_without_paged_kernels(monkeypatch):
 
 
 @pytest.mark.parametrize("kw", [dict(causal=True), dict(window_size=(3, 1)), dict(),
-                                dict(causal=True, alibi_slopes="heads", num_splits=2)],
-                         ids=["causal", "two_sided", "full", "alibi_split"])
+                                dict(causal=True, alibi_slopes="heads", num_splits=2),
+                                dict(causal=True, attention_chunk=4),
+                                dict(window_size=(5, 1), attention_chunk=3)],
+                         ids=["causal", "two_sided", "full", "alibi_split", "chunk_causal",
+                              "chunk_two_sided"])
 def test_kvcache_leftpad(kw):
     """cache_leftpad: row b's keys before leftpad[b] are hidden, everything else (causal
     alignment, window, ALiBi distance, the append position) in absolute positions."""
@@ -600,6 +667,13 @@ ERRORS = [
      "q_descale applies to FP8"),
     (lambda: flash_attn_func(*_dense_inputs(), qv=torch.ones(1)), NotImplementedError, "qv"),
     (lambda: flash_attn_func(*_dense_inputs(), bogus=1), TypeError, "bogus"),
+    (lambda: flash_attn_func(*_dense_inputs(), attention_chunk=-1), RuntimeError,
+     "attention_chunk must be an int >= 0"),
+    (lambda: flash_attn_func(*_dense_inputs(), attention_chunk=2.5), RuntimeError,
+     "attention_chunk must be an int >= 0"),
+    (lambda: flash_attn_func(*_dense_inputs(), s_aux=torch.zeros(2),
+                             learnable_sink=torch.zeros(2)), RuntimeError, "pass one"),
+    (lambda: flash_attn_func(*_dense_inputs(), s_aux=torch.zeros(3)), ValueError, "sinks"),
     (lambda: flash_attn_with_kvcache(*_dense_inputs(), cache_seqlens=2,
                                      cache_leftpad=torch.zeros(1, dtype=torch.int32),
                                      block_table=torch.zeros(1, 1, dtype=torch.int32)),
@@ -730,19 +804,23 @@ def test_one_line_switch():
 
 
 def test_compiles_fullgraph():
-    """Under torch.compile(fullgraph=True) (aot_eager on CPU), a two-sided window (the mask
-    mod path) gives eager's output and gradients bit for bit."""
+    """Under torch.compile(fullgraph=True) (aot_eager on CPU), a two-sided window and a
+    bidirectional chunk (the mask mod path) with learnable sinks give eager's output and
+    gradients bit for bit."""
     q, k, v = _qkv(1, 9, 9, 2, 1, 16)
+    sinks = randn(2, requires_grad=True)
 
-    def f(q, k, v):
-        return flash_attn_func(q, k, v, window_size=(3, 2), softcap=2.0)
+    def f(q, k, v, sinks):
+        return flash_attn_func(q, k, v, window_size=(3, 2), softcap=2.0, attention_chunk=4,
+                               s_aux=sinks)
 
-    eager = f(q, k, v)
-    compiled = torch.compile(f, fullgraph=True,
-                             backend="aot_eager" if DEVICE == "cpu" else "inductor")(q, k, v)
+    eager = f(q, k, v, sinks)
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager" if DEVICE == "cpu"
+                             else "inductor")(q, k, v, sinks)
     assert torch.equal(compiled, eager)
     do = torch.ones_like(eager)
-    for a, b in zip(_grads(compiled, (q, k, v), do), _grads(eager, (q, k, v), do)):
+    leaves = (q, k, v, sinks)
+    for a, b in zip(_grads(compiled, leaves, do), _grads(eager, leaves, do)):
         assert torch.equal(a, b)
 
 
