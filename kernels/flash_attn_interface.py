@@ -44,8 +44,8 @@ keyword arguments of the dense, varlen and KV-cache functions. A chunk C keeps q
 P = i + seqlen_k - seqlen_q) to keys in [C * floor(P / C), C * floor(P / C) + C), on top of its
 causal mask or window: with ``causal`` it is our built-in ``chunk_size`` (a window then stays a
 mask mod), without it a mask mod (``CHUNK_MASK``) whose tile ranges skip other chunks' tiles.
-The sinks are our ``sinks``: a (heads,) logit in every row's softmax denominator, with a
-gradient (FlashAttention 3's backward has neither).
+The sinks are our ``sinks``: a (heads,) logit in every row's softmax denominator. Both are
+differentiable (FlashAttention 3's backward does not take a chunk).
 
 ``unpad_input`` / ``pad_input``: ``flash_attn.bert_padding``'s helpers (2.7+ signatures and
 return values) in plain PyTorch, to pack a padded batch for the varlen functions and back.
