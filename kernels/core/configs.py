@@ -308,6 +308,22 @@ WIDE = dict(fwd=((32, 32, 8, 1), (32, 16, 8, 2)),
 # that loads (backend.AttentionPlan then runs the fallback, warned).
 WIDE_FP32 = dict(fwd=((16, 16, 4, 1),))
 
+# fp32 with IEEE dots (PyTorch's default "highest" matmul precision) on NVIDIA below those
+# widths, per padded head_dim (16 and 32 take 64's): tl.dot is an FMA loop there, no tensor
+# cores, and the family tables (chosen for bf16/fp16 tensor-core tiles) spilled in all 34 kept
+# configs at head_dim 64 on sm_90, causal +- dropout (dK/dV 64 x 128: 50 KB, dQ 128 x 64:
+# 31 KB, forward 128 x 128: 10 KB; tools/sm90_static.py, triton 3.6). These tiles compiled spill-free on sm_80
+# to sm_120, causal, with and without dropout (dK/dV 16 x 16 with dropout: 8-16 B on sm_80 /
+# 86 / 89), except at width 256 on sm_90, where the least-spilling tile is listed (16 x 16 on
+# 8 warps: forward 0.4 KB, dQ 1.7 KB, dK/dV 2.8 KB; docs/gpu.md). TF32 keeps the family
+# tables. No GPU has timed them yet: the autotuner picks among them.
+_FMA_NARROW = ((16, 16, 8, 1),)
+FMA_FP32 = {64: dict(fwd=((32, 32, 8, 1), (32, 16, 8, 2), (16, 16, 4, 1)),
+                     dkdv=((16, 32, 8, 1), (16, 16, 8, 1)),
+                     dq=((32, 16, 4, 2), (16, 16, 8, 1))),
+            128: dict(fwd=_FMA_NARROW, dkdv=_FMA_NARROW, dq=_FMA_NARROW),
+            256: dict(fwd=_FMA_NARROW, dkdv=_FMA_NARROW, dq=_FMA_NARROW)}
+
 # AMD CDNA (MI300: gfx942, MI350: gfx950): 64-lane waves, MFMA, LDS. Chosen from what LLVM's
 # AMDGPU backend makes of each entry (tools/amd_static.py, triton 3.9): per arch, kernel,
 # padded head_dim (64: also 16 and 32; 128; 256) and dropout, the entries that compiled with no
@@ -427,7 +443,8 @@ def _platform_families():
 def _union(kernel):
     """Every family's entries of this platform for ``kernel`` and the wide tiles, in order,
     once: what an autotuner is built with (its pruning then keeps the running GPU's own)."""
-    wide = list(WIDE[kernel]) + ([] if hip_runtime() else list(WIDE_FP32.get(kernel, ())))
+    wide = list(WIDE[kernel]) + ([] if hip_runtime() else list(WIDE_FP32.get(kernel, ())) + [
+        e for table in FMA_FP32.values() for e in table[kernel]])
     return list(dict.fromkeys([e for fam in _platform_families()
                                for e in getattr(fam, kernel)] + wide))
 
@@ -584,12 +601,16 @@ def _key(config):
         ("warp_spec",) if config.kwargs.get("WARP_SPEC") else ())
 
 
-def _family_entries(configs, family, kernel, width, dropout=False, elem_bytes=2):
+def _family_entries(configs, family, kernel, width, dropout=False, elem_bytes=2, fma=False):
     """``configs`` that ``family`` lists for ``kernel`` at this padded head_dim (and, for the
     AMD families, with or without dropout; on NVIDIA at the widest heads, for elements of
-    ``elem_bytes``), in the family's order of preference."""
+    ``elem_bytes``; ``fma``: fp32 with IEEE dots, ``FMA_FP32``), in the family's order of
+    preference."""
     table = getattr(family, kernel)
-    if family.wave64 and width < WIDE_MIN_WIDTH:
+    if fma and not family.wave64 and width < WIDE_MIN_WIDTH:
+        table = FMA_FP32[max(width, 64)][kernel]
+        allowed = set(table)
+    elif family.wave64 and width < WIDE_MIN_WIDTH:
         table = family.tables[(kernel, min(max(width, 64), 256), bool(dropout))]
         allowed = set(table)
     elif width >= WIDE_MIN_WIDTH:
@@ -604,6 +625,14 @@ def _family_entries(configs, family, kernel, width, dropout=False, elem_bytes=2)
         allowed = {e for e, d in zip(table, limits) if width <= d}
     by_key = {_key(c): c for c in configs if _key(c) in allowed}
     return [by_key[e] for e in table if e in by_key]
+
+
+def _fma_dots(args, elem_bytes) -> bool:
+    """Whether a launch's tl.dot runs as FMA loops: fp32 operands with IEEE precision (the
+    backward's DOT_PRECISION, the forward's PRECISION.dot: ``call.Precision``)."""
+    precision = args.get("PRECISION")
+    dot = precision.dot if precision is not None else args.get("DOT_PRECISION")
+    return elem_bytes >= 4 and dot == "ieee"
 
 
 def _q_tensor(args):
@@ -736,7 +765,8 @@ def _prune_table(configs, args, block_d, elem_bytes, family, budget):
     (``family_of``) whose tiles fit its shared memory at this head_dim and, for wgmma tiles,
     stay within the register budgets (e.g. 128x64 with 4 warps at head_dim 128 spilled)."""
     dropout = bool(args.get("DROPOUT", False))
-    candidates = _family_entries(configs, family, "fwd", block_d, dropout, elem_bytes)
+    candidates = _family_entries(configs, family, "fwd", block_d, dropout, elem_bytes,
+                                 _fma_dots(args, elem_bytes))
     lds = cdna_fwd_lds if family.wave64 else smem_bytes
     fitting = [c for c in candidates if lds(c, block_d, elem_bytes) <= budget]
     spec = args.get("SPEC")
@@ -815,7 +845,8 @@ def prune_bwd_configs(configs, named_args, **kwargs):
     gpu = _launch_gpu(args)
     family = family_of(gpu)
     budget = min(family.bwd_smem_cap, gpu.smem_per_block)
-    candidates = _family_entries(configs, family, "dkdv" if dkdv else "dq", width, dropout)
+    candidates = _family_entries(configs, family, "dkdv" if dkdv else "dq", width, dropout,
+                                 elem, _fma_dots(args, elem))
 
     def fits_registers(cfg):
         bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]

@@ -15,6 +15,7 @@ import torch
 
 from kernels import ops
 from kernels.core import configs
+from kernels.core.call import Precision
 from kernels.core.common import block_d
 
 # (capability, shared memory per block in KiB, example card): NVIDIA's published limits.
@@ -37,15 +38,15 @@ def gpu(monkeypatch):
     configs._gpu.cache_clear()
 
 
-def _fwd_kept(d, dtype=torch.bfloat16, dropout=0):
+def _fwd_kept(d, dtype=torch.bfloat16, dropout=0, precision="tf32"):
     q = torch.empty(1, dtype=dtype)
     return configs.prune_configs(configs.fwd_configs(), {}, Q=q, BLOCK_D=block_d(d),
-                                 DROPOUT=dropout)
+                                 DROPOUT=dropout, PRECISION=Precision(False, precision))
 
 
-def _bwd_kept(kernel, d, dtype=torch.bfloat16, dropout=0):
+def _bwd_kept(kernel, d, dtype=torch.bfloat16, dropout=0, precision="tf32"):
     q = torch.empty(1, dtype=dtype)
-    args = dict(Q=q, HEAD_DIM=d, DROPOUT=dropout)
+    args = dict(Q=q, HEAD_DIM=d, DROPOUT=dropout, DOT_PRECISION=precision)
     args.update(DK=q) if kernel == "dkdv" else args.update(DQ=q)
     return configs.prune_bwd_configs(configs.bwd_configs(kernel=kernel), {}, **args)
 
@@ -103,6 +104,32 @@ def test_fp32_widest_heads_forward_takes_its_own_tile(gpu, capability, smem, car
     for d in (320, 512):
         assert [_key(c) for c in _fwd_kept(d, torch.float32, dropout)] == [(16, 16, 4, 1)]
         assert _key(_fwd_kept(d, torch.bfloat16, dropout)[0]) == configs.WIDE["fwd"][0]
+
+
+@pytest.mark.parametrize("capability,smem,card", GENERATIONS, ids=[g[2] for g in GENERATIONS])
+@pytest.mark.parametrize("dropout", [0, 1])
+def test_fp32_ieee_takes_the_fma_tiles(gpu, capability, smem, card, dropout):
+    """fp32 with IEEE dots (FMA loops) below width 512: every generation keeps exactly the
+    spill-free FMA tiles (configs.FMA_FP32), in their order; the family tables, whose kept
+    tiles spilled 8-50 KB there, stay for TF32 and bf16."""
+    gpu(capability, smem)
+    family = configs.family_of(configs.gpu_of(None))
+    for d in (16, 64, 96, 128, 256):
+        tiles = configs.FMA_FP32[max(block_d(d), 64)]
+        fwd = [_key(c) for c in _fwd_kept(d, torch.float32, dropout, "ieee")]
+        # Short queries at width <= 64 put the 4-warp tile first on sm_90 (SHORT_Q_LEN):
+        # no BUCKETS here, so the table's order.
+        assert fwd == list(tiles["fwd"]), (card, d)
+        for kernel in ("dkdv", "dq"):
+            kept = [_key(c) for c in _bwd_kept(kernel, d, torch.float32, dropout, "ieee")]
+            table = {_key(c): c for c in configs.bwd_configs(kernel=kernel)}
+            fitting = [e for e in tiles[kernel] if configs._bwd_smem_bytes(
+                table[e], block_d(d), 4, kernel == "dkdv") <= smem * 1024]
+            assert kept and kept == fitting, (card, kernel, d)
+        tf32 = _fwd_kept(d, torch.float32, dropout, "tf32")
+        assert all(_key(c) in family.fwd for c in tf32) or d > 128, (card, d)
+        assert all(_key(c) in family.fwd for c in _fwd_kept(d, torch.bfloat16, dropout,
+                                                              "ieee")), (card, d)
 
 
 def test_hopper_defaults_unchanged(gpu):
