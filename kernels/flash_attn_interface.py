@@ -64,6 +64,8 @@ FP8: FlashAttention 3's ``q_descale``, ``k_descale``, ``v_descale`` (float32 (ba
 heads_k)) with ``torch.float8_e4m3fn`` q, k, v in ``flash_attn_func`` and
 ``flash_attn_varlen_func`` (forward only; output bf16), and an FP8 cache (with fp16 / bf16 or
 FP8 q) in ``flash_attn_with_kvcache``: ``kernels.attention``'s FP8 path (docs/features.md).
+FlashAttention 3's paged varlen call: ``page_table`` (its name for ``block_table``, also in
+``flash_attn_with_kvcache``) with ``seqused_k`` (key counts) in place of ``cu_seqlens_k``.
 Not supported (``NotImplementedError`` naming the argument): FlashAttention 3's other arguments
 (``qv``, ``scheduler_metadata``, ...). Errors FlashAttention raises (a dtype other
 than fp16 / bf16 -- fp32 is accepted here --, q, k, v dtypes or head dims that differ, heads_q
@@ -91,8 +93,7 @@ __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_
 
 # FlashAttention 3's arguments that FlashAttention 2's API does not have and we cannot honour.
 _FA3_ONLY = ("qv", "scheduler_metadata", "sm_margin", "pack_gqa", "sink_token_length",
-             "rotary_seqlens", "page_table", "seqused_q", "seqused_k", "cu_seqlens_k_new",
-             "max_seqlen_q", "cu_seqlens_q")
+             "rotary_seqlens", "seqused_q", "cu_seqlens_k_new", "max_seqlen_q", "cu_seqlens_q")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn)
 _FP8 = torch.float8_e4m3fn
 # Keys per identity slice of the probabilities' slow path (our head_dim_v limit).
@@ -307,6 +308,15 @@ def _fa3_kw(attention_chunk, s_aux, learnable_sink):
     return int(attention_chunk), s_aux if s_aux is not None else learnable_sink
 
 
+def _page_table(block_table, page_table):
+    """FlashAttention 2's ``block_table`` or FlashAttention 3's ``page_table`` (the same
+    paged-cache index; one or the other)."""
+    if block_table is not None and page_table is not None:
+        raise RuntimeError("block_table and page_table are two names for the same paged-cache "
+                           "index: pass one")
+    return page_table if page_table is not None else block_table
+
+
 def _check(q, k, v, dims, layout, fp8_cache=False):
     """FlashAttention's checks, its exception type (RuntimeError), our messages.
     ``fp8_cache``: k, v may be an FP8 cache read by q of another dtype."""
@@ -399,6 +409,14 @@ def _probs_dense(q, k, dropout_p, seed, kw):
                 p = _encode_dropped(p, attention(q, k, v, dropout_p=dropout_p, seed=seed, **kw))
         probs[..., c0:c1] = p
     return probs
+
+
+def _longest(cu_seqlens, given):
+    """``given`` (max_seqlen_q / max_seqlen_k) as an int, or the longest sequence of
+    ``cu_seqlens`` when it is None (a device-to-host read: the slow path's)."""
+    if given is not None:
+        return int(given)
+    return int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
 
 
 def _probs_varlen(q, k, cu_q, cu_k, max_q, max_k, dropout_p, seed, kw):
@@ -516,25 +534,31 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
 
 
 # ---------------------------------------------------------------------------- varlen
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                           dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                           softcap=0.0, alibi_slopes=None, deterministic=False,
-                           return_attn_probs=False, block_table=None, *, q_descale=None,
-                           k_descale=None, v_descale=None, attention_chunk=0, s_aux=None,
-                           learnable_sink=None, **fa3_kwargs):
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None,
+                           max_seqlen_k=None, dropout_p=0.0, softmax_scale=None, causal=False,
+                           window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None, *,
+                           q_descale=None, k_descale=None, v_descale=None, attention_chunk=0,
+                           s_aux=None, learnable_sink=None, seqused_k=None, page_table=None,
+                           **fa3_kwargs):
     """FlashAttention 2's ``flash_attn_varlen_func`` on ``kernels.attention_varlen``.
 
     Args:
         q: (total_q, heads, head_dim); k, v: (total_k, heads_k, head_dim): packed sequences
             (the layout is ours too: passed as they are).
-        cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) cumulative lengths.
-        max_seqlen_q, max_seqlen_k: the longest sequences.
+        cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) cumulative lengths (cu_seqlens_k may
+            be None with a paged cache and ``seqused_k``).
+        max_seqlen_q, max_seqlen_k: the longest sequences (optional: computed from the
+            lengths when None, a device-to-host read).
         block_table: optional int32 (batch, max_blocks_per_seq): k, v are then paged,
             (num_blocks, page_block_size, heads_k, head_dim) (any page size), sequence s's
             keys its first cu_seqlens_k[s + 1] - cu_seqlens_k[s] positions, position j being
             row j % page_block_size of page block_table[s, j // page_block_size]; forward only,
             without dropout (``attention_varlen(..., block_table=)``); its pages may be FP8
             (float8_e4m3fn) under fp16 / bf16 q, with k_descale / v_descale.
+        page_table: FlashAttention 3's name for ``block_table`` (one or the other).
+        seqused_k: with a paged cache, int32 (batch,): the key count of each sequence
+            (FlashAttention 3's and vLLM's paged call; cu_seqlens_k is then not needed).
         q_descale, k_descale, v_descale: FP8 descales, float32 (batch, heads_k), as in
             ``flash_attn_func``.
         attention_chunk, s_aux, learnable_sink: as in ``flash_attn_func`` (positions are
@@ -547,7 +571,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         else shape (0,)).
     """
     _reject_fa3(fa3_kwargs)
+    block_table = _page_table(block_table, page_table)
     paged = block_table is not None
+    if seqused_k is not None and not paged:
+        raise NotImplementedError("seqused_k without a paged cache (block_table / page_table) "
+                                  "is not supported: pass each sequence's used keys packed, "
+                                  "through cu_seqlens_k")
+    if cu_seqlens_k is None and seqused_k is None:
+        raise RuntimeError("cu_seqlens_k is required (it may be None only with a paged cache "
+                           "and seqused_k)")
     if paged:
         for name, t in (("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor) or t.dim() != 4:
@@ -559,7 +591,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     else:
         _check(q, k, v, 3, "(total, heads, head_dim)")
     _index_tensor("cu_seqlens_q", cu_seqlens_q, q.device, (None,))
-    _index_tensor("cu_seqlens_k", cu_seqlens_k, q.device, (cu_seqlens_q.numel(),))
+    if cu_seqlens_k is not None:
+        _index_tensor("cu_seqlens_k", cu_seqlens_k, q.device, (cu_seqlens_q.numel(),))
+    if seqused_k is not None:
+        _index_tensor("seqused_k", seqused_k, q.device, (cu_seqlens_q.numel() - 1,))
     chunk, sinks = _fa3_kw(attention_chunk, s_aux, learnable_sink)
     kw = dict(softmax_scale=softmax_scale, softcap=_softcap(softcap), alibi_slopes=alibi_slopes,
               sinks=sinks, **_mask_kw(window_size, causal, q.device, chunk=chunk),
@@ -569,15 +604,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         if dropout_p:
             raise RuntimeError("dropout is not supported with a paged KV cache (block_table)")
         if not torch.compiler.is_compiling():   # FlashAttention's guard, as in the kvcache call
-            lens = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+            lens = seqused_k if seqused_k is not None else cu_seqlens_k[1:] - cu_seqlens_k[:-1]
             capacity = block_table.shape[1] * k.shape[1]
             longest = int(lens.max()) if lens.numel() else 0
             if longest > capacity:
                 raise RuntimeError(f"paged KV cache: the longest key sequence ({longest}) "
                                    f"exceeds the {capacity} positions block_table addresses")
         out, lse = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                    max_seqlen_k, block_table=block_table, return_lse=True,
-                                    **kw)
+                                    max_seqlen_k, block_table=block_table, seqused_k=seqused_k,
+                                    return_lse=True, **kw)
         return (out, lse, q.new_empty(0)) if return_attn_probs else out
     seed = _seed(dropout_p, return_attn_probs)
     out, lse = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -585,7 +620,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if not return_attn_probs:
         return out
     return out, lse, _s_dmask(q, dropout_p, lambda: _probs_varlen(
-        q, k, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), dropout_p, seed,
+        q, k, cu_seqlens_q, cu_seqlens_k, _longest(cu_seqlens_q, max_seqlen_q),
+        _longest(cu_seqlens_k, max_seqlen_k), dropout_p, seed,
         kw))
 
 
@@ -647,7 +683,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
                             return_softmax_lse=False, *, q_descale=None, k_descale=None,
                             v_descale=None, attention_chunk=0, s_aux=None, learnable_sink=None,
-                            **fa3_kwargs):
+                            page_table=None, **fa3_kwargs):
     """FlashAttention 2's ``flash_attn_with_kvcache`` on ``kernels.attention_with_kvcache``
     (forward only, as FlashAttention's).
 
@@ -677,6 +713,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             heads_k): an FP8 (float8_e4m3fn) cache read by fp16 / bf16 q (new k, v in q's
             dtype, quantized into the cache as x / descale), or FP8 q too (new k, v in FP8).
         attention_chunk, s_aux, learnable_sink: as in ``flash_attn_func``.
+        page_table: FlashAttention 3's name for ``block_table`` (one or the other).
         Others: as in ``flash_attn_func``.
 
     Returns:
@@ -684,6 +721,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     """
     _reject_fa3(fa3_kwargs)
     chunk, sinks = _fa3_kw(attention_chunk, s_aux, learnable_sink)
+    block_table = _page_table(block_table, page_table)
     paged = block_table is not None
     if paged and cache_leftpad is not None:
         raise RuntimeError("cache_leftpad cannot be combined with block_table (paged caches)")

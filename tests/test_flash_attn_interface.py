@@ -632,11 +632,15 @@ def test_kvcache_paged(page_size, n_new):
     k, v = randn(B, n_new, hk, d), randn(B, n_new, hk, d)
     lens = [5, 17]
     ro, lo, k_exp, _ = _kvcache_oracle(q, *dense, lens, k, v, causal=True)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     out = flash_attn_with_kvcache(q, k_pages, v_pages, k, v, block_table=table,
-                                  cache_seqlens=torch.tensor(lens, dtype=torch.int32,
-                                                             device=DEVICE), causal=True)
+                                  cache_seqlens=seqlens, causal=True)
     assert_parity(out, ro, lo)
     assert torch.equal(k_pages[table.long()].reshape(B, -1, hk, d), k_exp)
+    # FlashAttention 3's name for the table: the same call (the new keys already written)
+    again = flash_attn_with_kvcache(q, k_pages, v_pages, page_table=table,
+                                    cache_seqlens=seqlens + n_new, causal=True)
+    assert torch.equal(again, out)
 
 
 def test_kvcache_block_table_until_paged(monkeypatch):
@@ -840,6 +844,21 @@ def test_varlen_block_table():
     got = flash_attn_varlen_func(q, pool[0], pool[1], cu_q, cu_k, 4, 9, causal=True,
                                  block_table=table)
     assert torch.equal(got, want)
+    # FlashAttention 3's / vLLM's paged call by keyword: page_table and per-sequence key
+    # counts (seqused_k) instead of cu_seqlens_k, max_seqlen_k left to us
+    seqused = torch.tensor(lens_k, dtype=torch.int32, device=DEVICE)
+    fa3 = flash_attn_varlen_func(q, pool[0], pool[1], cu_seqlens_q=cu_q, max_seqlen_q=4,
+                                 seqused_k=seqused, page_table=table, causal=True)
+    assert torch.equal(fa3, want)
     with pytest.raises(RuntimeError, match="block_table"):
         flash_attn_varlen_func(q, pool[0], pool[1], cu_q, _cu([6, 13]), 4, 13,
                                block_table=table)
+    with pytest.raises(RuntimeError, match="block_table"):
+        flash_attn_varlen_func(q, pool[0], pool[1], cu_q, seqused_k=seqused + 4, page_table=table)
+    with pytest.raises(RuntimeError, match="pass one"):
+        flash_attn_varlen_func(q, pool[0], pool[1], cu_q, cu_k, block_table=table,
+                               page_table=table)
+    with pytest.raises(NotImplementedError, match="seqused_k without a paged cache"):
+        flash_attn_varlen_func(q, *packed, cu_q, cu_k, 4, 9, seqused_k=seqused)
+    with pytest.raises(RuntimeError, match="cu_seqlens_k is required"):
+        flash_attn_varlen_func(q, *packed, cu_q)
