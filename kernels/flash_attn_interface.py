@@ -66,8 +66,9 @@ heads_k)) with ``torch.float8_e4m3fn`` q, k, v in ``flash_attn_func`` and
 FP8 q) in ``flash_attn_with_kvcache``: ``kernels.attention``'s FP8 path (docs/features.md).
 FlashAttention 3's paged varlen call: ``page_table`` (its name for ``block_table``, also in
 ``flash_attn_with_kvcache``) with ``seqused_k`` (key counts) in place of ``cu_seqlens_k``.
-Not supported (``NotImplementedError`` naming the argument): FlashAttention 3's other arguments
-(``qv``, ``scheduler_metadata``, ...). Errors FlashAttention raises (a dtype other
+FlashAttention 3's scheduling hints (``scheduler_metadata``, ``sm_margin``, ``pack_gqa``,
+``num_splits``) are accepted and change nothing. Not supported (``NotImplementedError`` naming
+the argument): FlashAttention 3's other arguments (``qv``, ``seqused_q``, ...). Errors FlashAttention raises (a dtype other
 than fp16 / bf16 -- fp32 is accepted here --, q, k, v dtypes or head dims that differ, heads_q
 not a multiple of heads_k, wrong ranks) are raised as the same type, RuntimeError, with our
 own message. Where FlashAttention is stricter than our
@@ -92,8 +93,12 @@ __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_
            "pad_input", "WINDOW_MASK"]
 
 # FlashAttention 3's arguments that FlashAttention 2's API does not have and we cannot honour.
-_FA3_ONLY = ("qv", "scheduler_metadata", "sm_margin", "pack_gqa", "sink_token_length",
-             "rotary_seqlens", "seqused_q", "cu_seqlens_k_new", "max_seqlen_q", "cu_seqlens_q")
+_FA3_ONLY = ("qv", "sink_token_length", "rotary_seqlens", "seqused_q", "cu_seqlens_k_new",
+             "max_seqlen_q", "cu_seqlens_q")
+# FlashAttention 3's scheduling hints: they change how its kernels split the work, never the
+# result, so they are accepted and ignored (our kernels choose their own schedule), as
+# ``deterministic`` is.
+_FA3_HINTS = ("scheduler_metadata", "sm_margin", "pack_gqa", "num_splits")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn)
 _FP8 = torch.float8_e4m3fn
 # Keys per identity slice of the probabilities' slow path (our head_dim_v limit).
@@ -284,7 +289,9 @@ def _mask_kw(window_size, causal, device, leftpad=None, chunk=0):
 
 # ---------------------------------------------------------------------------- validation
 def _reject_fa3(kwargs):
-    """FlashAttention 3's arguments: NotImplementedError; anything else: TypeError."""
+    """FlashAttention 3's scheduling hints: ignored; its other arguments: NotImplementedError;
+    anything else: TypeError."""
+    kwargs = {name: value for name, value in kwargs.items() if name not in _FA3_HINTS}
     for name in kwargs:
         if name in _FA3_ONLY:
             raise NotImplementedError(f"{name} is a FlashAttention 3 argument; "

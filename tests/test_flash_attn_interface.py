@@ -685,8 +685,8 @@ ERRORS = [
     (lambda: flash_attn_with_kvcache(*_dense_inputs(), cache_seqlens=2,
                                      cache_leftpad=torch.zeros(2, dtype=torch.int32)),
      RuntimeError, "cache_leftpad"),
-    (lambda: flash_attn_with_kvcache(*_dense_inputs(), scheduler_metadata=torch.ones(1)),
-     NotImplementedError, "scheduler_metadata"),
+    (lambda: flash_attn_with_kvcache(*_dense_inputs(), rotary_seqlens=torch.ones(1)),
+     NotImplementedError, "rotary_seqlens"),
     (lambda: flash_attn_with_kvcache(*_dense_inputs(), cache_batch_idx=torch.zeros(
         1, dtype=torch.int32), block_table=torch.zeros(1, 1, dtype=torch.int32)),
      (RuntimeError, NotImplementedError), "block_table"),
@@ -793,6 +793,19 @@ def test_errors(i):
     call, exc, match = ERRORS[i]
     with pytest.raises(exc, match=match):
         call()
+
+
+def test_fa3_scheduling_hints_change_nothing():
+    """FlashAttention 3's scheduling hints are accepted and the result is the same bits."""
+    q, k, v = _qkv(1, 9, 9, 2, 1, 16)
+    hints = dict(scheduler_metadata=torch.zeros(4, dtype=torch.int32, device=DEVICE),
+                 sm_margin=4, pack_gqa=True, num_splits=3)
+    assert torch.equal(flash_attn_func(q, k, v, causal=True, **hints),
+                       flash_attn_func(q, k, v, causal=True))
+    cu = _cu([4, 5])
+    packed = [t.detach()[0] for t in (q, k, v)]
+    assert torch.equal(flash_attn_varlen_func(*packed, cu, cu, 5, 5, **hints),
+                       flash_attn_varlen_func(*packed, cu, cu, 5, 5))
 
 
 def test_one_line_switch():
