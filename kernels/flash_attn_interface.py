@@ -68,7 +68,8 @@ FlashAttention 3's paged varlen call: ``page_table`` (its name for ``block_table
 ``flash_attn_with_kvcache``) with ``seqused_k`` (key counts) in place of ``cu_seqlens_k``.
 FlashAttention 3's scheduling hints (``scheduler_metadata``, ``sm_margin``, ``pack_gqa``,
 ``num_splits``) are accepted and change nothing. Not supported (``NotImplementedError`` naming
-the argument): FlashAttention 3's other arguments (``qv``, ``seqused_q``, ...). Errors FlashAttention raises (a dtype other
+the argument): FlashAttention 3's other arguments (``qv``, ``seqused_q``, ...). Errors
+FlashAttention raises (a dtype other
 than fp16 / bf16 -- fp32 is accepted here --, q, k, v dtypes or head dims that differ, heads_q
 not a multiple of heads_k, wrong ranks) are raised as the same type, RuntimeError, with our
 own message. Where FlashAttention is stricter than our

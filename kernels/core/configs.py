@@ -312,11 +312,11 @@ WIDE_FP32 = dict(fwd=((16, 16, 4, 1),))
 # widths, per padded head_dim (16 and 32 take 64's): tl.dot is an FMA loop there, no tensor
 # cores, and the family tables (chosen for bf16/fp16 tensor-core tiles) spilled in all 34 kept
 # configs at head_dim 64 on sm_90, causal +- dropout (dK/dV 64 x 128: 50 KB, dQ 128 x 64:
-# 31 KB, forward 128 x 128: 10 KB; tools/sm90_static.py, triton 3.6). These tiles compiled spill-free on sm_80
-# to sm_120, causal, with and without dropout (dK/dV 16 x 16 with dropout: 8-16 B on sm_80 /
-# 86 / 89), except at width 256 on sm_90, where the least-spilling tile is listed (16 x 16 on
-# 8 warps: forward 0.4 KB, dQ 1.7 KB, dK/dV 2.8 KB; docs/gpu.md). TF32 keeps the family
-# tables. No GPU has timed them yet: the autotuner picks among them.
+# 31 KB, forward 128 x 128: 10 KB; tools/sm90_static.py, triton 3.6). These tiles compiled
+# spill-free on sm_80 to sm_120, causal, with and without dropout (dK/dV 16 x 16 with dropout:
+# 8-16 B on sm_80 / 86 / 89), except at width 256 on sm_90, where the least-spilling tile is
+# listed (16 x 16 on 8 warps: forward 0.4 KB, dQ 1.7 KB, dK/dV 2.8 KB; docs/gpu.md). TF32
+# keeps the family tables. No GPU has timed them yet: the autotuner picks among them.
 _FMA_NARROW = ((16, 16, 8, 1),)
 FMA_FP32 = {64: dict(fwd=((32, 32, 8, 1), (32, 16, 8, 2), (16, 16, 4, 1)),
                      dkdv=((16, 32, 8, 1), (16, 16, 8, 1)),
