@@ -1,0 +1,694 @@
+#!/usr/bin/env python3
+"""Randomized differential check: random calls across the feature matrix, each against the
+float64 oracle (``reference``) by FlashAttention's budget rule.
+
+The pinned tests check each feature on a few shapes; this draws the combinations nobody wrote
+down: route (``dense`` ``kernels.attention`` with its backward, ``varlen`` packed sequences with
+theirs, ``kvcache`` decoding with an append and split-KV, ``paged`` the same over a paged cache,
+``paged_varlen`` packed queries over pages), dtype, batch, grouped-query heads, lengths 1-80
+(q_len > k_len included, empty packed sequences), head dims 1-80 (value head dim of its own),
+causal / window / chunk / neither, ``fa`` ``flash_attn_interface.flash_attn_func`` with its
+backward (two-sided ``window_size``, FlashAttention 3's ``attention_chunk`` with or without
+causal, ``s_aux`` sinks; its oracle's mask written from FA3's rule), softcap, ALiBi (per head or per batch entry), sinks (with
+their gradient), dropout, a custom softmax scale, transposed views. Case ``i`` of seed ``S`` is
+drawn from ``random.Random(f"{S}:{i}")`` alone, so ``--seed S --only i`` replays it.
+
+What is checked: out (and lse where there is one, its -inf rows exactly) within the parity
+budget (``reference.parity``: factor x PyTorch's own error in the input dtype + a floor);
+gradients within 3x PyTorch's error plus two allowances computed in float64 from the inputs,
+both owed to FlashAttention-2's formulation (tests/helpers.py ``fa2_oracle`` explains them):
+the error inherited from the stored o through delta = rowsum(dO * O), which is exactly the
+gradient of sum_i (delta_i - delta'_i) * lse_i (d lse_i / d s_ij = P_ij, mods included), and
+two fp32 ulps of the size of the terms P = exp(s - lse) and dS = P (dP - delta) are computed
+from (the kernels compute in fp32 whatever the inputs). KV caches: the appended cache bit for bit equal to the oracle's.
+
+Usage (on CPU the kernels run in Triton's interpreter; a few seconds per case)::
+
+    TRITON_INTERPRET=1 python tools/fuzz_parity.py --cases 200 [--seed S] [--routes dense,varlen]
+    TRITON_INTERPRET=1 python tools/fuzz_parity.py --seed S --only 17 -v    # replay one case
+
+Prints a line per case and a summary; exits 1 if any case failed. tests/test_fuzz_parity.py
+runs a few fixed cases of it in CI.
+"""
+import argparse
+import math
+import os
+import random
+import sys
+import time
+import traceback
+import warnings
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+import kernels  # noqa: E402
+import reference  # noqa: E402
+from reference.parity import GRAD_FACTOR, OUT_FACTOR, parity_budget  # noqa: E402
+
+ROUTES = ("dense", "varlen", "kvcache", "paged", "paged_varlen", "fa")
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+EPS32 = torch.finfo(torch.float32).eps
+
+
+class Mismatch(AssertionError):
+    """A result outside its budget."""
+
+
+# ------------------------------------------------------------------ drawing a case
+def _length(rng, lo=1):
+    """Lengths weighted to the edges: 1, around a 16-row tile, and a few longer ones."""
+    return max(lo, rng.choice([1, 1, 2, 3, 5, 7, 15, 16, 17, 31, 33, rng.randint(1, 80)]))
+
+
+def _dim(rng):
+    return rng.choice([1, 8, 16, 17, 24, 32, 40, 64, 72, rng.randint(1, 80)])
+
+
+def draw_case(seed, index, routes=ROUTES):
+    """The case ``index`` of ``seed``: a dict of plain values (printable, replayable)."""
+    rng = random.Random(f"{seed}:{index}")
+    route = rng.choice(routes)
+    c = dict(route=route, dtype=rng.choice(sorted(DTYPES)), batch=rng.randint(1, 3),
+             heads_kv=rng.randint(1, 3), group=rng.choice([1, 1, 2, 3]), d=_dim(rng))
+    c["dv"] = c["d"] if rng.random() < 0.7 or route == "fa" else _dim(rng)
+    c["causal"] = rng.random() < 0.7
+    c["window"] = c["chunk"] = None
+    edge = rng.random()
+    if c["causal"] and edge < 0.25:
+        c["window"] = rng.randint(1, 40)
+    elif c["causal"] and edge < 0.45:
+        c["chunk"] = rng.randint(1, 40)
+    c["softcap"] = rng.choice([None, None, None, round(rng.uniform(0.5, 30.0), 3)])
+    c["alibi"] = rng.choice([None, None, None, "heads", "batch"])
+    c["sinks"] = rng.random() < 0.25
+    c["scale"] = None if rng.random() < 0.7 else round(rng.uniform(0.05, 1.5), 3)
+    c["transposed"] = rng.random() < 0.4
+    c["dropout"] = 0.0
+    if route in ("dense", "varlen") and rng.random() < 0.3:
+        c["dropout"] = rng.choice([0.1, 0.5])
+    c["grad"] = route in ("dense", "varlen", "fa") and rng.random() < 0.75
+    if route == "fa":   # FlashAttention's window_size (left, right) and FA3's attention_chunk
+        c["window"] = c["chunk"] = None
+        c["window_size"] = (rng.choice([-1, -1, 0, 1, 3, rng.randint(0, 40)]),
+                            rng.choice([-1, -1, 0, 1, 3, rng.randint(0, 40)]))
+        c["attention_chunk"] = rng.choice([0, 0, rng.randint(1, 40)])
+    if route in ("dense", "fa"):
+        c["q_len"], c["k_len"] = _length(rng), _length(rng)
+    elif route in ("varlen", "paged_varlen"):
+        n = c["batch"]
+        c["lens_q"] = [rng.choice([0, 1, _length(rng)]) for _ in range(n)]
+        if route == "varlen":
+            c["lens_k"] = [rng.choice([0, _length(rng)]) for _ in range(n)]
+        else:   # keys: the cache's filled count; the queries are its last positions
+            c["lens_k"] = [lq + rng.choice([0, 0, rng.randint(0, 40)]) for lq in c["lens_q"]]
+        if sum(c["lens_q"]) == 0:
+            c["lens_q"][0] = 1
+            c["lens_k"][0] = max(c["lens_k"][0], 1)
+    else:
+        c["q_len"] = rng.choice([1, 1, 2, 4, _length(rng)])
+        c["append"] = rng.random() < 0.5
+        c["cache_len"] = rng.randint(c["q_len"] if c["append"] else 1, 90)
+        c["seqlens"] = [rng.randint(0, c["cache_len"] - (c["q_len"] if c["append"] else 0))
+                        for _ in range(c["batch"])]
+        c["num_splits"] = rng.choice([0, 1, 2, 3, 5])
+    if route in ("paged", "paged_varlen"):
+        c["page_size"] = rng.choice([1, 3, 4, 16, 32])
+    c["dropout_seed"] = rng.randrange(2**40)
+    c["input_seed"] = rng.randrange(2**31)
+    return c
+
+
+def describe(c):
+    skip = {"input_seed", "dropout_seed"}
+    return " ".join(f"{k}={v}" for k, v in c.items()
+                    if k not in skip and v not in (None, False, 0.0))
+
+
+# ------------------------------------------------------------------ inputs
+def _randn(gen, *shape, dtype):
+    return torch.randn(*shape, generator=gen).to(dtype)
+
+
+def _view(t, transposed, seq_axis=2):
+    """t itself, or the same values as a transposed view (a (b, s, h, d) buffer seen as
+    (b, h, s, d), the layout a head split by ``view().transpose(1, 2)`` gives)."""
+    if not transposed:
+        return t
+    return t.transpose(1, seq_axis).contiguous().transpose(1, seq_axis)
+
+
+def _mods(c, gen, num):
+    """softcap, alibi_slopes, sinks in the API's form; ``num`` = batch entries / sequences."""
+    hq = c["heads_kv"] * c["group"]
+    slopes = None
+    if c["alibi"] == "heads":
+        slopes = torch.rand(hq, generator=gen)
+    elif c["alibi"] == "batch":
+        slopes = torch.rand(num, hq, generator=gen)
+    sinks = _randn(gen, hq, dtype=torch.float32) if c["sinks"] else None
+    return dict(softcap=c["softcap"], alibi_slopes=slopes, sinks=sinks)
+
+
+# ------------------------------------------------------------------ checks
+def check(name, out, ref, lowp, factor=OUT_FACTOR, extra=0.0):
+    if out.shape != ref.shape:
+        raise Mismatch(f"{name}: shape {tuple(out.shape)} != oracle {tuple(ref.shape)}")
+    if torch.isnan(out).any():
+        raise Mismatch(f"{name}: NaN")
+    err, budget = parity_budget(out, ref, lowp, factor=factor)
+    if not err <= budget + extra:
+        raise Mismatch(f"{name}: error {err:.3e} > budget {budget:.3e} + allowance {extra:.3e}")
+    return (err / (budget + extra) if budget + extra > 0 else 0.0), name
+
+
+def check_lse(lse, ref, lowp):
+    """lse (fp32 whatever the inputs) with an allowance of 2 fp32 ulps of |lse| for each of
+    the two roundings of the exp2 domain FlashAttention works in: scores times log2(e), and
+    the result (max + log2(l)) times ln(2)."""
+    finite = torch.isfinite(ref)
+    if not torch.equal(torch.isfinite(lse), finite):
+        raise Mismatch("lse: its -inf rows differ from the oracle's")
+    size = ref[finite].abs().max().item() if finite.any() else 0.0
+    return check("lse", lse[finite], ref[finite], lowp[finite].float(),
+                 extra=2 * 2 * EPS32 * size)
+
+
+def fa2_allowances(oracle, leaves, o_stored, do, scale, group, sinks_index=None):
+    """Per-leaf extra allowances of FlashAttention-2-style gradients (module docstring).
+
+    ``oracle(*leaves, v_override=None)`` returns (out, lse) in float64 for float64 leaves
+    (q, k, v[, sinks]) in the call's layout, with the dense (batch, heads, rows, dim) view of
+    q, k, v given by ``oracle.dense``. Returns a list of floats, one per leaf."""
+    leaves = [t.detach().double().requires_grad_() for t in leaves]
+    out, lse = oracle(*leaves)
+    do64, o_st = do.double(), o_stored.detach().double()
+    c = (do64 * out.detach()).sum(-1) - (do64 * o_st).sum(-1)      # delta_true - delta_stored
+    c = oracle.lse_layout(c).masked_fill(~torch.isfinite(lse.detach()), 0.0)
+    inherited = torch.autograd.grad((c * lse.nan_to_num(0.0, neginf=0.0)).sum(), leaves,
+                                    allow_unused=True)
+    extra = [g.abs().max().item() if g is not None and g.numel() else 0.0 for g in inherited]
+    # 2 fp32 ulps of the sizes the FA-2 backward rounds (fa2_oracle in tests/helpers.py).
+    # The kernels compute in fp32 whatever the input dtype, so this holds for all of them; it
+    # matters where the true gradient is ~0 (one visible key: dS = P (dP - delta) = 0), so that
+    # PyTorch's error and the floor are ~0 too.
+    q, k, v, do_d, o_d = oracle.dense(*(t.detach() for t in leaves[:3]), do64, o_st)
+    p, lse_d, drop = oracle.weights(*leaves)
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    logp = torch.where(p > 0, p.clamp_min(1e-300).log(), torch.zeros_like(p))
+    lse_f = lse_d.nan_to_num(0.0, neginf=0.0)[..., None]
+    p_rel = torch.where(p > 0, (logp + lse_f).abs(), torch.zeros_like(p)) + lse_f.abs()
+    dp = (do_d @ v.transpose(-1, -2)) * drop
+    delta = (do_d * o_d).sum(-1, keepdim=True)
+    sums = (do_d.abs() @ v.abs().transpose(-1, -2)) * drop + (do_d.abs() * o_d.abs()).sum(
+        -1, keepdim=True)
+    ds_err = p * (sums + p_rel * (dp - delta).abs())
+    noise = [scale * (ds_err @ k.abs()), scale * (ds_err.transpose(-1, -2) @ q.abs()),
+             (p * p_rel * drop).transpose(-1, -2) @ do_d.abs()]
+    for i in (1, 2):
+        b, h, n, dd = noise[i].shape
+        noise[i] = noise[i].view(b, h // group, group, n, dd).sum(2)
+    for i, n in enumerate(noise):
+        extra[i] += 2 * EPS32 * (n.max().item() if n.numel() else 0.0)
+    if sinks_index is not None:
+        p_sink = (1.0 - p.sum(-1)).clamp_min(0.0)                   # the sink's weight
+        size = (do_d.abs() * o_d.abs()).sum(-1)                     # |delta|'s terms
+        extra[sinks_index] += 2 * EPS32 * (p_sink * size).sum().item()
+    return extra
+
+
+def grads_check(out, leaves, ref_fn, low_fn, oracle, do, c, scale, names):
+    """dq, dk, dv[, dsinks] against the oracle's with the FA-2 allowances."""
+    grads = torch.autograd.grad(out, leaves, do, allow_unused=True)
+    ref_in = [t.detach().double().requires_grad_() for t in leaves]
+    low_in = [t.detach().clone().requires_grad_() for t in leaves]
+    ro = ref_fn(*ref_in)
+    rg = torch.autograd.grad(ro, ref_in, do.double(), allow_unused=True)
+    lo = low_fn(*low_in)
+    lg = torch.autograd.grad(lo, low_in, do, allow_unused=True)
+    extra = fa2_allowances(oracle, leaves, out, do, scale, c["group"],
+                           sinks_index=3 if len(leaves) == 4 else None)
+    worst = (0.0, "")
+    for name, g, r, lg_, e in zip(names, grads, rg, lg, extra):
+        worst = max(worst, check(name, g, r, lg_, GRAD_FACTOR, e))
+    return worst
+
+
+# ------------------------------------------------------------------ routes
+class DenseOracle:
+    """reference.attention in float64 with the case's options; ``weights`` gives P by
+    attending to the identity (one value column per key)."""
+
+    def __init__(self, kw, keep, sinks_given):
+        self.kw, self.keep, self.sinks_given = kw, keep, sinks_given
+
+    def __call__(self, q, k, v, sinks=None, v_override=None, keep=True):
+        kw = dict(self.kw)
+        if self.sinks_given:
+            kw["sinks"] = sinks
+        p = kw.pop("dropout_p")
+        return reference.attention(q, k, v if v_override is None else v_override, upcast=True,
+                                   return_lse=True, keep_mask=self.keep if keep else None,
+                                   dropout_p=p if keep else 0.0, **kw)
+
+    @staticmethod
+    def lse_layout(c):
+        return c
+
+    @staticmethod
+    def dense(*ts):
+        return ts
+
+    def weights(self, q, k, v, sinks=None):
+        b, hkv, n, _ = k.shape
+        eye = torch.eye(n, dtype=torch.float64).expand(b, hkv, n, n)
+        p, lse = self(q.detach(), k.detach(), eye, sinks.detach() if sinks is not None
+                      else None, keep=False)
+        drop = (self.keep / (1 - self.kw["dropout_p"])).double() if self.keep is not None \
+            else torch.ones_like(p)
+        return p, lse, drop
+
+
+def run_dense(c, gen):
+    dtype = DTYPES[c["dtype"]]
+    b, hkv, hq = c["batch"], c["heads_kv"], c["heads_kv"] * c["group"]
+    q = _view(_randn(gen, b, hq, c["q_len"], c["d"], dtype=dtype), c["transposed"])
+    k = _view(_randn(gen, b, hkv, c["k_len"], c["d"], dtype=dtype), c["transposed"])
+    v = _view(_randn(gen, b, hkv, c["k_len"], c["dv"], dtype=dtype), c["transposed"])
+    mods = _mods(c, gen, b)
+    sinks = mods.pop("sinks")
+    opts = dict(causal=c["causal"], window=c["window"], chunk_size=c["chunk"],
+                softmax_scale=c["scale"], dropout_p=c["dropout"], **mods)
+    leaves = [q, k, v] + ([sinks] if sinks is not None else [])
+    if c["grad"]:
+        for t in leaves:
+            t.requires_grad_()
+    out, lse = kernels.attention(q, k, v, sinks=sinks, seed=c["dropout_seed"], return_lse=True,
+                                 **opts)
+    keep = None
+    if c["dropout"]:
+        keep = reference.dropout_keep_mask(c["dropout_seed"], b, hq, c["q_len"], c["k_len"],
+                                           c["dropout"])
+    oracle = DenseOracle(opts, keep, sinks is not None)
+
+    def ref_fn(upcast):
+        def fn(q, k, v, s=None):
+            return reference.attention(q, k, v, sinks=s, upcast=upcast, keep_mask=keep,
+                                       **opts)
+        return fn
+
+    with torch.no_grad():
+        ins = [t.detach() for t in leaves]
+        ro, rl = oracle(*[t.double() for t in ins])
+        lo, ll = reference.attention(*ins[:3], sinks=ins[3] if sinks is not None else None,
+                                     upcast=False, keep_mask=keep, return_lse=True, **opts)
+    worst = check("out", out, ro, lo)
+    worst = max(worst, check_lse(lse, rl, ll))
+    if c["grad"]:
+        do = _randn(gen, *out.shape, dtype=dtype)
+        scale = c["scale"] or 1 / math.sqrt(c["d"])
+        worst = max(worst, grads_check(out, leaves, ref_fn(True), ref_fn(False), oracle, do, c,
+                                       scale, ("dq", "dk", "dv", "dsinks")))
+    return worst
+
+
+class VarlenOracle(DenseOracle):
+    """reference.attention_varlen; ``dense`` views the packed tensors as one batch entry of
+    all rows (P is zero across sequences, so the dense formulas hold)."""
+
+    def __init__(self, kw, keeps, sinks_given, cu_q, cu_k):
+        super().__init__(kw, keeps, sinks_given)
+        self.cu_q, self.cu_k = cu_q, cu_k
+
+    def __call__(self, q, k, v, sinks=None, v_override=None, keep=True):
+        kw = dict(self.kw)
+        if self.sinks_given:
+            kw["sinks"] = sinks
+        p = kw.pop("dropout_p")
+        return reference.attention_varlen(
+            q, k, v if v_override is None else v_override, self.cu_q, self.cu_k, upcast=True,
+            return_lse=True, keep_masks=self.keep if keep else None,
+            dropout_p=p if keep else 0.0, **kw)
+
+    @staticmethod
+    def lse_layout(c):          # (total_q, heads) -> (heads, total_q)
+        return c.transpose(0, 1)
+
+    @staticmethod
+    def dense(*ts):
+        return tuple(t.transpose(0, 1).unsqueeze(0) for t in ts)
+
+    def weights(self, q, k, v, sinks=None):
+        total_k, hkv = k.shape[:2]
+        eye = torch.eye(total_k, dtype=torch.float64)[:, None, :].expand(total_k, hkv, total_k)
+        p, lse = self(q.detach(), k.detach(), eye, sinks.detach() if sinks is not None
+                      else None, keep=False)
+        p = p.transpose(0, 1).unsqueeze(0)                            # (1, hq, total_q, total_k)
+        drop = torch.ones_like(p)
+        if self.keep is not None:
+            scale = 1 / (1 - self.kw["dropout_p"])
+            for s, m in enumerate(self.keep):
+                drop[0, :, self.cu_q[s]:self.cu_q[s + 1],
+                     self.cu_k[s]:self.cu_k[s + 1]] = m.double() * scale
+        return p, lse.unsqueeze(0), drop
+
+
+def _cu(lens):
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    return cu
+
+
+def run_varlen(c, gen):
+    dtype = DTYPES[c["dtype"]]
+    hkv, hq = c["heads_kv"], c["heads_kv"] * c["group"]
+    cu_q, cu_k = _cu(c["lens_q"]), _cu(c["lens_k"])
+    q = _randn(gen, cu_q[-1], hq, c["d"], dtype=dtype)
+    k = _randn(gen, cu_k[-1], hkv, c["d"], dtype=dtype)
+    v = _randn(gen, cu_k[-1], hkv, c["dv"], dtype=dtype)
+    if c["transposed"]:   # head-major buffers seen as (total, heads, dim)
+        q, k, v = (t.transpose(0, 1).contiguous().transpose(0, 1) for t in (q, k, v))
+    mods = _mods(c, gen, c["batch"])
+    sinks = mods.pop("sinks")
+    opts = dict(causal=c["causal"], window=c["window"], chunk_size=c["chunk"],
+                softmax_scale=c["scale"], dropout_p=c["dropout"], **mods)
+    leaves = [q, k, v] + ([sinks] if sinks is not None else [])
+    if c["grad"]:
+        for t in leaves:
+            t.requires_grad_()
+    tq, tk = (torch.tensor(x, dtype=torch.int32) for x in (cu_q, cu_k))
+    out, lse = kernels.attention_varlen(q, k, v, tq, tk, max(c["lens_q"]), max(c["lens_k"]),
+                                        sinks=sinks, seed=c["dropout_seed"], return_lse=True,
+                                        **opts)
+    keeps = None
+    if c["dropout"]:
+        keeps = reference.dropout_keep_mask_varlen(c["dropout_seed"], cu_q, cu_k, hq,
+                                                   c["dropout"])
+    oracle = VarlenOracle(opts, keeps, sinks is not None, cu_q, cu_k)
+
+    def ref_fn(upcast):
+        def fn(q, k, v, s=None):
+            return reference.attention_varlen(q, k, v, cu_q, cu_k, sinks=s, upcast=upcast,
+                                              keep_masks=keeps, **opts)
+        return fn
+
+    with torch.no_grad():
+        ins = [t.detach() for t in leaves]
+        ro, rl = oracle(*[t.double() for t in ins])
+        lo, ll = reference.attention_varlen(*ins[:3], cu_q, cu_k, upcast=False,
+                                            sinks=ins[3] if sinks is not None else None,
+                                            keep_masks=keeps, return_lse=True, **opts)
+    worst = check("out", out, ro, lo)
+    worst = max(worst, check_lse(lse, rl, ll))
+    if c["grad"]:
+        do = _randn(gen, *out.shape, dtype=dtype)
+        scale = c["scale"] or 1 / math.sqrt(c["d"])
+        worst = max(worst, grads_check(out, leaves, ref_fn(True), ref_fn(False), oracle, do, c,
+                                       scale, ("dq", "dk", "dv", "dsinks")))
+    return worst
+
+
+def _to_pages(cache, page_size, gen):
+    """A (b, h, max_len, d) cache as a pool of pages (num_blocks, page_size, h, d) in shuffled
+    order, two spare pages of noise, and its block table (b, max_blocks)."""
+    b, h, n, d = cache.shape
+    blocks = -(-n // page_size)
+    num = b * blocks + 2
+    perm = torch.randperm(num, generator=gen)[:b * blocks].view(b, blocks)
+    pages = torch.randn(num, page_size, h, d, generator=gen).to(cache.dtype)
+    padded = torch.zeros(b, h, blocks * page_size, d, dtype=cache.dtype)
+    padded[:, :, :n] = cache
+    pages[perm.flatten()] = padded.view(b, h, blocks, page_size, d).permute(
+        0, 2, 3, 1, 4).reshape(b * blocks, page_size, h, d)
+    return pages, perm.to(torch.int32)
+
+
+def _from_pages(pages, table, n):
+    b, blocks = table.shape
+    ps, h, d = pages.shape[1:]
+    return pages[table.long().flatten()].view(b, blocks, ps, h, d).permute(
+        0, 3, 1, 2, 4).reshape(b, h, blocks * ps, d)[:, :, :n]
+
+
+def run_kvcache(c, gen):
+    dtype = DTYPES[c["dtype"]]
+    b, hkv, hq, n = c["batch"], c["heads_kv"], c["heads_kv"] * c["group"], c["cache_len"]
+    q = _view(_randn(gen, b, hq, c["q_len"], c["d"], dtype=dtype), c["transposed"])
+    k_cache = _randn(gen, b, hkv, n, c["d"], dtype=dtype)
+    v_cache = _randn(gen, b, hkv, n, c["dv"], dtype=dtype)
+    new_k = new_v = None
+    if c["append"]:
+        new_k = _randn(gen, b, hkv, c["q_len"], c["d"], dtype=dtype)
+        new_v = _randn(gen, b, hkv, c["q_len"], c["dv"], dtype=dtype)
+    seqlens = torch.tensor(c["seqlens"], dtype=torch.int32)
+    mods = _mods(c, gen, b)
+    opts = dict(causal=c["causal"], window=c["window"], chunk_size=c["chunk"],
+                softmax_scale=c["scale"], **mods)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    low_k, low_v = k_cache.clone(), v_cache.clone()
+    if c["route"] == "paged":
+        kc, table = _to_pages(k_cache, c["page_size"], gen)
+        vc = torch.randn(kc.shape[:3] + (c["dv"],), generator=gen).to(dtype)
+        vc[table.long().flatten()] = _to_pages_like(v_cache, table, c["page_size"])
+        out, lse = kernels.attention_with_kvcache(q, kc, vc, seqlens, new_k, new_v,
+                                                  block_table=table,
+                                                  num_splits=c["num_splits"],
+                                                  return_lse=True, **opts)
+        got_k, got_v = _from_pages(kc, table, n), _from_pages(vc, table, n)
+    else:
+        out, lse = kernels.attention_with_kvcache(q, k_cache, v_cache, seqlens, new_k, new_v,
+                                                  num_splits=c["num_splits"], return_lse=True,
+                                                  **opts)
+        got_k, got_v = k_cache, v_cache
+    ro, rl = reference.attention_with_kvcache(
+        q.double(), ref_k.double(), ref_v.double(), c["seqlens"],
+        None if new_k is None else new_k.double(), None if new_v is None else new_v.double(),
+        upcast=True, return_lse=True, **opts)
+    lo, ll = reference.attention_with_kvcache(q, low_k, low_v, c["seqlens"], new_k, new_v,
+                                              upcast=False, return_lse=True, **opts)
+    if not (torch.equal(got_k, low_k) and torch.equal(got_v, low_v)):
+        raise Mismatch("cache: the appended cache differs from the oracle's")
+    worst = check("out", out, ro, lo)
+    return max(worst, check_lse(lse, rl, ll))
+
+
+def _to_pages_like(cache, table, page_size):
+    """cache's pages in ``table``'s order (for a second cache sharing the first's table)."""
+    b, h, n, d = cache.shape
+    blocks = table.shape[1]
+    padded = torch.zeros(b, h, blocks * page_size, d, dtype=cache.dtype)
+    padded[:, :, :n] = cache
+    return padded.view(b, h, blocks, page_size, d).permute(0, 2, 3, 1, 4).reshape(
+        b * blocks, page_size, h, d)
+
+
+def run_paged_varlen(c, gen):
+    dtype = DTYPES[c["dtype"]]
+    hkv, hq, ps = c["heads_kv"], c["heads_kv"] * c["group"], c["page_size"]
+    lens_q, lens_k = c["lens_q"], c["lens_k"]
+    cu_q = _cu(lens_q)
+    q = _randn(gen, cu_q[-1], hq, c["d"], dtype=dtype)
+    n = max(max(lens_k), 1)
+    k_dense = _randn(gen, len(lens_k), hkv, n, c["d"], dtype=dtype)
+    v_dense = _randn(gen, len(lens_k), hkv, n, c["dv"], dtype=dtype)
+    kc, table = _to_pages(k_dense, ps, gen)
+    vc = torch.randn(kc.shape[:3] + (c["dv"],), generator=gen).to(dtype)
+    vc[table.long().flatten()] = _to_pages_like(v_dense, table, ps)
+    mods = _mods(c, gen, len(lens_q))
+    opts = dict(causal=c["causal"], window=c["window"], chunk_size=c["chunk"],
+                softmax_scale=c["scale"], **mods)
+    used = torch.tensor(lens_k, dtype=torch.int32)
+    out, lse = kernels.attention_varlen(q, kc, vc, torch.tensor(cu_q, dtype=torch.int32), None,
+                                        max(lens_q), block_table=table, seqused_k=used,
+                                        return_lse=True, **opts)
+    # The oracle over the same keys packed: sequence s's first lens_k[s] positions.
+    k = torch.cat([k_dense[s, :, :lens_k[s]].transpose(0, 1) for s in range(len(lens_k))])
+    v = torch.cat([v_dense[s, :, :lens_k[s]].transpose(0, 1) for s in range(len(lens_k))])
+    cu_k = _cu(lens_k)
+    ro, rl = reference.attention_varlen(q.double(), k.double(), v.double(), cu_q, cu_k,
+                                        upcast=True, return_lse=True, **opts)
+    lo, ll = reference.attention_varlen(q, k, v, cu_q, cu_k, upcast=False, return_lse=True,
+                                        **opts)
+    worst = check("out", out, ro, lo)
+    return max(worst, check_lse(lse, rl, ll))
+
+
+def _fa_visible(causal, window_size, chunk):
+    """FlashAttention's rule as the oracle's mask_mod: query i is at position P = i + k_len -
+    q_len and sees key j iff P - left <= j <= P + right (-1 = unbounded; causal: right = 0)
+    and, with attention_chunk C > 0, C * floor(P / C) <= j < C * floor(P / C) + C."""
+    left, right = window_size
+    if causal:
+        right = 0
+
+    def mask(b, h, q_idx, kv_idx, aux):
+        pos = q_idx             # the oracle's q_idx is already the position i + k_len - q_len
+        ok = torch.ones_like(pos - kv_idx, dtype=torch.bool)
+        if left >= 0:
+            ok = ok & (kv_idx >= pos - left)
+        if right >= 0:
+            ok = ok & (kv_idx <= pos + right)
+        if chunk:
+            start = torch.div(pos, chunk, rounding_mode="floor") * chunk
+            ok = ok & (kv_idx >= start) & (kv_idx < start + chunk)
+        return ok
+    return mask
+
+
+def run_fa(c, gen):
+    from kernels import flash_attn_interface as fa
+
+    dtype = DTYPES[c["dtype"]]
+    b, hkv, hq = c["batch"], c["heads_kv"], c["heads_kv"] * c["group"]
+    q = _randn(gen, b, c["q_len"], hq, c["d"], dtype=dtype)       # FlashAttention's layout
+    k = _randn(gen, b, c["k_len"], hkv, c["d"], dtype=dtype)
+    v = _randn(gen, b, c["k_len"], hkv, c["dv"], dtype=dtype)
+    if c["transposed"]:   # head-major buffers seen as (b, s, h, d)
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    mods = _mods(c, gen, b)
+    sinks = mods.pop("sinks")
+    leaves = [q, k, v] + ([sinks] if sinks is not None else [])
+    if c["grad"]:
+        for t in leaves:
+            t.requires_grad_()
+    out, lse, _ = fa.flash_attn_func(q, k, v, softmax_scale=c["scale"], causal=c["causal"],
+                                     window_size=c["window_size"],
+                                     softcap=c["softcap"] or 0.0,
+                                     alibi_slopes=mods["alibi_slopes"],
+                                     attention_chunk=c["attention_chunk"], s_aux=sinks,
+                                     return_attn_probs=True)
+    opts = dict(causal=False, softmax_scale=c["scale"], dropout_p=0.0,
+                mask_mod=_fa_visible(c["causal"], c["window_size"], c["attention_chunk"]),
+                **mods)
+
+    def bhsd(t):
+        return t.transpose(1, 2)
+
+    def ref_fn(upcast):
+        def fn(q, k, v, s=None):
+            return bhsd(reference.attention(bhsd(q), bhsd(k), bhsd(v), sinks=s, upcast=upcast,
+                                            **opts))
+        return fn
+
+    oracle = FaOracle(opts, None, sinks is not None)
+    with torch.no_grad():
+        ins = [t.detach() for t in leaves]
+        ro, rl = oracle(*[t.double() for t in ins])
+        lo, ll = oracle.call(*ins, upcast=False)
+    worst = check("out", out, ro, lo)
+    worst = max(worst, check_lse(lse, rl, ll))
+    if c["grad"]:
+        do = _randn(gen, *out.shape, dtype=dtype)
+        scale = c["scale"] or 1 / math.sqrt(c["d"])
+        worst = max(worst, grads_check(out, leaves, ref_fn(True), ref_fn(False), oracle, do, c,
+                                       scale, ("dq", "dk", "dv", "dsinks")))
+    return worst
+
+
+class FaOracle(DenseOracle):
+    """DenseOracle in FlashAttention's (b, s, h, d) layout (lse stays (b, h, s))."""
+
+    def call(self, q, k, v, sinks=None, v_override=None, upcast=True):
+        kw = dict(self.kw)
+        if self.sinks_given:
+            kw["sinks"] = sinks
+        vv = v if v_override is None else v_override
+        out, lse = reference.attention(q.transpose(1, 2), k.transpose(1, 2), vv.transpose(1, 2),
+                                       upcast=upcast, return_lse=True, **kw)
+        return out.transpose(1, 2), lse
+
+    def __call__(self, q, k, v, sinks=None, v_override=None, keep=True):
+        return self.call(q, k, v, sinks, v_override)
+
+    @staticmethod
+    def lse_layout(c):          # (b, s, h) -> (b, h, s)
+        return c.transpose(1, 2)
+
+    @staticmethod
+    def dense(*ts):
+        return tuple(t.transpose(1, 2) for t in ts)
+
+    def weights(self, q, k, v, sinks=None):
+        b, n, hkv, _ = k.shape
+        eye = torch.eye(n, dtype=torch.float64)[None, :, None, :].expand(b, n, hkv, n)
+        p, lse = self(q.detach(), k.detach(), eye, sinks.detach() if sinks is not None
+                      else None)
+        return p.transpose(1, 2), lse, torch.ones_like(p.transpose(1, 2))
+
+
+RUNNERS = {"fa": run_fa, "dense": run_dense, "varlen": run_varlen, "kvcache": run_kvcache,
+           "paged": run_kvcache, "paged_varlen": run_paged_varlen}
+
+
+def run_case(c, backend="kernel"):
+    """Run one drawn case on ``backend``: "kernel" (the Triton kernels: Triton's interpreter
+    on CPU) or "fallback" (the PyTorch path CPU tensors take with TRITON_INTERPRET=0, read
+    at each call). Returns the worst error / budget ratio (<= 1) or raises."""
+    gen = torch.Generator().manual_seed(c["input_seed"])
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1" if backend == "kernel" else "0"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", kernels.FallbackNotice)
+            return RUNNERS[c["route"]](c, gen)
+    finally:
+        if saved is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cases", type=int, default=50)
+    ap.add_argument("--seed", type=int, default=None, help="default: drawn, and printed")
+    ap.add_argument("--only", type=int, default=None, help="run case ONLY of --seed")
+    ap.add_argument("--routes", default=",".join(ROUTES))
+    ap.add_argument("--backends", default="kernel",
+                    help="kernel, fallback or kernel,fallback (each case on each)")
+    ap.add_argument("--budget", type=float, default=None, help="stop after this many seconds")
+    ap.add_argument("-v", "--verbose", action="store_true", help="tracebacks of failures")
+    a = ap.parse_args(argv)
+    seed = a.seed if a.seed is not None else random.randrange(2**31)
+    routes = tuple(a.routes.split(","))
+    unknown = set(routes) - set(ROUTES)
+    if unknown:
+        ap.error(f"unknown routes {sorted(unknown)}; expected some of {ROUTES}")
+    backends = tuple(a.backends.split(","))
+    if not set(backends) <= {"kernel", "fallback"}:
+        ap.error(f"--backends: kernel and/or fallback; got {a.backends}")
+    indices = [a.only] if a.only is not None else range(a.cases)
+    print(f"fuzz_parity: seed {seed}, backends {','.join(backends)}, torch "
+          f"{torch.__version__}, triton {triton.__version__}", flush=True)
+    start, failed, ran, worst = time.time(), [], 0, (0.0, "")
+    for i in indices:
+        if a.budget is not None and time.time() - start > a.budget:
+            break
+        c = draw_case(seed, i, routes)
+        for backend in backends:
+            t0 = time.time()
+            try:
+                ratio, name = run_case(c, backend)
+                worst = max(worst, (ratio, f"{name} of case {i} on the {backend}"))
+                status = f"ok {ratio:.2f} {name}"
+            except Exception as e:  # noqa: BLE001 -- every failure is reported, then counted
+                failed.append(i)
+                status = f"FAIL {type(e).__name__}: {e}"
+                if a.verbose:
+                    traceback.print_exc()
+            ran += 1
+            print(f"[{i}] {backend} {time.time() - t0:5.1f}s {status} | {describe(c)}",
+                  flush=True)
+    print(f"fuzz_parity: {ran} runs, {len(failed)} failed"
+          + (f" (replay: --seed {seed} --only N for N in {failed})" if failed else "")
+          + f", worst error/budget {worst[0]:.2f} ({worst[1]}), {time.time() - start:.0f} s")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
