@@ -49,6 +49,16 @@ def test_cases_are_replayable_and_cover_the_matrix():
     assert {c["dtype"] for c in cases} == set(fz.DTYPES)
 
 
+def test_random_cases_compiled():
+    """Two cases per route under torch.compile(fullgraph=True, backend="aot_eager")."""
+    if _kernel_skip():
+        pytest.skip(_kernel_skip())
+    for route in fz.ROUTES:
+        for i in range(2):
+            ratio, _ = fz.run_case(fz.draw_case(SEED, i, (route,)), "compiled")
+            assert ratio <= 1.0
+
+
 def _dense_case(**over):
     c = dict(fz.draw_case(SEED, 0, ("dense",)))
     c.update(dict(dtype="fp32", batch=1, heads_kv=1, group=2, d=16, dv=16, causal=True,

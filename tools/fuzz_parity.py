@@ -154,6 +154,28 @@ def _mods(c, gen, num):
     return dict(softcap=c["softcap"], alibi_slopes=slopes, sinks=sinks)
 
 
+# ------------------------------------------------------------------ the call under test
+_COMPILE = {"on": False}
+
+
+def _api(name):
+    """The public function ``name`` (of ``kernels``, or ``flash_attn_func`` of its
+    FlashAttention API), looked up at each call (tests patch them); on the "compiled" backend
+    wrapped in ``torch.compile(fullgraph=True, backend="aot_eager")``: the custom ops' traced
+    path (fake tensors, the mutation of KV caches), the kernels still in the interpreter."""
+    if name == "flash_attn_func":
+        from kernels import flash_attn_interface
+        fn = flash_attn_interface.flash_attn_func
+    else:
+        fn = getattr(kernels, name)
+    if not _COMPILE["on"]:
+        return fn
+
+    def call(*args, **kwargs):
+        return fn(*args, **kwargs)
+    return torch.compile(call, fullgraph=True, backend="aot_eager")
+
+
 # ------------------------------------------------------------------ checks
 def check(name, out, ref, lowp, factor=OUT_FACTOR, extra=0.0):
     if out.shape != ref.shape:
@@ -287,7 +309,7 @@ def run_dense(c, gen):
     if c["grad"]:
         for t in leaves:
             t.requires_grad_()
-    out, lse = kernels.attention(q, k, v, sinks=sinks, seed=c["dropout_seed"], return_lse=True,
+    out, lse = _api("attention")(q, k, v, sinks=sinks, seed=c["dropout_seed"], return_lse=True,
                                  **opts)
     keep = None
     if c["dropout"]:
@@ -382,7 +404,7 @@ def run_varlen(c, gen):
         for t in leaves:
             t.requires_grad_()
     tq, tk = (torch.tensor(x, dtype=torch.int32) for x in (cu_q, cu_k))
-    out, lse = kernels.attention_varlen(q, k, v, tq, tk, max(c["lens_q"]), max(c["lens_k"]),
+    out, lse = _api("attention_varlen")(q, k, v, tq, tk, max(c["lens_q"]), max(c["lens_k"]),
                                         sinks=sinks, seed=c["dropout_seed"], return_lse=True,
                                         **opts)
     keeps = None
@@ -455,13 +477,13 @@ def run_kvcache(c, gen):
         kc, table = _to_pages(k_cache, c["page_size"], gen)
         vc = torch.randn(kc.shape[:3] + (c["dv"],), generator=gen).to(dtype)
         vc[table.long().flatten()] = _to_pages_like(v_cache, table, c["page_size"])
-        out, lse = kernels.attention_with_kvcache(q, kc, vc, seqlens, new_k, new_v,
+        out, lse = _api("attention_with_kvcache")(q, kc, vc, seqlens, new_k, new_v,
                                                   block_table=table,
                                                   num_splits=c["num_splits"],
                                                   return_lse=True, **opts)
         got_k, got_v = _from_pages(kc, table, n), _from_pages(vc, table, n)
     else:
-        out, lse = kernels.attention_with_kvcache(q, k_cache, v_cache, seqlens, new_k, new_v,
+        out, lse = _api("attention_with_kvcache")(q, k_cache, v_cache, seqlens, new_k, new_v,
                                                   num_splits=c["num_splits"], return_lse=True,
                                                   **opts)
         got_k, got_v = k_cache, v_cache
@@ -503,7 +525,7 @@ def run_paged_varlen(c, gen):
     opts = dict(causal=c["causal"], window=c["window"], chunk_size=c["chunk"],
                 softmax_scale=c["scale"], **mods)
     used = torch.tensor(lens_k, dtype=torch.int32)
-    out, lse = kernels.attention_varlen(q, kc, vc, torch.tensor(cu_q, dtype=torch.int32), None,
+    out, lse = _api("attention_varlen")(q, kc, vc, torch.tensor(cu_q, dtype=torch.int32), None,
                                         max(lens_q), block_table=table, seqused_k=used,
                                         return_lse=True, **opts)
     # The oracle over the same keys packed: sequence s's first lens_k[s] positions.
@@ -541,8 +563,6 @@ def _fa_visible(causal, window_size, chunk):
 
 
 def run_fa(c, gen):
-    from kernels import flash_attn_interface as fa
-
     dtype = DTYPES[c["dtype"]]
     b, hkv, hq = c["batch"], c["heads_kv"], c["heads_kv"] * c["group"]
     q = _randn(gen, b, c["q_len"], hq, c["d"], dtype=dtype)       # FlashAttention's layout
@@ -556,7 +576,7 @@ def run_fa(c, gen):
     if c["grad"]:
         for t in leaves:
             t.requires_grad_()
-    out, lse, _ = fa.flash_attn_func(q, k, v, softmax_scale=c["scale"], causal=c["causal"],
+    out, lse, _ = _api("flash_attn_func")(q, k, v, softmax_scale=c["scale"], causal=c["causal"],
                                      window_size=c["window_size"],
                                      softcap=c["softcap"] or 0.0,
                                      alibi_slopes=mods["alibi_slopes"],
@@ -627,16 +647,20 @@ RUNNERS = {"fa": run_fa, "dense": run_dense, "varlen": run_varlen, "kvcache": ru
 
 def run_case(c, backend="kernel"):
     """Run one drawn case on ``backend``: "kernel" (the Triton kernels: Triton's interpreter
-    on CPU) or "fallback" (the PyTorch path CPU tensors take with TRITON_INTERPRET=0, read
-    at each call). Returns the worst error / budget ratio (<= 1) or raises."""
+    on CPU), "compiled" (the same under ``torch.compile``, ``_api``) or "fallback" (the
+    PyTorch path CPU tensors take with TRITON_INTERPRET=0, read at each call). Returns the worst error / budget ratio (<= 1) or raises."""
     gen = torch.Generator().manual_seed(c["input_seed"])
     saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1" if backend == "kernel" else "0"
+    os.environ["TRITON_INTERPRET"] = "0" if backend == "fallback" else "1"
+    _COMPILE["on"] = backend == "compiled"
+    if _COMPILE["on"]:
+        torch._dynamo.reset()       # a fresh cache per case: no recompile limit across cases
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", kernels.FallbackNotice)
             return RUNNERS[c["route"]](c, gen)
     finally:
+        _COMPILE["on"] = False
         if saved is None:
             del os.environ["TRITON_INTERPRET"]
         else:
@@ -650,7 +674,8 @@ def main(argv=None):
     ap.add_argument("--only", type=int, default=None, help="run case ONLY of --seed")
     ap.add_argument("--routes", default=",".join(ROUTES))
     ap.add_argument("--backends", default="kernel",
-                    help="kernel, fallback or kernel,fallback (each case on each)")
+                    help="some of kernel, compiled, fallback, comma-separated (each case on "
+                         "each)")
     ap.add_argument("--budget", type=float, default=None, help="stop after this many seconds")
     ap.add_argument("-v", "--verbose", action="store_true", help="tracebacks of failures")
     a = ap.parse_args(argv)
@@ -660,8 +685,8 @@ def main(argv=None):
     if unknown:
         ap.error(f"unknown routes {sorted(unknown)}; expected some of {ROUTES}")
     backends = tuple(a.backends.split(","))
-    if not set(backends) <= {"kernel", "fallback"}:
-        ap.error(f"--backends: kernel and/or fallback; got {a.backends}")
+    if not set(backends) <= {"kernel", "compiled", "fallback"}:
+        ap.error(f"--backends: some of kernel, compiled, fallback; got {a.backends}")
     indices = [a.only] if a.only is not None else range(a.cases)
     print(f"fuzz_parity: seed {seed}, backends {','.join(backends)}, torch "
           f"{torch.__version__}, triton {triton.__version__}", flush=True)
