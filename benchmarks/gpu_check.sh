@@ -55,6 +55,10 @@
 # TUTORIAL (the Triton tutorial's 06-fused-attention.py, not in this repository: the sweep's
 # and precompile's triton_tutorial rows; unset, those rows say "not given").
 #
+# Stage "fuzz" (`GPU_CHECK_STAGES="versions fuzz"`, ~3 min): tools/fuzz_parity.py on the GPU,
+# random calls (dense, packed, KV cache, paged, FlashAttention's API; windows, chunks, mods,
+# sinks, dropout, GQA, odd head dims) eager and under torch.compile against the float64
+# oracle, with one fitting config per launch (KERNELS_AUTOTUNE=0); the cases go to check.log.
 # Stage list "speed" (`GPU_CHECK_STAGES=speed`, one 9-minute device call): in this order, each
 # stage saving as it ends,
 #   precompile  tools/precompile.py: every kept config of every launch below compiled on
@@ -197,6 +201,17 @@ print(\"device\", torch.cuda.get_device_name() if torch.cuda.is_available() else
         TEST_LOG_DIR="$WORK" stage "tests (GPU)" "$tests_limit" "${PYM[@]}" pytest tests -q \
             $TEST_ARGS -p no:cacheprovider -p tools.failure_log -rfE $xdist_args \
             --durations=15 --junitxml "$WORK/junit.xml"
+        pack
+    fi
+    if wanted fuzz; then
+        # Random calls across routes and features against the float64 oracle, the kernels
+        # compiled for this GPU, eager and under torch.compile (tools/fuzz_parity.py); one
+        # line per case in check.log, failures replayable by seed and index.
+        local fuzz_limit
+        fuzz_limit=$(limit_reserving 180 10)
+        stage "fuzz (random calls vs the float64 oracle)" "$fuzz_limit" "${PYM[@]}" \
+            tools.fuzz_parity --device cuda --backends kernel,compiled --cases 100000 \
+            --budget $(( fuzz_limit - 30 ))
         pack
     fi
     if wanted book; then

@@ -98,3 +98,15 @@ def test_variants_list_dry_run(tmp_path):
     assert "variant tests (GPU): exit 0" in out
     assert "warpspec_ab KERNELS_FWD_WARP_SPEC=1: exit 0" in out
     assert "modes ['fwd']" in out
+
+
+@pytest.mark.skipif(not os.path.exists("/bin/bash") and not os.path.exists("/usr/bin/bash"),
+                    reason="needs bash")
+def test_fuzz_stage_dry_run_parses_its_arguments(tmp_path):
+    """Stage "fuzz" (tools/fuzz_parity.py on the GPU) goes through the tool's parser."""
+    r = _run_script(tmp_path, "fuzz")
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    assert "tools.fuzz_parity: {" in out and "'device': 'cuda'" in out
+    assert "'backends': 'kernel,compiled'" in out
+    assert "fuzz (random calls vs the float64 oracle): exit 0" in out

@@ -110,3 +110,16 @@ def test_the_checks_can_fail(monkeypatch):
              seqlens=[3] * 3, batch=3)
     with pytest.raises(fz.Mismatch, match="cache"):
         fz.run_case(c, "fallback")
+
+
+def test_device_plumbing_moves_and_copies_back():
+    """``--device`` moves the call's tensors and copies written caches back (here to the CPU
+    under another name, which runs the same wrapper as ``cuda``)."""
+    if _kernel_skip():
+        pytest.skip(_kernel_skip())
+    cache = dict(fz.draw_case(SEED, 0, ("kvcache",)), append=True, q_len=2, cache_len=9,
+                 seqlens=[3, 5], batch=2)
+    dense = _dense_case(q_len=5, k_len=7)
+    for c in (cache, dense):
+        ratio, _ = fz.run_case(c, "kernel", device="cpu:0")
+        assert ratio <= 1.0

@@ -20,12 +20,15 @@ both owed to FlashAttention-2's formulation (tests/helpers.py ``fa2_oracle`` exp
 the error inherited from the stored o through delta = rowsum(dO * O), which is exactly the
 gradient of sum_i (delta_i - delta'_i) * lse_i (d lse_i / d s_ij = P_ij, mods included), and
 two fp32 ulps of the size of the terms P = exp(s - lse) and dS = P (dP - delta) are computed
-from (the kernels compute in fp32 whatever the inputs). KV caches: the appended cache bit for bit equal to the oracle's.
+from (the kernels compute in fp32 whatever the inputs). KV caches: the appended cache bit for
+bit equal to the oracle's.
 
 Usage (on CPU the kernels run in Triton's interpreter; a few seconds per case)::
 
-    TRITON_INTERPRET=1 python tools/fuzz_parity.py --cases 200 [--seed S] [--routes dense,varlen]
-    TRITON_INTERPRET=1 python tools/fuzz_parity.py --seed S --only 17 -v    # replay one case
+    python tools/fuzz_parity.py --cases 200 [--seed S] [--routes dense,varlen]
+        [--backends kernel,compiled,fallback] [--budget SECONDS]
+    python tools/fuzz_parity.py --seed S --only 17 -v      # replay one case, with tracebacks
+    python tools/fuzz_parity.py --device cuda --budget 60  # on a GPU: the compiled kernels
 
 Prints a line per case and a summary; exits 1 if any case failed. tests/test_fuzz_parity.py
 runs a few fixed cases of it in CI.
@@ -41,7 +44,10 @@ import warnings
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+    # The interpreter for the kernels on CPU tensors (read when @triton.jit decorates), not
+    # with --device cuda.
+    if not any(a in ("--device=cuda", "cuda") for a in sys.argv[1:]):
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -155,25 +161,40 @@ def _mods(c, gen, num):
 
 
 # ------------------------------------------------------------------ the call under test
-_COMPILE = {"on": False}
+_MODE = {"compile": False, "device": "cpu"}
 
 
 def _api(name):
     """The public function ``name`` (of ``kernels``, or ``flash_attn_func`` of its
-    FlashAttention API), looked up at each call (tests patch them); on the "compiled" backend
-    wrapped in ``torch.compile(fullgraph=True, backend="aot_eager")``: the custom ops' traced
-    path (fake tensors, the mutation of KV caches), the kernels still in the interpreter."""
+    FlashAttention API), looked up at each call (tests patch them). On the "compiled" backend
+    it runs in ``torch.compile(fullgraph=True)`` (aot_eager on the CPU, where the kernels stay
+    in the interpreter; inductor on a GPU): the custom ops' traced path (fake tensors, the
+    mutation of KV caches). With ``--device cuda`` (kernel and compiled backends) its tensor
+    arguments are moved there (strides kept; differentiable, so gradients reach the CPU
+    leaves), its results moved back, and the arguments it wrote in place (KV caches) copied
+    back: inputs, oracle and checks stay on the CPU."""
     if name == "flash_attn_func":
         from kernels import flash_attn_interface
         fn = flash_attn_interface.flash_attn_func
     else:
         fn = getattr(kernels, name)
-    if not _COMPILE["on"]:
+    device = _MODE["device"]
+    if _MODE["compile"]:
+        fn = torch.compile(fn, fullgraph=True,
+                           backend="aot_eager" if device == "cpu" else "inductor")
+    if device == "cpu":
         return fn
 
-    def call(*args, **kwargs):
-        return fn(*args, **kwargs)
-    return torch.compile(call, fullgraph=True, backend="aot_eager")
+    def on_device(*args, **kwargs):
+        def move(x):
+            return x.to(device) if isinstance(x, torch.Tensor) else x
+        moved = [move(a) for a in args]
+        result = fn(*moved, **{k: move(v) for k, v in kwargs.items()})
+        for a, m in zip(args, moved):
+            if isinstance(a, torch.Tensor) and not a.requires_grad:
+                a.copy_(m)                       # written in place (caches); else a no-op
+        return tuple(r.cpu() if isinstance(r, torch.Tensor) else r for r in result)
+    return on_device
 
 
 # ------------------------------------------------------------------ checks
@@ -206,6 +227,7 @@ def fa2_allowances(oracle, leaves, o_stored, do, scale, group, sinks_index=None)
     ``oracle(*leaves, v_override=None)`` returns (out, lse) in float64 for float64 leaves
     (q, k, v[, sinks]) in the call's layout, with the dense (batch, heads, rows, dim) view of
     q, k, v given by ``oracle.dense``. Returns a list of floats, one per leaf."""
+    leaves_in = leaves
     leaves = [t.detach().double().requires_grad_() for t in leaves]
     out, lse = oracle(*leaves)
     do64, o_st = do.double(), o_stored.detach().double()
@@ -213,7 +235,10 @@ def fa2_allowances(oracle, leaves, o_stored, do, scale, group, sinks_index=None)
     c = oracle.lse_layout(c).masked_fill(~torch.isfinite(lse.detach()), 0.0)
     inherited = torch.autograd.grad((c * lse.nan_to_num(0.0, neginf=0.0)).sum(), leaves,
                                     allow_unused=True)
-    extra = [g.abs().max().item() if g is not None and g.numel() else 0.0 for g in inherited]
+    # The kernels return that gradient rounded to the leaf's dtype: one more ulp of its size
+    # (where the true gradient is ~0, PyTorch's error and the floor do not cover it).
+    extra = [(1 + torch.finfo(t.dtype).eps) * g.abs().max().item()
+             if g is not None and g.numel() else 0.0 for g, t in zip(inherited, leaves_in)]
     # 2 fp32 ulps of the sizes the FA-2 backward rounds (fa2_oracle in tests/helpers.py).
     # The kernels compute in fp32 whatever the input dtype, so this holds for all of them; it
     # matters where the true gradient is ~0 (one visible key: dS = P (dP - delta) = 0), so that
@@ -645,29 +670,33 @@ RUNNERS = {"fa": run_fa, "dense": run_dense, "varlen": run_varlen, "kvcache": ru
            "paged": run_kvcache, "paged_varlen": run_paged_varlen}
 
 
-def run_case(c, backend="kernel"):
+def run_case(c, backend="kernel", device="cpu"):
     """Run one drawn case on ``backend``: "kernel" (the Triton kernels: Triton's interpreter
     on CPU), "compiled" (the same under ``torch.compile``, ``_api``) or "fallback" (the
-    PyTorch path CPU tensors take with TRITON_INTERPRET=0, read at each call). Returns the worst error / budget ratio (<= 1) or raises."""
+    PyTorch path CPU tensors take with TRITON_INTERPRET=0, read at each call). ``device``:
+    where the kernel and compiled backends run (``_api``); the fallback always on the CPU. Returns the worst error / budget ratio (<= 1) or raises."""
     gen = torch.Generator().manual_seed(c["input_seed"])
     saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "0" if backend == "fallback" else "1"
-    _COMPILE["on"] = backend == "compiled"
-    if _COMPILE["on"]:
+    if backend == "fallback" or device == "cpu":   # read per call for CPU tensors only
+        os.environ["TRITON_INTERPRET"] = "0" if backend == "fallback" else "1"
+    _MODE.update(compile=backend == "compiled",
+                 device="cpu" if backend == "fallback" else device)
+    if _MODE["compile"]:
         torch._dynamo.reset()       # a fresh cache per case: no recompile limit across cases
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", kernels.FallbackNotice)
             return RUNNERS[c["route"]](c, gen)
     finally:
-        _COMPILE["on"] = False
+        _MODE.update(compile=False, device="cpu")
         if saved is None:
             del os.environ["TRITON_INTERPRET"]
         else:
             os.environ["TRITON_INTERPRET"] = saved
 
 
-def main(argv=None):
+def build_parser():
+    """The command line (also validated by the device script's dry run, tools/device_plan)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", type=int, default=50)
     ap.add_argument("--seed", type=int, default=None, help="default: drawn, and printed")
@@ -676,9 +705,21 @@ def main(argv=None):
     ap.add_argument("--backends", default="kernel",
                     help="some of kernel, compiled, fallback, comma-separated (each case on "
                          "each)")
+    ap.add_argument("--device", default="cpu",
+                    help="cpu (the kernels in Triton's interpreter) or cuda (compiled kernels; "
+                         "inputs, oracle and checks on the CPU)")
     ap.add_argument("--budget", type=float, default=None, help="stop after this many seconds")
     ap.add_argument("-v", "--verbose", action="store_true", help="tracebacks of failures")
+    return ap
+
+
+def main(argv=None):
+    ap = build_parser()
     a = ap.parse_args(argv)
+    if a.device != "cpu":
+        # One fitting config per launch, as the test suite on a GPU: autotuning every random
+        # shape would time hundreds of configs per case.
+        os.environ.setdefault("KERNELS_AUTOTUNE", "0")
     seed = a.seed if a.seed is not None else random.randrange(2**31)
     routes = tuple(a.routes.split(","))
     unknown = set(routes) - set(ROUTES)
@@ -688,7 +729,7 @@ def main(argv=None):
     if not set(backends) <= {"kernel", "compiled", "fallback"}:
         ap.error(f"--backends: some of kernel, compiled, fallback; got {a.backends}")
     indices = [a.only] if a.only is not None else range(a.cases)
-    print(f"fuzz_parity: seed {seed}, backends {','.join(backends)}, torch "
+    print(f"fuzz_parity: seed {seed}, backends {','.join(backends)} on {a.device}, torch "
           f"{torch.__version__}, triton {triton.__version__}", flush=True)
     start, failed, ran, worst = time.time(), [], 0, (0.0, "")
     for i in indices:
@@ -698,7 +739,7 @@ def main(argv=None):
         for backend in backends:
             t0 = time.time()
             try:
-                ratio, name = run_case(c, backend)
+                ratio, name = run_case(c, backend, a.device)
                 worst = max(worst, (ratio, f"{name} of case {i} on the {backend}"))
                 status = f"ok {ratio:.2f} {name}"
             except Exception as e:  # noqa: BLE001 -- every failure is reported, then counted
