@@ -3,15 +3,18 @@
 float64 oracle (``reference``) by FlashAttention's budget rule.
 
 The pinned tests check each feature on a few shapes; this draws the combinations nobody wrote
-down: route (``dense`` ``kernels.attention`` with its backward, ``varlen`` packed sequences with
-theirs, ``kvcache`` decoding with an append and split-KV, ``paged`` the same over a paged cache,
-``paged_varlen`` packed queries over pages), dtype, batch, grouped-query heads, lengths 1-80
-(q_len > k_len included, empty packed sequences), head dims 1-80 (value head dim of its own),
-causal / window / chunk / neither, ``fa`` ``flash_attn_interface.flash_attn_func`` with its
-backward (two-sided ``window_size``, FlashAttention 3's ``attention_chunk`` with or without
-causal, ``s_aux`` sinks; its oracle's mask written from FA3's rule), softcap, ALiBi (per head or per batch entry), sinks (with
-their gradient), dropout, a custom softmax scale, transposed views. Case ``i`` of seed ``S`` is
-drawn from ``random.Random(f"{S}:{i}")`` alone, so ``--seed S --only i`` replays it.
+down. Routes: ``dense`` (``kernels.attention`` with its backward), ``varlen`` (packed
+sequences, with theirs), ``kvcache`` (decoding with an append and split-KV), ``paged`` (the
+same over a paged cache), ``paged_varlen`` (packed queries over pages) and ``fa``
+(``flash_attn_interface.flash_attn_func`` with its backward: two-sided ``window_size``,
+FlashAttention 3's ``attention_chunk`` with or without causal, ``s_aux`` sinks; its oracle's
+mask written from FA3's rule). Drawn with them: dtype, batch, grouped-query heads, lengths
+1-80 and now and then up to 300 (q_len > k_len included, empty packed sequences), head dims
+1-80 and now and then 128 or 256 (a value head dim of its own), causal / window / chunk /
+neither, softcap, ALiBi (per head or per batch entry), sinks (with their gradient), a user
+score mod (a bias table) and mask mod (per-row prefix or per-head stripes), dropout, a custom
+softmax scale, transposed views. Case ``i`` of seed ``S`` is drawn from
+``random.Random(f"{S}:{i}")`` alone, so ``--seed S --only i`` replays it.
 
 What is checked: out (and lse where there is one, its -inf rows exactly) within the parity
 budget (``reference.parity``: factor x PyTorch's own error in the input dtype + a floor);
@@ -51,6 +54,7 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 import kernels  # noqa: E402
 import reference  # noqa: E402
@@ -67,11 +71,16 @@ class Mismatch(AssertionError):
 
 # ------------------------------------------------------------------ drawing a case
 def _length(rng, lo=1):
-    """Lengths weighted to the edges: 1, around a 16-row tile, and a few longer ones."""
+    """Lengths weighted to the edges: 1, around a 16-row tile, some longer, rarely up to 300
+    (many tiles: the interpreter's tiles are 16 x 16)."""
+    if rng.random() < 0.03:
+        return rng.randint(81, 300)
     return max(lo, rng.choice([1, 1, 2, 3, 5, 7, 15, 16, 17, 31, 33, rng.randint(1, 80)]))
 
 
 def _dim(rng):
+    if rng.random() < 0.04:
+        return rng.choice([128, 256])
     return rng.choice([1, 8, 16, 17, 24, 32, 40, 64, 72, rng.randint(1, 80)])
 
 
@@ -92,6 +101,8 @@ def draw_case(seed, index, routes=ROUTES):
     c["softcap"] = rng.choice([None, None, None, round(rng.uniform(0.5, 30.0), 3)])
     c["alibi"] = rng.choice([None, None, None, "heads", "batch"])
     c["sinks"] = rng.random() < 0.25
+    c["mod"] = None if route == "fa" else rng.choice([None, None, None, None, "bias", "mask",
+                                                      "both"])
     c["scale"] = None if rng.random() < 0.7 else round(rng.uniform(0.05, 1.5), 3)
     c["transposed"] = rng.random() < 0.4
     c["dropout"] = 0.0
@@ -148,8 +159,43 @@ def _view(t, transposed, seq_axis=2):
     return t.transpose(1, seq_axis).contiguous().transpose(1, seq_axis)
 
 
+# Two user mods (kernels/core/mods.py's contract), with their PyTorch twins for the oracle.
+@triton.jit
+def _rel_bias(s, b, h, q_idx, kv_idx, aux):
+    """A relative-position bias: table aux[0] (heads, 9), distances clipped to [-4, 4]."""
+    d = tl.minimum(tl.maximum(q_idx - kv_idx, -4), 4) + 4
+    return s + tl.load(aux[0] + h * 9 + d)
+
+
+def _rel_bias_torch(s, b, h, q_idx, kv_idx, aux):
+    d = (q_idx - kv_idx).clamp(-4, 4) + 4
+    return s + aux[0].reshape(-1)[h * 9 + d].to(s.dtype)
+
+
+@triton.jit
+def _prefix_or_stripes(b, h, q_idx, kv_idx, aux):
+    """Key j is seen iff j < aux[1][b] (a per-row prefix) or (j + h) % 3 != 0: a pattern
+    that differs per batch entry and head, with no tile ranges (every tile visited)."""
+    return (kv_idx < tl.load(aux[1] + b)) | ((kv_idx + h) % 3 != 0)
+
+
+def _prefix_or_stripes_torch(b, h, q_idx, kv_idx, aux):
+    return (kv_idx < aux[1].reshape(-1)[b]) | ((kv_idx + h) % 3 != 0)
+
+
+REL_BIAS = kernels.ScoreMod("fuzz_parity.rel_bias", _rel_bias, _rel_bias_torch)
+PREFIX_OR_STRIPES = kernels.MaskMod("fuzz_parity.prefix_or_stripes", _prefix_or_stripes,
+                                    _prefix_or_stripes_torch)
+
+
+def _twins(opts):
+    """The oracle's options: the mods' PyTorch twins in place of the mods."""
+    return {k: getattr(v, "torch_fn", v) for k, v in opts.items()}
+
+
 def _mods(c, gen, num):
-    """softcap, alibi_slopes, sinks in the API's form; ``num`` = batch entries / sequences."""
+    """softcap, alibi_slopes, sinks, score_mod, mask_mod, mod_aux in the API's form; ``num`` =
+    batch entries / sequences."""
     hq = c["heads_kv"] * c["group"]
     slopes = None
     if c["alibi"] == "heads":
@@ -157,7 +203,14 @@ def _mods(c, gen, num):
     elif c["alibi"] == "batch":
         slopes = torch.rand(num, hq, generator=gen)
     sinks = _randn(gen, hq, dtype=torch.float32) if c["sinks"] else None
-    return dict(softcap=c["softcap"], alibi_slopes=slopes, sinks=sinks)
+    mods = dict(softcap=c["softcap"], alibi_slopes=slopes, sinks=sinks)
+    mod = c.get("mod")
+    if mod:
+        mods["score_mod"] = REL_BIAS if mod in ("bias", "both") else None
+        mods["mask_mod"] = PREFIX_OR_STRIPES if mod in ("mask", "both") else None
+        mods["mod_aux"] = (torch.randn(hq, 9, generator=gen) * 0.5,
+                           torch.randint(0, 12, (num,), generator=gen, dtype=torch.int32))
+    return mods
 
 
 # ------------------------------------------------------------------ the call under test
@@ -291,7 +344,7 @@ class DenseOracle:
     attending to the identity (one value column per key)."""
 
     def __init__(self, kw, keep, sinks_given):
-        self.kw, self.keep, self.sinks_given = kw, keep, sinks_given
+        self.kw, self.keep, self.sinks_given = _twins(kw), keep, sinks_given
 
     def __call__(self, q, k, v, sinks=None, v_override=None, keep=True):
         kw = dict(self.kw)
@@ -345,14 +398,14 @@ def run_dense(c, gen):
     def ref_fn(upcast):
         def fn(q, k, v, s=None):
             return reference.attention(q, k, v, sinks=s, upcast=upcast, keep_mask=keep,
-                                       **opts)
+                                       **_twins(opts))
         return fn
 
     with torch.no_grad():
         ins = [t.detach() for t in leaves]
         ro, rl = oracle(*[t.double() for t in ins])
         lo, ll = reference.attention(*ins[:3], sinks=ins[3] if sinks is not None else None,
-                                     upcast=False, keep_mask=keep, return_lse=True, **opts)
+                                     upcast=False, keep_mask=keep, return_lse=True, **_twins(opts))
     worst = check("out", out, ro, lo)
     worst = max(worst, check_lse(lse, rl, ll))
     if c["grad"]:
@@ -441,7 +494,7 @@ def run_varlen(c, gen):
     def ref_fn(upcast):
         def fn(q, k, v, s=None):
             return reference.attention_varlen(q, k, v, cu_q, cu_k, sinks=s, upcast=upcast,
-                                              keep_masks=keeps, **opts)
+                                              keep_masks=keeps, **_twins(opts))
         return fn
 
     with torch.no_grad():
@@ -449,7 +502,7 @@ def run_varlen(c, gen):
         ro, rl = oracle(*[t.double() for t in ins])
         lo, ll = reference.attention_varlen(*ins[:3], cu_q, cu_k, upcast=False,
                                             sinks=ins[3] if sinks is not None else None,
-                                            keep_masks=keeps, return_lse=True, **opts)
+                                            keep_masks=keeps, return_lse=True, **_twins(opts))
     worst = check("out", out, ro, lo)
     worst = max(worst, check_lse(lse, rl, ll))
     if c["grad"]:
@@ -515,9 +568,9 @@ def run_kvcache(c, gen):
     ro, rl = reference.attention_with_kvcache(
         q.double(), ref_k.double(), ref_v.double(), c["seqlens"],
         None if new_k is None else new_k.double(), None if new_v is None else new_v.double(),
-        upcast=True, return_lse=True, **opts)
+        upcast=True, return_lse=True, **_twins(opts))
     lo, ll = reference.attention_with_kvcache(q, low_k, low_v, c["seqlens"], new_k, new_v,
-                                              upcast=False, return_lse=True, **opts)
+                                              upcast=False, return_lse=True, **_twins(opts))
     if not (torch.equal(got_k, low_k) and torch.equal(got_v, low_v)):
         raise Mismatch("cache: the appended cache differs from the oracle's")
     worst = check("out", out, ro, lo)
@@ -558,9 +611,9 @@ def run_paged_varlen(c, gen):
     v = torch.cat([v_dense[s, :, :lens_k[s]].transpose(0, 1) for s in range(len(lens_k))])
     cu_k = _cu(lens_k)
     ro, rl = reference.attention_varlen(q.double(), k.double(), v.double(), cu_q, cu_k,
-                                        upcast=True, return_lse=True, **opts)
+                                        upcast=True, return_lse=True, **_twins(opts))
     lo, ll = reference.attention_varlen(q, k, v, cu_q, cu_k, upcast=False, return_lse=True,
-                                        **opts)
+                                        **_twins(opts))
     worst = check("out", out, ro, lo)
     return max(worst, check_lse(lse, rl, ll))
 
@@ -674,7 +727,9 @@ def run_case(c, backend="kernel", device="cpu"):
     """Run one drawn case on ``backend``: "kernel" (the Triton kernels: Triton's interpreter
     on CPU), "compiled" (the same under ``torch.compile``, ``_api``) or "fallback" (the
     PyTorch path CPU tensors take with TRITON_INTERPRET=0, read at each call). ``device``:
-    where the kernel and compiled backends run (``_api``); the fallback always on the CPU. Returns the worst error / budget ratio (<= 1) or raises."""
+    where the kernel and compiled backends run (``_api``); the fallback always on the CPU.
+    Returns (the worst error / budget ratio, <= 1, and the check it came from), or raises
+    ``Mismatch`` (or the call's own error)."""
     gen = torch.Generator().manual_seed(c["input_seed"])
     saved = os.environ.get("TRITON_INTERPRET")
     if backend == "fallback" or device == "cpu":   # read per call for CPU tensors only
