@@ -722,15 +722,45 @@ def _exp_(x, flush):
     return x.exp_()
 
 
+# How far the lse given to a backward may be from the one its block recomputes (fp32 ulps
+# of |lse|) and still be taken for the same: the forward's own lse, rounded as it was.
+_LSE_ULPS = 8
+
+
+def _weights_(s, lse, sink, flush):
+    """The softmax weights P, in place, from the masked scores ``s`` (B, H_kv, rows, keys) of
+    rows that see all their keys here, given the forward's ``lse`` (rows, 1; -inf replaced by
+    0) and sink logits (or None). Returns bool (rows, 1): where the block is the row's whole
+    softmax (its max + log(sum) is the given lse to within ``_LSE_ULPS`` of its rounding).
+
+    There P = exp(s - max) / sum, as the forward made it; elsewhere (an lse merged from other
+    key blocks: ring attention) exp(s - max) * exp(max - lse). (exp(s - lse) alone has the
+    relative error eps * |lse| of lse's fp32 rounding: at scores ~100, 50x that of eager's
+    softmax.)"""
+    m = s.amax(-1, keepdim=True)
+    if sink is not None:
+        m = torch.maximum(m, sink)
+    m = _finite_or_zero(m)
+    _exp_(s.sub_(m), flush=flush)
+    total = s.sum(-1, keepdim=True)
+    if sink is not None:
+        total = total + (sink - m).exp()
+    own = (m + total.log() - lse).abs() <= (
+        _LSE_ULPS * torch.finfo(torch.float32).eps * lse.abs().clamp(min=1.0))
+    scale = torch.where(own, total.reciprocal(), (m - lse).exp())
+    s.mul_(scale.masked_fill_(total == 0, 0.0))
+    return own
+
+
 def _finite_or_zero(x):
     """``x`` with -inf (rows that see no key) replaced by 0, so exp(-inf - x) = 0."""
     return x.masked_fill(x == float("-inf"), 0.0)
 
 
 def _forward_blocks(pb, o, lse, blocks):
-    """Per block: scores, row max, exp in place, row sums; lse = max + log(sum); the dropout
-    mask zeroes weights in place; out = (weights @ v) / (sum * (1 - p)) (rows that see no key:
-    zeros and lse -inf). With sinks, exp(sink - max) joins each row's sum (and the max takes
+    """Per block: scores, row max, exp in place, row sums; lse = max + log(sum); the weights
+    divided by sum * (1 - p) and zeroed in place by the dropout mask; out = weights @ v (rows
+    that see no key: zeros and lse -inf). With sinks, exp(sink - max) joins each row's sum (and the max takes
     the sink into account, so that the exp cannot overflow) but no value: a row that sees no
     key gets zeros and lse = its sink."""
     (buf,), mask_buf = pb.scratch(blocks, 1)
@@ -765,6 +795,10 @@ def _forward_blocks(pb, o, lse, blocks):
         if sink is not None:
             total.add_((sink - m).exp_())
         pb.put_rows(lse, i0, i1, (m + total.log()).squeeze(-1))
+        # The weights normalised before P @ V, as eager's softmax is: the block holds every
+        # key of its rows (dividing the product instead rounds o differently from eager, by
+        # up to 1.2x its fp32 error, which a model's gradients then carry).
+        s.mul_((keep_scale / total).masked_fill_(total == 0, 0.0))
         keep = pb.kept(i0, i1, k0, k1, mask_buf)
         if keep is not None:
             # x * keep: NaN only comes whole rows at a time here (a row's max and sum are NaN
@@ -772,10 +806,7 @@ def _forward_blocks(pb, o, lse, blocks):
             # As uint8: aten's mul by a bool tensor is not vectorised (1M weights: 0.86 ms
             # against 0.23).
             s.mul_(keep.view(torch.uint8))
-        out = torch.matmul(s, pb.v[:, :, k0:k1].float())
-        norm = keep_scale / total
-        out.mul_(norm.masked_fill_(total == 0, 0.0))
-        pb.put_rows(o, i0, i1, out)
+        pb.put_rows(o, i0, i1, torch.matmul(s, pb.v[:, :, k0:k1].float()))
 
 
 def _forward_dense(pb, o, lse):
@@ -788,8 +819,13 @@ def _forward_dense(pb, o, lse):
 
 def _backward_blocks(pb, do, o, lse, dq, dk_acc, dv_acc, blocks):
     """Per block, with Z = keep / (1 - p) the dropout factor and P the recomputed weights:
-    dS = P * (Z * (dO V^T) - rowsum(dO * O)); dQ = dS K scale, dK += dS^T Q scale,
-    dV += (P * Z)^T dO. The 1 / (1 - p) is taken out of the block-sized work: with
+    dS = P * (Z * (dO V^T) - delta); dQ = dS K scale, dK += dS^T Q scale, dV += (P * Z)^T dO.
+    Where the block is the rows' whole softmax (its lse is the given one: ``_weights_``), P is
+    exp(s - max) / sum and delta = rowsum(P * Z * (dO V^T)), as eager's softmax backward takes
+    them; elsewhere (ring attention's merged lse) P = exp(s - lse), delta = rowsum(dO * O).
+    (Measured 2026-11-29, head_dim 512, scale 1, scores of std ~22, packed causal rows of 9 and
+    6: dV's error against the float64 oracle was up to 13x fp32 eager's with exp(s - lse) and
+    rowsum(dO * O); it is eager's own, 0.99-1.00x, now.) The 1 / (1 - p) is taken out of the block-sized work: with
     ``ds' = P * (keep * (dO V^T) - rowsum * (1 - p))``, dS = ds' / (1 - p).
     With score mods, P comes from the modded scores and dS (with respect to them) is chained
     back to the raw score s = scale q·kᵀ through the mods' twins by autograd before the
@@ -821,17 +857,23 @@ def _backward_blocks(pb, do, o, lse, dq, dk_acc, dv_acc, blocks):
             s_raw = pb.raw_scores(q_s, k0, k1, bufs[2]).detach().requires_grad_()
             with _recording():  # the worker threads run under no_grad
                 s_mod = pb.modded(s_raw, idx, user_aux)
-            # Out of place: autograd may have saved s_mod (tanh saves its output).
-            p = torch.sub(s_mod.detach(), lse_b, out=p_buf[:s_mod.numel()].view(s_mod.shape))
+            # A copy: autograd may have saved s_mod (tanh saves its output).
+            p = p_buf[:s_mod.numel()].view(s_mod.shape).copy_(s_mod.detach())
         else:
-            p = pb.raw_scores(q_s, k0, k1, p_buf).sub_(lse_b)
-        _exp_(pb.mask(p, i0, i1, k0, k1, idx), flush=bool(pb.score_mods))
+            p = pb.raw_scores(q_s, k0, k1, p_buf)
+        own = _weights_(pb.mask(p, i0, i1, k0, k1, idx), lse_b, pb.sink_rows(i0, i1),
+                        flush=bool(pb.score_mods))
         ds = ds_buf[:p.numel()].view(p.shape)
         torch.matmul(do_b, pb.v[:, :, k0:k1].float().transpose(-2, -1), out=ds)
         keep = pb.kept(i0, i1, k0, k1, mask_buf)
         if keep is not None:  # dO V^T can hold NaN in single columns (a NaN in v): where
             torch.where(keep, ds, ds.new_zeros(()), out=ds)
-        ds.sub_(delta.div_(keep_scale)).mul_(p)
+        # delta = rowsum(dO * O) = sum_j P_ij dP_ij. Where the block is the whole softmax
+        # (``own``), the sum over its P and dP, as eager's softmax backward takes it: dS then
+        # vanishes where it should (one dominant key: dP_ij ~ delta_i) instead of keeping the
+        # rounding of the stored O.
+        delta = torch.where(own, (ds * p).sum(-1, keepdim=True), delta.div_(keep_scale))
+        ds.sub_(delta).mul_(p)
         if pb.score_mods:
             # ds' · ∂s_mod/∂s_raw (the 1 / (1 - p) factor commutes with the chain rule). A mod
             # that ignores s altogether leaves nothing to differentiate: dS = 0.

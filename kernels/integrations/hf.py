@@ -45,15 +45,21 @@ Supported exactly (the same attention as ``attn_implementation="eager"``):
 * KV-cache generation (q_len != k_len, dynamic, sliding-window and static caches; our causal mask
   is aligned bottom-right, where the new queries are), and the query rows a model keeps of a
   mask (``mask[:, :, -n:, :]``, Gemma 4's KV-shared layers under ``generate``);
+* non-causal layers (encoders such as BERT, encoder-decoder cross-attention, a decoder made
+  bidirectional by ``is_causal=False``), whose masks transformers builds with
+  ``create_bidirectional_mask``: every query sees every key the 2-D padding mask keeps, every
+  query row computed (padding positions too, as eager), padding anywhere (holes too) through
+  packed keys; a row whose keys are all padding gives zeros;
 * padding-free packed batches (``position_ids`` restarting inside a row, no attention mask),
   as each transformers version builds their mask (up to 5.22 over the tokens' indices in the
   row, from 5.23 over their position ids: the same attention but for chunks, which follow the
   version's own rule).
 
 Anything else raises ``NotImplementedError`` naming it, never a silently different answer: a
-non-causal layer or bidirectional mask (encoders, cross-attention, ``config.is_causal=False``), a
-custom 4-D mask or any mask transformers' masking utilities did not build through our hook,
-extra mask functions (``or_mask_function``/``and_mask_function``, block-wise attention), sinks
+layer whose ``is_causal`` disagrees with its mask, a custom 4-D mask or any mask transformers'
+masking utilities did not build through our hook, extra mask functions
+(``or_mask_function``/``and_mask_function``: block-wise attention, a bidirectional sliding
+window, image tokens), a sliding window on a non-causal layer, sinks
 that are not one logit per query head, position biases, paged caches, a sliding window or
 chunks over a padding mask with holes, and a chunked layer whose cache dropped keys of the
 queries' chunk. A layer called with no mask at all (a model that does not build masks through
@@ -138,8 +144,9 @@ class MaskInfo:
     ndim = -1
 
     def __init__(self, *, batch_size=None, q_length=None, kv_length=None, q_offset=None,
-                 kv_offset=None, window=None, chunk_size=None, unsupported=None):
+                 kv_offset=None, window=None, chunk_size=None, unsupported=None, causal=True):
         self.unsupported = unsupported
+        self.causal = causal
         self.batch_size, self.q_length, self.kv_length = batch_size, q_length, kv_length
         self.q_offset, self.kv_offset = q_offset, kv_offset
         self.window, self.chunk_size = window, chunk_size
@@ -169,7 +176,7 @@ class MaskInfo:
         drop = self.q_length - rows
         out = MaskInfo(batch_size=self.batch_size, q_length=rows, kv_length=self.kv_length,
                        q_offset=self.q_offset + drop, kv_offset=self.kv_offset,
-                       window=self.window, chunk_size=self.chunk_size)
+                       window=self.window, chunk_size=self.chunk_size, causal=self.causal)
         out.dense, out.kv_start, out.kv_used = self.dense, self.kv_start, self.kv_used
         if not self.dense:
             out.indices_k, out.cu_seqlens_k = self.indices_k, self.cu_seqlens_k
@@ -183,7 +190,8 @@ class MaskInfo:
             return f"MaskInfo(unsupported={self.unsupported!r})"
         layout = ("dense" if self.dense
                   else f"packed, cu_seqlens_k={self.cu_seqlens_k.tolist()}")
-        return (f"MaskInfo(causal, window={self.window}, chunk_size={self.chunk_size}, "
+        return (f"MaskInfo({'causal' if self.causal else 'bidirectional'}, "
+                f"window={self.window}, chunk_size={self.chunk_size}, "
                 f"batch={self.batch_size}, q_length={self.q_length}, "
                 f"kv_length={self.kv_length}, q_offset={self.q_offset}, "
                 f"kv_offset={self.kv_offset}, kv_start={self.kv_start}, {layout})")
@@ -224,7 +232,7 @@ def _positive_int(x):
 
 class _Pattern(NamedTuple):
     """A mask pattern the kernels compute: causal, with at most one of ``window`` and
-    ``chunk_size``. ``left_padding`` (chunked): transformers' count of padding tokens before
+    ``chunk_size``, or (``causal`` False) bidirectional: every key. ``left_padding`` (chunked): transformers' count of padding tokens before
     each row's first token, where its chunks start. ``seq_ids`` / ``positions``: padding-free
     packed sequences (their ids, and the position ids transformers remaps the pattern to, or
     None where it applies the pattern to the tokens' indices in the row: transformers <= 5.22)."""
@@ -233,6 +241,7 @@ class _Pattern(NamedTuple):
     left_padding: Optional[torch.Tensor] = None
     seq_ids: Optional[torch.Tensor] = None
     positions: Optional[torch.Tensor] = None
+    causal: bool = True
 
 
 def _pattern(mask_function, mu, *, packed_ok=True):
@@ -241,6 +250,8 @@ def _pattern(mask_function, mu, *, packed_ok=True):
     recognised; anything else is refused."""
     if mask_function is mu.causal_mask_function:
         return _Pattern()
+    if mask_function is mu.bidirectional_mask_function:
+        return _Pattern(causal=False)
     if _same_code(mask_function, mu.and_masks, mu.causal_mask_function):
         parts = _cells(mask_function).get("mask_functions", ())
         if len(parts) == 2 and parts[1] is mu.causal_mask_function:
@@ -263,12 +274,13 @@ def _pattern(mask_function, mu, *, packed_ok=True):
             _same_code(mask_function, mu.and_masks, mu.bidirectional_mask_function)
             and any(f is mu.bidirectional_mask_function
                     for f in _cells(mask_function).get("mask_functions", ()))):
-        return "non-causal (bidirectional) attention"
+        return ("a bidirectional mask combined with another mask function "
+                "(and_mask_function: a bidirectional sliding window, image tokens, ...)")
     name = getattr(mask_function, "__qualname__", type(mask_function).__name__)
     return (f"the attention pattern {name!r} (only transformers' plain causal, sliding-window "
-            f"causal and chunked causal masks, with padding or packed sequences, are computed "
-            f"by triton_fused; extra or_mask_function/and_mask_function, block-wise or "
-            f"bidirectional patterns are not)")
+            f"causal and chunked causal masks, with padding or packed sequences, and its plain "
+            f"bidirectional mask with padding are computed by triton_fused; extra "
+            f"or_mask_function/and_mask_function and block-wise patterns are not)")
 
 
 def _packed_pattern(parts, mu):
@@ -340,6 +352,9 @@ def mask_hook(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fun
     pattern = _pattern(mask_function, mu)
     if isinstance(pattern, str):
         return MaskInfo(unsupported=pattern)
+    if not pattern.causal:
+        return _bidirectional(batch_size, q_length, kv_length, _as_int(q_offset),
+                              int(kv_offset), attention_mask, kwargs.get("device"))
     window, chunk = pattern.window, pattern.chunk_size
     extent = window if window is not None else chunk
     if local_size is not None and local_size != extent:
@@ -389,6 +404,29 @@ def mask_hook(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fun
         info.unsupported = ("a sliding window over a padding mask with holes (padding "
                             "between tokens of one sequence)")
         return info
+    return _layout(info, valid_q, valid_k)
+
+
+def _bidirectional(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask,
+                   device):
+    """Non-causal layers (encoders, cross-attention; transformers' ``bidirectional_mask``):
+    every query sees every key the 2-D padding mask keeps; the mask marks keys only, so every
+    query row is computed, padding positions included, as eager and sdpa compute them. No
+    position enters the pattern, so padding anywhere (holes too) packs exactly."""
+    info = MaskInfo(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
+                    q_offset=q_offset, kv_offset=kv_offset, causal=False)
+    info.kv_used = kv_length
+    if attention_mask is None:
+        return info
+    if attention_mask.dim() != 2 or attention_mask.shape[0] != batch_size:
+        info.unsupported = (f"an attention mask of shape {tuple(attention_mask.shape)} "
+                            f"(expected a 2-D (batch, length) padding mask)")
+        return info
+    mask = attention_mask.to(device=device or attention_mask.device, dtype=torch.bool)
+    if mask.shape[1] < kv_offset + kv_length:  # positions past the mask: not attended
+        mask = torch.nn.functional.pad(mask, (0, kv_offset + kv_length - mask.shape[1]))
+    valid_k = mask[:, kv_offset:kv_offset + kv_length]
+    valid_q = torch.ones(batch_size, q_length, dtype=torch.bool, device=mask.device)
     return _layout(info, valid_q, valid_k)
 
 
@@ -536,9 +574,6 @@ def attention_function(module, query, key, value, attention_mask, dropout=0.0, s
                       "weights: output_attentions=True returns None for them (use "
                       "attn_implementation='eager' to get them)", stacklevel=2)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    if not causal:
-        raise _not_implemented("non-causal attention (an encoder, cross-attention or "
-                               "is_causal=False layer)")
     batch, heads, q_len, head_dim = query.shape
     k_len, v_dim = key.shape[2], value.shape[-1]
     sinks = _sinks_of(s_aux, sinks, heads)
@@ -546,9 +581,13 @@ def attention_function(module, query, key, value, attention_mask, dropout=0.0, s
 
     if attention_mask is None:
         # No mask from our hook (a model that does not build masks through transformers'
-        # masking utilities): transformers' sdpa / flash semantics, causal with the layer's
-        # window, bottom-right as flash_attention_2.
-        info = MaskInfo(batch_size=batch, q_length=q_len, kv_length=k_len, window=sliding_window)
+        # masking utilities, or cross-attention without an encoder mask): transformers' sdpa /
+        # flash semantics, causal with the layer's window, bottom-right as flash_attention_2,
+        # or every key for a non-causal layer.
+        if not causal and sliding_window is not None:
+            raise _not_implemented(f"a sliding window ({sliding_window}) on a non-causal layer")
+        info = MaskInfo(batch_size=batch, q_length=q_len, kv_length=k_len, causal=causal,
+                        window=sliding_window if causal else None)
         info.kv_used = k_len
     elif isinstance(attention_mask, MaskInfo):
         info = attention_mask
@@ -558,6 +597,10 @@ def attention_function(module, query, key, value, attention_mask, dropout=0.0, s
             raise _not_implemented(f"q {tuple(query.shape)}, k {tuple(key.shape)} with a mask "
                                    f"built for batch {info.batch_size}, q_len {info.q_length}, "
                                    f"k_len {info.kv_length}")
+        if info.causal != bool(causal):
+            layer, mask = ("causal", "bidirectional") if causal else ("non-causal", "causal")
+            raise _not_implemented(f"a {layer} layer given a {mask} mask (is_causal "
+                                   f"disagrees with the mask the model built)")
         if _effective(sliding_window, info.kv_used) != _effective(info.window, info.kv_used):
             raise _not_implemented(f"a layer with sliding_window={sliding_window} given a mask "
                                    f"with window {info.window} (transformers' implementations "
@@ -568,8 +611,8 @@ def attention_function(module, query, key, value, attention_mask, dropout=0.0, s
                                f"pre-built mask; triton_fused reads the padding through its mask "
                                f"hook, registered by kernels.hf.register)")
     _check_flash_kwargs(kwargs, info)
-    options = dict(causal=True, dropout_p=dropout_p, softmax_scale=scaling, window=info.window,
-                   chunk_size=info.chunk_size, softcap=softcap, sinks=sinks)
+    options = dict(causal=info.causal, dropout_p=dropout_p, softmax_scale=scaling,
+                   window=info.window, chunk_size=info.chunk_size, softcap=softcap, sinks=sinks)
 
     if info.dense:
         k, v = key, value
@@ -584,12 +627,15 @@ def attention_function(module, query, key, value, attention_mask, dropout=0.0, s
     q = query.transpose(1, 2).reshape(batch * q_len, heads, head_dim)
     k = key.transpose(1, 2).reshape(batch * k_len, heads_kv, head_dim)
     v = value.transpose(1, 2).reshape(batch * k_len, heads_kv, v_dim)
-    if info.indices_q is not None:
+    # Every query row kept (bidirectional layers): they are all the rows, in order.
+    select_q = info.indices_q is not None and info.indices_q.numel() != batch * q_len
+    if select_q:
         q = q.index_select(0, info.indices_q)
+    if info.indices_k is not None:
         k, v = k.index_select(0, info.indices_k), v.index_select(0, info.indices_k)
     out = ops.attention_varlen(q, k, v, info.cu_seqlens_q, info.cu_seqlens_k,
                                info.max_seqlen_q, info.max_seqlen_k, **options)
-    if info.indices_q is not None:
+    if select_q:
         full = out.new_zeros(batch * q_len, heads, v_dim)
         out = full.index_copy(0, info.indices_q, out)
     return out.view(batch, q_len, heads, v_dim), None

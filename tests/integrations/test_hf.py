@@ -199,7 +199,8 @@ def test_unsupported_patterns_raise():
     sizes = dict(batch_size=1, q_length=4, kv_length=4)
     cases = {
         "or_mask_function": mu.or_masks(mu.causal_mask_function, lambda b, h, q, k: q == k),
-        "non-causal": mu.bidirectional_mask_function,
+        "bidirectional and more": mu.and_masks(mu.bidirectional_mask_function,
+                                               lambda b, h, q, k: q != k),
     }
     if hasattr(mu, "blockwise_overlay"):  # block-wise masks: not in transformers 5.4
         cases["block-wise"] = mu.and_masks(
@@ -215,8 +216,8 @@ def test_unsupported_patterns_raise():
         hf.attention_function(module, x, x, x, holes, sliding_window=2)
     # softcap, sinks (one per head), chunks and value head dims are supported: see
     # test_hf_new_models.py, which also checks their refusals.
+    # Non-causal layers are computed (test_hf_encoders.py, which checks their refusals too).
     for kwargs, what in (({"s_aux": torch.zeros(1, 2, 4, 1)}, "sinks of shape"),
-                         ({"is_causal": False}, "non-causal"),
                          ({"position_bias": torch.zeros(1, 2, 4, 4)}, "position bias")):
         with pytest.raises(NotImplementedError, match=what):
             hf.attention_function(module, x, x, x, None, **kwargs)
@@ -232,9 +233,6 @@ def test_models_refuse_what_they_cannot_do_exactly():
     custom = torch.zeros(1, 1, 4, 4)  # a user's 4-D additive mask
     with torch.no_grad(), pytest.raises(NotImplementedError, match="attention mask tensor"):
         ours(ids, attention_mask=custom)
-    ours.config.is_causal = False  # transformers' bidirectional "power feature"
-    with torch.no_grad(), pytest.raises(NotImplementedError, match="non-causal"):
-        ours(ids)
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,216 @@
+"""kernels.hf on non-causal layers: encoders (BERT), encoder-decoder cross-attention (BART) and
+transformers' bidirectional "power feature" (``is_causal=False`` on a decoder, Llama here).
+
+transformers builds these masks with ``create_bidirectional_mask``: every query sees every key
+the 2-D padding mask keeps (the mask marks keys only, so padded query rows are computed too).
+Our mask hook turns that into one dense ``causal=False`` call, or packed keys
+(``kernels.attention_varlen``) where rows are padded, holes included. The oracle is a float64
+copy of each model whose attention is exact float64 math over transformers' own boolean mask
+(``masking_utils.sdpa_mask``); transformers' fp32 ``eager`` is the PyTorch baseline of the
+parity rule. Tiny random configs, nothing downloaded."""
+import copy
+
+import pytest
+import torch
+from helpers import GRAD_FACTOR, assert_parity
+from hf_helpers import VOCAB, masked_attention, padded_batch, skip_module_unless_registered
+from hf_helpers import model_route  # noqa: F401 (the fixture the tests below use)
+
+transformers = pytest.importorskip(
+    "transformers", reason="Hugging Face transformers is not installed (pip install -e '.[hf]')")
+from transformers import masking_utils as mu  # noqa: E402
+
+from kernels import hf  # noqa: E402
+
+skip_module_unless_registered()
+
+ORACLE = "f64_oracle_for_encoder_tests"
+
+
+def _oracle_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                      **kwargs):
+    assert dropout == 0.0
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    return masked_attention(query, key, value, attention_mask, scaling).to(query.dtype), None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _registered():
+    hf.register()
+    transformers.AttentionInterface.register(ORACLE, _oracle_attention)
+    mu.AttentionMaskInterface.register(ORACLE, mu.sdpa_mask)
+
+
+class _Layer(torch.nn.Module):
+    is_causal = False
+
+
+def _bert_config():
+    return transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0)
+
+
+def _bart_config():
+    return transformers.BartConfig(
+        vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+        decoder_ffn_dim=64, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
+        activation_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        decoder_start_token_id=1, forced_eos_token_id=None)
+
+
+def _triple(auto_class, config):
+    """(ours, eager fp32, float64 oracle): one set of random weights on torch's default
+    device (``model_route``'s)."""
+    eager = auto_class.from_config(config, attn_implementation="eager").to(
+        torch.get_default_device()).eval()
+    ours = copy.deepcopy(eager)
+    ours.set_attn_implementation(hf.NAME)
+    oracle = copy.deepcopy(eager).double()
+    oracle.set_attn_implementation(ORACLE)
+    return ours, eager, oracle
+
+
+def _holes(batch):
+    ids, mask = padded_batch([9, 6, 4], 9, left=[False, True, False])
+    mask[2] = torch.tensor([1, 0, 1, 1, 0, 0, 1, 0, 1])     # padding between tokens
+    return ids.masked_fill(mask == 0, 0)[:batch], mask[:batch]
+
+
+# --------------------------------------------------------------------------------------------
+# One attention call against transformers' own bidirectional mask
+# --------------------------------------------------------------------------------------------
+# (q_len, kv_len, 2-D key padding rows as strings); q_len != kv_len is cross-attention.
+_CASES = {
+    "no-padding": (6, 6, None),
+    "right-left-padding": (6, 6, ("111100", "001111")),
+    "holes": (6, 6, ("101101", "111111")),
+    "same-left-padding": (6, 6, ("001111", "001111")),        # dense over keys 2..5
+    "cross-attention": (3, 7, ("1111100", "1111111")),
+    "a-row-of-padding": (4, 4, ("0000", "1101")),
+}
+
+
+@pytest.mark.parametrize("case", list(_CASES))
+@pytest.mark.usefixtures("model_route")
+def test_attention_matches_transformers_bidirectional_mask(case):
+    q_len, kv_len, rows = _CASES[case]
+    batch, heads, heads_kv, dim = 2, 4, 2, 8
+    mask2d = None if rows is None else torch.tensor([[c == "1" for c in r] for r in rows])
+    sizes = dict(batch_size=batch, q_length=q_len, kv_length=kv_len, q_offset=0, kv_offset=0,
+                 mask_function=mu.bidirectional_mask_function, attention_mask=mask2d)
+    info = hf.mask_hook(**sizes)
+    assert info.unsupported is None and not info.causal, info
+    assert info.dense == (case in ("no-padding", "same-left-padding"))
+    assert info.kv_start == (2 if case == "same-left-padding" else 0)
+
+    q = torch.randn(batch, heads, q_len, dim)
+    k, v = torch.randn(batch, heads_kv, kv_len, dim), torch.randn(batch, heads_kv, kv_len, dim)
+    out, weights = hf.attention_function(_Layer(), q, k, v, info, scaling=0.4)
+    assert weights is None and out.shape == (batch, q_len, heads, dim)
+    ref_mask = mu.sdpa_mask(**sizes, allow_is_bidirectional_skip=False)
+    ref = masked_attention(q, k, v, ref_mask, 0.4)
+    lowp = masked_attention(q, k, v, ref_mask, 0.4, dtype=torch.float32)
+    # Every query row, padding positions too: the mask marks keys only, as eager reads it. A
+    # row whose keys are all padding gives zeros (eager: a uniform average; sdpa: NaN).
+    assert_parity(out, ref, lowp)
+    if case == "a-row-of-padding":
+        assert (out[0] == 0).all()
+
+
+def test_mismatches_and_other_patterns_are_refused():
+    x = torch.randn(1, 2, 4, 8)
+    sizes = dict(batch_size=1, q_length=4, kv_length=4)
+    bidirectional = hf.mask_hook(**sizes, mask_function=mu.bidirectional_mask_function)
+    causal = hf.mask_hook(**sizes)
+
+    class Causal(torch.nn.Module):
+        is_causal = True
+    with pytest.raises(NotImplementedError, match="a causal layer given a bidirectional mask"):
+        hf.attention_function(Causal(), x, x, x, bidirectional)
+    with pytest.raises(NotImplementedError, match="a non-causal layer given a causal mask"):
+        hf.attention_function(_Layer(), x, x, x, causal)
+    with pytest.raises(NotImplementedError, match="a non-causal layer given a causal mask"):
+        hf.attention_function(Causal(), x, x, x, causal, is_causal=False)
+    with pytest.raises(NotImplementedError, match="sliding window .* non-causal"):
+        hf.attention_function(_Layer(), x, x, x, None, sliding_window=2)
+    # A bidirectional sliding window or image tokens: and_masks over the bidirectional mask.
+    local = mu.and_masks(mu.bidirectional_mask_function, lambda b, h, q, k: abs(q - k) < 2)
+    info = hf.mask_hook(**sizes, mask_function=local)
+    with pytest.raises(NotImplementedError, match="bidirectional mask combined"):
+        hf.attention_function(_Layer(), x, x, x, info)
+    # No mask at all (cross-attention without an encoder mask): every key.
+    out, _ = hf.attention_function(_Layer(), x, x, x, None)
+    ref = masked_attention(x, x, x, None, 8 ** -0.5, dtype=torch.float32)
+    assert torch.allclose(out, ref, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# Whole models
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("padding", ["none", "right-left", "holes"])
+@pytest.mark.usefixtures("model_route")
+def test_bert_matches_eager(padding):
+    ours, eager, oracle = _triple(transformers.AutoModel, _bert_config())
+    ids, mask = _holes(3)
+    if padding == "right-left":
+        ids, mask = padded_batch([9, 5], 9, left=[False, True])
+    attention_mask = None if padding == "none" else mask
+    with torch.no_grad():
+        out, ref, lowp = (m(ids, attention_mask=attention_mask).last_hidden_state
+                          for m in (ours, oracle, eager))
+    assert_parity(out, ref, lowp, name=f"BERT hidden states ({padding})")
+
+
+@pytest.mark.usefixtures("model_route")
+def test_bert_training_gradients_match_eager():
+    ours, eager, oracle = _triple(transformers.AutoModelForMaskedLM, _bert_config())
+    ids, mask = _holes(3)
+    labels = ids.masked_fill(mask == 0, -100)
+    for m in (ours, eager, oracle):
+        m.train()
+        m(ids, attention_mask=mask, labels=labels).loss.backward()
+    ref, low = dict(oracle.named_parameters()), dict(eager.named_parameters())
+    checked = 0
+    for name, p in ours.named_parameters():
+        if p.grad is None:
+            assert low[name].grad is None, name
+            continue
+        assert_parity(p.grad, ref[name].grad, low[name].grad, factor=GRAD_FACTOR,
+                      name=f"BERT grad {name}")
+        checked += 1
+    assert checked > 10
+
+
+@pytest.mark.usefixtures("model_route")
+def test_bart_cross_attention_logits_and_generate_match_eager():
+    """Encoder (bidirectional, padded sources), decoder self-attention (causal) and
+    cross-attention (bidirectional over the encoder's padded keys, q_len != k_len)."""
+    ours, eager, oracle = _triple(transformers.AutoModelForSeq2SeqLM, _bart_config())
+    src, src_mask = padded_batch([7, 4], 7, left=[False, False])
+    tgt, tgt_mask = padded_batch([5, 5], 5, left=[False, False])
+    kw = dict(attention_mask=src_mask, decoder_input_ids=tgt, decoder_attention_mask=tgt_mask)
+    with torch.no_grad():
+        out, ref, lowp = (m(src, **kw).logits for m in (ours, oracle, eager))
+        assert_parity(out, ref, lowp, name="BART logits")
+        gen = dict(attention_mask=src_mask, max_new_tokens=4, do_sample=False, num_beams=1)
+        assert torch.equal(ours.generate(src, **gen), eager.generate(src, **gen))
+
+
+@pytest.mark.usefixtures("model_route")
+def test_decoder_with_is_causal_false_matches_eager():
+    """transformers' "power feature": ``is_causal=False`` makes a decoder bidirectional (its
+    masks and its layers); ours computes it instead of refusing."""
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    ours, eager, oracle = _triple(transformers.AutoModelForCausalLM, config)
+    ids, mask = padded_batch([7, 5], 7, left=[False, True])
+    with torch.no_grad():
+        causal = ours(ids, attention_mask=mask).logits
+        out, ref, lowp = (m(ids, attention_mask=mask, is_causal=False).logits
+                          for m in (ours, oracle, eager))
+    assert not torch.allclose(causal, out), "is_causal=False changed nothing"
+    assert_parity(out, ref, lowp, name="bidirectional Llama logits")
