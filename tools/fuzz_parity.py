@@ -348,6 +348,19 @@ def grads_check(out, leaves, ref_fn, low_fn, oracle, do, c, scale, names):
     return worst
 
 
+def _check_all(c, gen, outs, lses, q, k, leaves, ref_fn, oracle):
+    """out and lse (each (ours, float64 oracle, PyTorch in the dtype)), then with
+    ``c["grad"]`` the gradients of ``leaves`` for a random dO (``grads_check``)."""
+    out = outs[0]
+    worst = check("out", *outs)
+    worst = max(worst, check_lse(*lses, q.detach(), k.detach(), _scale(c)))
+    if c["grad"]:
+        do = _randn(gen, *out.shape, dtype=out.dtype)
+        worst = max(worst, grads_check(out, leaves, ref_fn(True), ref_fn(False), oracle, do, c,
+                                       _scale(c), ("dq", "dk", "dv", "dsinks")))
+    return worst
+
+
 # ------------------------------------------------------------------ routes
 class DenseOracle:
     """reference.attention in float64 with the case's options; ``weights`` gives P by
@@ -416,14 +429,7 @@ def run_dense(c, gen):
         ro, rl = oracle(*[t.double() for t in ins])
         lo, ll = reference.attention(*ins[:3], sinks=ins[3] if sinks is not None else None,
                                      upcast=False, keep_mask=keep, return_lse=True, **_twins(opts))
-    worst = check("out", out, ro, lo)
-    worst = max(worst, check_lse(lse, rl, ll, q.detach(), k.detach(), _scale(c)))
-    if c["grad"]:
-        do = _randn(gen, *out.shape, dtype=dtype)
-        scale = _scale(c)
-        worst = max(worst, grads_check(out, leaves, ref_fn(True), ref_fn(False), oracle, do, c,
-                                       scale, ("dq", "dk", "dv", "dsinks")))
-    return worst
+    return _check_all(c, gen, (out, ro, lo), (lse, rl, ll), q, k, leaves, ref_fn, oracle)
 
 
 class VarlenOracle(DenseOracle):
@@ -513,14 +519,7 @@ def run_varlen(c, gen):
         lo, ll = reference.attention_varlen(*ins[:3], cu_q, cu_k, upcast=False,
                                             sinks=ins[3] if sinks is not None else None,
                                             keep_masks=keeps, return_lse=True, **_twins(opts))
-    worst = check("out", out, ro, lo)
-    worst = max(worst, check_lse(lse, rl, ll, q.detach(), k.detach(), _scale(c)))
-    if c["grad"]:
-        do = _randn(gen, *out.shape, dtype=dtype)
-        scale = _scale(c)
-        worst = max(worst, grads_check(out, leaves, ref_fn(True), ref_fn(False), oracle, do, c,
-                                       scale, ("dq", "dk", "dv", "dsinks")))
-    return worst
+    return _check_all(c, gen, (out, ro, lo), (lse, rl, ll), q, k, leaves, ref_fn, oracle)
 
 
 def _to_pages(cache, page_size, gen):
@@ -688,14 +687,7 @@ def run_fa(c, gen):
         ins = [t.detach() for t in leaves]
         ro, rl = oracle(*[t.double() for t in ins])
         lo, ll = oracle.call(*ins, upcast=False)
-    worst = check("out", out, ro, lo)
-    worst = max(worst, check_lse(lse, rl, ll, q.detach(), k.detach(), _scale(c)))
-    if c["grad"]:
-        do = _randn(gen, *out.shape, dtype=dtype)
-        scale = _scale(c)
-        worst = max(worst, grads_check(out, leaves, ref_fn(True), ref_fn(False), oracle, do, c,
-                                       scale, ("dq", "dk", "dv", "dsinks")))
-    return worst
+    return _check_all(c, gen, (out, ro, lo), (lse, rl, ll), q, k, leaves, ref_fn, oracle)
 
 
 class FaOracle(DenseOracle):

@@ -760,9 +760,9 @@ def _finite_or_zero(x):
 def _forward_blocks(pb, o, lse, blocks):
     """Per block: scores, row max, exp in place, row sums; lse = max + log(sum); the weights
     divided by sum * (1 - p) and zeroed in place by the dropout mask; out = weights @ v (rows
-    that see no key: zeros and lse -inf). With sinks, exp(sink - max) joins each row's sum (and the max takes
-    the sink into account, so that the exp cannot overflow) but no value: a row that sees no
-    key gets zeros and lse = its sink."""
+    that see no key: zeros and lse -inf). With sinks, exp(sink - max) joins each row's sum (and
+    the max takes the sink into account, so that the exp cannot overflow) but no value: a row
+    that sees no key gets zeros and lse = its sink."""
     (buf,), mask_buf = pb.scratch(blocks, 1)
     keep_scale = pb.drop_scale
     for i0, i1 in blocks:
@@ -820,19 +820,22 @@ def _forward_dense(pb, o, lse):
 def _backward_blocks(pb, do, o, lse, dq, dk_acc, dv_acc, blocks):
     """Per block, with Z = keep / (1 - p) the dropout factor and P the recomputed weights:
     dS = P * (Z * (dO V^T) - delta); dQ = dS K scale, dK += dS^T Q scale, dV += (P * Z)^T dO.
+
     Where the block is the rows' whole softmax (its lse is the given one: ``_weights_``), P is
     exp(s - max) / sum and delta = rowsum(P * Z * (dO V^T)), as eager's softmax backward takes
     them; elsewhere (ring attention's merged lse) P = exp(s - lse), delta = rowsum(dO * O).
-    (Measured 2026-11-29, head_dim 512, scale 1, scores of std ~22, packed causal rows of 9 and
-    6: dV's error against the float64 oracle was up to 13x fp32 eager's with exp(s - lse) and
-    rowsum(dO * O); it is eager's own, 0.99-1.00x, now.) The 1 / (1 - p) is taken out of the block-sized work: with
-    ``ds' = P * (keep * (dO V^T) - rowsum * (1 - p))``, dS = ds' / (1 - p).
-    With score mods, P comes from the modded scores and dS (with respect to them) is chained
-    back to the raw score s = scale q·kᵀ through the mods' twins by autograd before the
-    matmuls. Sinks change nothing here: they are in the forward's lse already.
-    ``dk_acc``, ``dv_acc``: fp32 (B * H_kv, k_len, D) and (B * H_kv, k_len, Dv) accumulators.
-    With ``pb.daux``, the same autograd call gives d(mod_aux) of the block (the user's twin
-    reads leaf copies of the wanted entries), added into ``pb.daux``."""
+    (Measured 2026-11-29, head_dim 512, scale 1, scores of std ~22, packed causal rows of 9
+    and 6: dV's error against the float64 oracle was up to 13x fp32 eager's with exp(s - lse)
+    and rowsum(dO * O); it is eager's own, 0.99-1.00x, now.)
+
+    The 1 / (1 - p) is taken out of the block-sized work: with
+    ``ds' = P * (keep * (dO V^T) - delta * (1 - p))``, dS = ds' / (1 - p). With score mods, P
+    comes from the modded scores and dS (with respect to them) is chained back to the raw
+    score s = scale q·kᵀ through the mods' twins by autograd before the matmuls. Sinks change
+    nothing here: they are in the forward's lse already. ``dk_acc``, ``dv_acc``: fp32
+    (B * H_kv, k_len, D) and (B * H_kv, k_len, Dv) accumulators. With ``pb.daux``, the same
+    autograd call gives d(mod_aux) of the block (the user's twin reads leaf copies of the
+    wanted entries), added into ``pb.daux``."""
     # With mods, the raw scores must outlive P and dS (autograd reads them, and perhaps the
     # mods saved them), so they get a buffer of their own.
     bufs, mask_buf = pb.scratch(blocks, 3 if pb.score_mods else 2)

@@ -232,10 +232,11 @@ def _positive_int(x):
 
 class _Pattern(NamedTuple):
     """A mask pattern the kernels compute: causal, with at most one of ``window`` and
-    ``chunk_size``, or (``causal`` False) bidirectional: every key. ``left_padding`` (chunked): transformers' count of padding tokens before
-    each row's first token, where its chunks start. ``seq_ids`` / ``positions``: padding-free
-    packed sequences (their ids, and the position ids transformers remaps the pattern to, or
-    None where it applies the pattern to the tokens' indices in the row: transformers <= 5.22)."""
+    ``chunk_size``, or (``causal`` False) bidirectional: every key. ``left_padding``
+    (chunked): transformers' count of padding tokens before each row's first token, where its
+    chunks start. ``seq_ids`` / ``positions``: padding-free packed sequences (their ids, and
+    the position ids transformers remaps the pattern to, or None where it applies the pattern
+    to the tokens' indices in the row: transformers <= 5.22)."""
     window: Optional[int] = None
     chunk_size: Optional[int] = None
     left_padding: Optional[torch.Tensor] = None
@@ -384,13 +385,9 @@ def mask_hook(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fun
         valid_k = torch.ones(batch_size, kv_length, dtype=torch.bool, device=dev)
         valid_k[:, info.kv_used:] = False
     else:
-        if attention_mask.dim() != 2 or attention_mask.shape[0] != batch_size:
-            info.unsupported = (f"an attention mask of shape {tuple(attention_mask.shape)} "
-                                f"(expected a 2-D (batch, length) padding mask)")
+        mask = _padding_mask(info, attention_mask, device)
+        if mask is None:
             return info
-        mask = attention_mask.to(device=device or attention_mask.device, dtype=torch.bool)
-        if mask.shape[1] < kv_offset + kv_length:  # positions past the mask: not attended
-            mask = torch.nn.functional.pad(mask, (0, kv_offset + kv_length - mask.shape[1]))
         valid_k = mask[:, kv_offset:kv_offset + kv_length].clone()
         valid_k[:, info.kv_used:] = False  # (batch, kv_length): indices into the layer's keys
         valid_q = mask[:, q_offset:end]
@@ -407,6 +404,20 @@ def mask_hook(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fun
     return _layout(info, valid_q, valid_k)
 
 
+def _padding_mask(info, attention_mask, device):
+    """The 2-D padding mask as bool (batch, >= kv_offset + kv_length) on ``device`` (positions
+    past its end: not attended), or None with ``info.unsupported`` set for any other mask."""
+    if attention_mask.dim() != 2 or attention_mask.shape[0] != info.batch_size:
+        info.unsupported = (f"an attention mask of shape {tuple(attention_mask.shape)} "
+                            f"(expected a 2-D (batch, length) padding mask)")
+        return None
+    mask = attention_mask.to(device=device or attention_mask.device, dtype=torch.bool)
+    end = info.kv_offset + info.kv_length
+    if mask.shape[1] < end:
+        mask = torch.nn.functional.pad(mask, (0, end - mask.shape[1]))
+    return mask
+
+
 def _bidirectional(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask,
                    device):
     """Non-causal layers (encoders, cross-attention; transformers' ``bidirectional_mask``):
@@ -416,15 +427,9 @@ def _bidirectional(batch_size, q_length, kv_length, q_offset, kv_offset, attenti
     info = MaskInfo(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
                     q_offset=q_offset, kv_offset=kv_offset, causal=False)
     info.kv_used = kv_length
-    if attention_mask is None:
+    mask = None if attention_mask is None else _padding_mask(info, attention_mask, device)
+    if mask is None:
         return info
-    if attention_mask.dim() != 2 or attention_mask.shape[0] != batch_size:
-        info.unsupported = (f"an attention mask of shape {tuple(attention_mask.shape)} "
-                            f"(expected a 2-D (batch, length) padding mask)")
-        return info
-    mask = attention_mask.to(device=device or attention_mask.device, dtype=torch.bool)
-    if mask.shape[1] < kv_offset + kv_length:  # positions past the mask: not attended
-        mask = torch.nn.functional.pad(mask, (0, kv_offset + kv_length - mask.shape[1]))
     valid_k = mask[:, kv_offset:kv_offset + kv_length]
     valid_q = torch.ones(batch_size, q_length, dtype=torch.bool, device=mask.device)
     return _layout(info, valid_q, valid_k)

@@ -12,8 +12,9 @@ import copy
 
 import pytest
 import torch
-from helpers import GRAD_FACTOR, assert_parity
-from hf_helpers import VOCAB, masked_attention, padded_batch, skip_module_unless_registered
+from helpers import assert_parity
+from hf_helpers import (VOCAB, assert_param_grads_match, masked_attention, padded_batch,
+                        skip_module_unless_registered)
 from hf_helpers import model_route  # noqa: F401 (the fixture the tests below use)
 
 transformers = pytest.importorskip(
@@ -172,16 +173,7 @@ def test_bert_training_gradients_match_eager():
     for m in (ours, eager, oracle):
         m.train()
         m(ids, attention_mask=mask, labels=labels).loss.backward()
-    ref, low = dict(oracle.named_parameters()), dict(eager.named_parameters())
-    checked = 0
-    for name, p in ours.named_parameters():
-        if p.grad is None:
-            assert low[name].grad is None, name
-            continue
-        assert_parity(p.grad, ref[name].grad, low[name].grad, factor=GRAD_FACTOR,
-                      name=f"BERT grad {name}")
-        checked += 1
-    assert checked > 10
+    assert_param_grads_match("BERT", ours, eager, oracle, at_least=10)
 
 
 @pytest.mark.usefixtures("model_route")
