@@ -49,7 +49,9 @@ Supported exactly (the same attention as ``attn_implementation="eager"``):
   bidirectional by ``is_causal=False``), whose masks transformers builds with
   ``create_bidirectional_mask``: every query sees every key the 2-D padding mask keeps, every
   query row computed (padding positions too, as eager), padding anywhere (holes too) through
-  packed keys; a row whose keys are all padding gives zeros;
+  packed keys; a row whose keys are all padding gives zeros; and bidirectional sliding
+  windows (``create_bidirectional_sliding_window_mask``, ModernBERT's local layers:
+  ``|i - j| <= w``) with left or right padding;
 * padding-free packed batches (``position_ids`` restarting inside a row, no attention mask),
   as each transformers version builds their mask (up to 5.22 over the tokens' indices in the
   row, from 5.23 over their position ids: the same attention but for chunks, which follow the
@@ -58,8 +60,9 @@ Supported exactly (the same attention as ``attn_implementation="eager"``):
 Anything else raises ``NotImplementedError`` naming it, never a silently different answer: a
 layer whose ``is_causal`` disagrees with its mask, a custom 4-D mask or any mask transformers'
 masking utilities did not build through our hook, extra mask functions
-(``or_mask_function``/``and_mask_function``: block-wise attention, a bidirectional sliding
-window, image tokens), a sliding window on a non-causal layer, sinks
+(``or_mask_function``/``and_mask_function``: block-wise attention, image tokens), a
+bidirectional sliding window over padding with holes or between different query and key
+sequences, sinks
 that are not one logit per query head, position biases, paged caches, a sliding window or
 chunks over a padding mask with holes, and a chunked layer whose cache dropped keys of the
 queries' chunk. A layer called with no mask at all (a model that does not build masks through
@@ -71,8 +74,11 @@ import warnings
 from typing import NamedTuple, Optional
 
 import torch
+import triton
+import triton.language as tl
 
 from .. import ops
+from ..core.mods import MaskMod
 
 NAME = "triton_fused"
 _HINT = ("use attn_implementation='eager' or 'sdpa' for this model, or call kernels.attention "
@@ -156,6 +162,7 @@ class MaskInfo:
         self.max_seqlen_q = self.max_seqlen_k = None
         self.valid_q = None
         self.cu_sequences = None
+        self.shift = None   # bidirectional windows: int32 (batch,), see _local_shift
 
     def contiguous(self):
         return self
@@ -168,6 +175,9 @@ class MaskInfo:
         rows = _kept_query_rows(key, self.q_length)
         if self.unsupported or rows == self.q_length:
             return self
+        if self.shift is not None:
+            return MaskInfo(unsupported="keeping only some query rows of a bidirectional "
+                                        "sliding window")
         if rows is None:
             return MaskInfo(unsupported=f"an attention mask indexed with {key!r} (only the last "
                                         f"query rows, mask[:, :, -n:, :], are understood)")
@@ -253,6 +263,17 @@ def _pattern(mask_function, mu, *, packed_ok=True):
         return _Pattern()
     if mask_function is mu.bidirectional_mask_function:
         return _Pattern(causal=False)
+    if _same_code(mask_function, mu.and_masks, mu.bidirectional_mask_function):
+        # sliding_window_bidirectional_mask_function(w) = and_masks(overlay(w), bidirectional):
+        # |q - kv| <= w (ModernBERT's local layers), kept as the window w + 1 of the
+        # layers' sliding_window keyword (FlashAttention's window_size (w, w)).
+        parts = _cells(mask_function).get("mask_functions", ())
+        overlay = getattr(mu, "sliding_window_bidirectional_overlay", None)
+        if (len(parts) == 2 and parts[1] is mu.bidirectional_mask_function
+                and _same_code(parts[0], overlay, 1)):
+            w = _cells(parts[0]).get("sliding_window")
+            if isinstance(w, int) and not isinstance(w, bool) and w >= 0:
+                return _Pattern(causal=False, window=w + 1)
     if _same_code(mask_function, mu.and_masks, mu.causal_mask_function):
         parts = _cells(mask_function).get("mask_functions", ())
         if len(parts) == 2 and parts[1] is mu.causal_mask_function:
@@ -355,7 +376,8 @@ def mask_hook(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fun
         return MaskInfo(unsupported=pattern)
     if not pattern.causal:
         return _bidirectional(batch_size, q_length, kv_length, _as_int(q_offset),
-                              int(kv_offset), attention_mask, kwargs.get("device"))
+                              int(kv_offset), attention_mask, kwargs.get("device"),
+                              pattern.window, local_size)
     window, chunk = pattern.window, pattern.chunk_size
     extent = window if window is not None else chunk
     if local_size is not None and local_size != extent:
@@ -419,20 +441,60 @@ def _padding_mask(info, attention_mask, device):
 
 
 def _bidirectional(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask,
-                   device):
+                   device, window=None, local_size=None):
     """Non-causal layers (encoders, cross-attention; transformers' ``bidirectional_mask``):
     every query sees every key the 2-D padding mask keeps; the mask marks keys only, so every
     query row is computed, padding positions included, as eager and sdpa compute them. No
-    position enters the pattern, so padding anywhere (holes too) packs exactly."""
+    position enters the pattern, so padding anywhere (holes too) packs exactly.
+
+    ``window`` (a bidirectional sliding window, ``|q - kv| < window``): positions matter, so
+    the queries must be the keys (self-attention, no cache) and each row's kept keys one run
+    (left or right padding); ``info.shift`` then places the packed keys (``_local_shift``)."""
     info = MaskInfo(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
-                    q_offset=q_offset, kv_offset=kv_offset, causal=False)
+                    q_offset=q_offset, kv_offset=kv_offset, causal=False, window=window)
     info.kv_used = kv_length
+    if window is not None:
+        if local_size is not None and local_size + 1 != window:
+            info.unsupported = (f"a local size of {local_size} announced for a bidirectional "
+                                f"window of {window - 1} positions each side")
+            return info
+        if q_offset or kv_offset or q_length != kv_length:
+            info.unsupported = ("a bidirectional sliding window over a cache or between "
+                                "different query and key sequences")
+            return info
     mask = None if attention_mask is None else _padding_mask(info, attention_mask, device)
     if mask is None:
+        if window is not None and not info.unsupported:
+            info.shift = torch.zeros(batch_size, dtype=torch.int32,
+                                     device=device or torch.get_default_device())
         return info
     valid_k = mask[:, kv_offset:kv_offset + kv_length]
+    if window is not None and bool((_runs(valid_k) > 1).any()):
+        info.unsupported = ("a bidirectional sliding window over a padding mask with holes "
+                            "(padding between tokens of one sequence)")
+        return info
     valid_q = torch.ones(batch_size, q_length, dtype=torch.bool, device=mask.device)
-    return _layout(info, valid_q, valid_k)
+    info = _layout(info, valid_q, valid_k)
+    if window is not None:
+        info.shift = _local_shift(info, valid_k)
+    return info
+
+
+def _local_shift(info, valid_k):
+    """int32 (batch,): how far each row's packed keys sit from its queries' positions.
+
+    Row b's queries are all its q_length rows (query i at position i); its keys are the run of
+    n_b kept positions starting at a_b (dense: the keys [kv_start, kv_used) of every row).
+    The kernels see query i at i + n_b - q_length (bottom-right) and key t at t, so query i
+    at position i sees the key at a_b + t iff |(q_idx + shift_b) - t| < window with
+    shift_b = q_length - n_b - a_b."""
+    if info.dense:
+        n = info.kv_used - info.kv_start
+        return torch.full((info.batch_size,), info.q_length - n - info.kv_start,
+                          dtype=torch.int32, device=valid_k.device)
+    n = valid_k.sum(dim=1)
+    first = valid_k.int().argmax(dim=1)
+    return (info.q_length - n - first).to(torch.int32)
 
 
 def _keys_of_chunks(info, left_padding, valid_q, valid_k):
@@ -538,6 +600,40 @@ def _starts_to_cu(starts, device):
 # --------------------------------------------------------------------------------------------
 # The attention function
 # --------------------------------------------------------------------------------------------
+# A bidirectional sliding window over packed or sliced keys: query q_idx (the kernels'
+# bottom-right position) sits at q_idx + shift[b] among its row's keys, and sees the keys at
+# most aux[0][0] positions away on either side (``_local_shift``).
+@triton.jit
+def _local_fn(b, h, q_idx, kv_idx, aux):
+    reach = tl.load(aux[0])
+    pos = q_idx + tl.load(aux[1] + b)
+    return (kv_idx >= pos - reach) & (kv_idx <= pos + reach)
+
+
+@triton.jit
+def _local_keys(b, q_lo, q_hi, aux):
+    reach = tl.load(aux[0])
+    shift = tl.load(aux[1] + b)
+    return q_lo + shift - reach, q_hi + shift + reach
+
+
+@triton.jit
+def _local_queries(b, kv_lo, kv_hi, aux):
+    reach = tl.load(aux[0])
+    shift = tl.load(aux[1] + b)
+    return kv_lo - shift - reach, kv_hi - shift + reach
+
+
+def _local_torch(b, h, q_idx, kv_idx, aux):
+    reach = aux[0].reshape(-1)[0]
+    pos = q_idx + aux[1].reshape(-1)[b]
+    return (kv_idx >= pos - reach) & (kv_idx <= pos + reach)
+
+
+LOCAL_WINDOW = MaskMod("hf.bidirectional_window", _local_fn, _local_torch,
+                       kv_range=_local_keys, q_range=_local_queries)
+
+
 def _not_implemented(what):
     """The NotImplementedError for a feature the model asked for that we do not compute (it
     names the feature and points to the implementations that do)."""
@@ -589,11 +685,14 @@ def attention_function(module, query, key, value, attention_mask, dropout=0.0, s
         # masking utilities, or cross-attention without an encoder mask): transformers' sdpa /
         # flash semantics, causal with the layer's window, bottom-right as flash_attention_2,
         # or every key for a non-causal layer.
-        if not causal and sliding_window is not None:
-            raise _not_implemented(f"a sliding window ({sliding_window}) on a non-causal layer")
         info = MaskInfo(batch_size=batch, q_length=q_len, kv_length=k_len, causal=causal,
-                        window=sliding_window if causal else None)
+                        window=sliding_window)
         info.kv_used = k_len
+        if not causal and sliding_window is not None:
+            if q_len != k_len:
+                raise _not_implemented(f"a sliding window ({sliding_window}) on a non-causal "
+                                       f"layer whose queries are not its keys")
+            info.shift = torch.zeros(batch, dtype=torch.int32, device=query.device)
     elif isinstance(attention_mask, MaskInfo):
         info = attention_mask
         if info.unsupported:
@@ -618,6 +717,12 @@ def attention_function(module, query, key, value, attention_mask, dropout=0.0, s
     _check_flash_kwargs(kwargs, info)
     options = dict(causal=info.causal, dropout_p=dropout_p, softmax_scale=scaling,
                    window=info.window, chunk_size=info.chunk_size, softcap=softcap, sinks=sinks)
+    if not info.causal:
+        options["window"] = None
+        if _effective(info.window, info.kv_used) is not None:
+            options.update(mask_mod=LOCAL_WINDOW, mod_aux=(
+                torch.tensor([info.window - 1], dtype=torch.int32, device=query.device),
+                info.shift.to(query.device)))
 
     if info.dense:
         k, v = key, value

@@ -1,5 +1,6 @@
-"""kernels.hf on non-causal layers: encoders (BERT), encoder-decoder cross-attention (BART) and
-transformers' bidirectional "power feature" (``is_causal=False`` on a decoder, Llama here).
+"""kernels.hf on non-causal layers: encoders (BERT; ModernBERT's bidirectional sliding-window
+layers), encoder-decoder cross-attention (BART) and transformers' bidirectional "power
+feature" (``is_causal=False`` on a decoder, Llama here).
 
 transformers builds these masks with ``create_bidirectional_mask``: every query sees every key
 the 2-D padding mask keeps (the mask marks keys only, so padded query rows are computed too).
@@ -80,6 +81,12 @@ def _holes(batch):
     return ids.masked_fill(mask == 0, 0)[:batch], mask[:batch]
 
 
+def _transformers_mask(sizes, local_size=None):
+    """The boolean (batch, 1, q_len, kv_len) mask transformers' sdpa builds, never skipped."""
+    return mu.sdpa_mask(**sizes, allow_is_causal_skip=False, allow_is_bidirectional_skip=False,
+                        local_size=local_size)
+
+
 # --------------------------------------------------------------------------------------------
 # One attention call against transformers' own bidirectional mask
 # --------------------------------------------------------------------------------------------
@@ -111,7 +118,7 @@ def test_attention_matches_transformers_bidirectional_mask(case):
     k, v = torch.randn(batch, heads_kv, kv_len, dim), torch.randn(batch, heads_kv, kv_len, dim)
     out, weights = hf.attention_function(_Layer(), q, k, v, info, scaling=0.4)
     assert weights is None and out.shape == (batch, q_len, heads, dim)
-    ref_mask = mu.sdpa_mask(**sizes, allow_is_bidirectional_skip=False)
+    ref_mask = _transformers_mask(sizes)
     ref = masked_attention(q, k, v, ref_mask, 0.4)
     lowp = masked_attention(q, k, v, ref_mask, 0.4, dtype=torch.float32)
     # Every query row, padding positions too: the mask marks keys only, as eager reads it. A
@@ -119,6 +126,59 @@ def test_attention_matches_transformers_bidirectional_mask(case):
     assert_parity(out, ref, lowp)
     if case == "a-row-of-padding":
         assert (out[0] == 0).all()
+
+
+# (2-D key padding rows, or None; the window w of |q - kv| <= w)
+_LOCAL = {
+    "no-padding": (None, 2),
+    "right-left-padding": (("1111100", "0011111"), 2),
+    "same-left-padding": (("0011111", "0011111"), 1),         # dense over keys 2..6
+    "wide": (("1110000", "1111111"), 9),                      # covers every key: no window
+}
+
+
+@pytest.mark.parametrize("case", list(_LOCAL))
+@pytest.mark.usefixtures("model_route")
+def test_bidirectional_window_matches_transformers_mask(case):
+    """transformers' sliding_window_bidirectional_mask_function (ModernBERT's local layers):
+    every query row, padded positions too, against the mask transformers builds."""
+    rows, w = _LOCAL[case]
+    batch, heads, heads_kv, n, dim = 2, 4, 2, 7, 8
+    mask2d = None if rows is None else torch.tensor([[c == "1" for c in r] for r in rows])
+    fn = mu.sliding_window_bidirectional_mask_function(w)
+    sizes = dict(batch_size=batch, q_length=n, kv_length=n, q_offset=0, kv_offset=0,
+                 mask_function=fn, attention_mask=mask2d)
+    info = hf.mask_hook(**sizes, local_size=w)
+    assert info.unsupported is None and not info.causal and info.window == w + 1, info
+    assert info.dense == (case in ("no-padding", "same-left-padding"))
+    q = torch.randn(batch, heads, n, dim)
+    k, v = torch.randn(batch, heads_kv, n, dim), torch.randn(batch, heads_kv, n, dim)
+    # The layer passes FlashAttention's convention, w + 1 (ModernBERT's sliding_window).
+    out, _ = hf.attention_function(_Layer(), q, k, v, info, scaling=0.4, sliding_window=w + 1)
+    ref_mask = _transformers_mask(sizes, local_size=w)
+    assert ref_mask is not None and not ref_mask.all()
+    ref = masked_attention(q, k, v, ref_mask, 0.4)
+    lowp = masked_attention(q, k, v, ref_mask, 0.4, dtype=torch.float32)
+    assert_parity(out, ref, lowp)
+    if rows is None:   # no mask at all: the layer's window alone
+        out, _ = hf.attention_function(_Layer(), q, k, v, None, scaling=0.4,
+                                       sliding_window=w + 1)
+        assert_parity(out, ref, lowp)
+
+
+def test_bidirectional_window_refusals():
+    x = torch.randn(1, 2, 5, 8)
+    fn = mu.sliding_window_bidirectional_mask_function(2)
+    holes = hf.mask_hook(batch_size=1, q_length=5, kv_length=5, mask_function=fn,
+                         attention_mask=torch.tensor([[True, False, True, True, True]]))
+    with pytest.raises(NotImplementedError, match="holes"):
+        hf.attention_function(_Layer(), x, x, x, holes, sliding_window=3)
+    info = hf.mask_hook(batch_size=1, q_length=5, kv_length=5, mask_function=fn)
+    with pytest.raises(NotImplementedError, match="sliding_window=5"):
+        hf.attention_function(_Layer(), x, x, x, info, sliding_window=5)
+    assert "keeping only some query rows" in repr(info[:, :, -2:, :])
+    cross = hf.mask_hook(batch_size=1, q_length=3, kv_length=5, mask_function=fn)
+    assert "different query and key" in cross.unsupported
 
 
 def test_mismatches_and_other_patterns_are_refused():
@@ -135,9 +195,9 @@ def test_mismatches_and_other_patterns_are_refused():
         hf.attention_function(_Layer(), x, x, x, causal)
     with pytest.raises(NotImplementedError, match="a non-causal layer given a causal mask"):
         hf.attention_function(Causal(), x, x, x, causal, is_causal=False)
-    with pytest.raises(NotImplementedError, match="sliding window .* non-causal"):
-        hf.attention_function(_Layer(), x, x, x, None, sliding_window=2)
-    # A bidirectional sliding window or image tokens: and_masks over the bidirectional mask.
+    with pytest.raises(NotImplementedError, match="sliding window .* not its keys"):
+        hf.attention_function(_Layer(), x, x[:, :, :3], x[:, :, :3], None, sliding_window=2)
+    # Image tokens, or any other mask function: and_masks over the bidirectional mask.
     local = mu.and_masks(mu.bidirectional_mask_function, lambda b, h, q, k: abs(q - k) < 2)
     info = hf.mask_hook(**sizes, mask_function=local)
     with pytest.raises(NotImplementedError, match="bidirectional mask combined"):
@@ -163,6 +223,26 @@ def test_bert_matches_eager(padding):
         out, ref, lowp = (m(ids, attention_mask=attention_mask).last_hidden_state
                           for m in (ours, oracle, eager))
     assert_parity(out, ref, lowp, name=f"BERT hidden states ({padding})")
+
+
+@pytest.mark.parametrize("padding", ["none", "right-left"])
+@pytest.mark.usefixtures("model_route")
+def test_modernbert_matches_eager(padding):
+    """ModernBERT: local layers (a bidirectional window of 2 positions each side) between
+    global ones."""
+    config = transformers.ModernBertConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, local_attention=4, global_attn_every_n_layers=3,
+        max_position_embeddings=64, pad_token_id=0, bos_token_id=1, cls_token_id=1,
+        sep_token_id=2, embedding_dropout=0.0, mlp_dropout=0.0, attention_dropout=0.0)
+    ours, eager, oracle = _triple(transformers.AutoModel, config)
+    assert config.layer_types[:2] == ["full_attention", "sliding_attention"]
+    ids, mask = padded_batch([9, 6], 9, left=[False, True])
+    attention_mask = None if padding == "none" else mask
+    with torch.no_grad():
+        out, ref, lowp = (m(ids, attention_mask=attention_mask).last_hidden_state
+                          for m in (ours, oracle, eager))
+    assert_parity(out, ref, lowp, name=f"ModernBERT hidden states ({padding})")
 
 
 @pytest.mark.usefixtures("model_route")
