@@ -10,9 +10,13 @@ copy of each model whose attention is exact float64 math over transformers' own 
 (``masking_utils.sdpa_mask``); transformers' fp32 ``eager`` is the PyTorch baseline of the
 parity rule. Tiny random configs, nothing downloaded."""
 import copy
+import os
+import warnings
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from helpers import assert_parity
 from hf_helpers import (VOCAB, assert_param_grads_match, masked_attention, padded_batch,
                         skip_module_unless_registered)
@@ -22,6 +26,7 @@ transformers = pytest.importorskip(
     "transformers", reason="Hugging Face transformers is not installed (pip install -e '.[hf]')")
 from transformers import masking_utils as mu  # noqa: E402
 
+import kernels  # noqa: E402
 from kernels import hf  # noqa: E402
 
 skip_module_unless_registered()
@@ -286,3 +291,48 @@ def test_decoder_with_is_causal_false_matches_eager():
                           for m in (ours, oracle, eager))
     assert not torch.allclose(causal, out), "is_causal=False changed nothing"
     assert_parity(out, ref, lowp, name="bidirectional Llama logits")
+
+
+@settings(max_examples=25, deadline=None, derandomize=True, database=None)
+@given(st.data())
+def test_random_bidirectional_masks_match_transformers(data):
+    """Random padding (holes too where no window), windows, lengths and heads on the fallback
+    route, every query row against transformers' own mask (derandomized: the same examples on
+    every run)."""
+    batch = data.draw(st.integers(1, 3))
+    n = data.draw(st.integers(1, 12))
+    w = data.draw(st.one_of(st.none(), st.integers(0, 12)))
+    rows = []
+    for _ in range(batch):
+        if w is None:
+            rows.append(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)))
+        else:   # one run of kept keys: left and right padding
+            a = data.draw(st.integers(0, n))
+            b = data.draw(st.integers(a, n))
+            rows.append([a <= j < b for j in range(n)])
+    mask2d = torch.tensor(rows, dtype=torch.bool)
+    fn = (mu.bidirectional_mask_function if w is None
+          else mu.sliding_window_bidirectional_mask_function(w))
+    sizes = dict(batch_size=batch, q_length=n, kv_length=n, q_offset=0, kv_offset=0,
+                 mask_function=fn, attention_mask=mask2d)
+    info = hf.mask_hook(**sizes, local_size=w)
+    assert info.unsupported is None, info
+    heads_kv, group, dim = data.draw(st.integers(1, 2)), data.draw(st.integers(1, 2)), 8
+    q = torch.randn(batch, heads_kv * group, n, dim)
+    k, v = torch.randn(batch, heads_kv, n, dim), torch.randn(batch, heads_kv, n, dim)
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "0"    # the fallback, read per call for CPU tensors
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", kernels.FallbackNotice)
+            out, _ = hf.attention_function(_Layer(), q, k, v, info, scaling=0.5,
+                                           sliding_window=None if w is None else w + 1)
+    finally:
+        if saved is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+    ref_mask = _transformers_mask(sizes, local_size=w)
+    ref = masked_attention(q, k, v, ref_mask, 0.5)
+    lowp = masked_attention(q, k, v, ref_mask, 0.5, dtype=torch.float32)
+    assert_parity(out, ref, lowp)
