@@ -163,6 +163,7 @@ class MaskInfo:
         self.valid_q = None
         self.cu_sequences = None
         self.shift = None   # bidirectional windows: int32 (batch,), see _local_shift
+        self.key_padding = None   # under torch.compile: see _traced_padding
 
     def contiguous(self):
         return self
@@ -410,6 +411,9 @@ def mask_hook(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fun
         mask = _padding_mask(info, attention_mask, device)
         if mask is None:
             return info
+        if chunk is None and torch.compiler.is_compiling():
+            return _traced_padding(info, mask[:, kv_offset:kv_offset + kv_length],
+                                   mask[:, q_offset:end])
         valid_k = mask[:, kv_offset:kv_offset + kv_length].clone()
         valid_k[:, info.kv_used:] = False  # (batch, kv_length): indices into the layer's keys
         valid_q = mask[:, q_offset:end]
@@ -424,6 +428,17 @@ def mask_hook(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fun
                             "between tokens of one sequence)")
         return info
     return _layout(info, valid_q, valid_k)
+
+
+def _traced_padding(info, valid_k, valid_q):
+    """Under torch.compile, where the packed layout's host read of the mask would break the
+    graph (``fullgraph=True``: an error): one dense call over the keys [0, kv_used), the key
+    padding a mask mod (``KEY_PADDING``) reading the mask as int8 (batch, kv_used), and the
+    query rows at padding zeroed after it (causal layers; ``valid_q`` None: every row kept),
+    as the packed path returns them. More work than packing a padded batch; no host read."""
+    info.key_padding = valid_k[:, :info.kv_used].to(torch.int8).contiguous()
+    info.valid_q = valid_q
+    return info
 
 
 def _padding_mask(info, attention_mask, device):
@@ -463,6 +478,8 @@ def _bidirectional(batch_size, q_length, kv_length, q_offset, kv_offset, attenti
                                 "different query and key sequences")
             return info
     mask = None if attention_mask is None else _padding_mask(info, attention_mask, device)
+    if mask is not None and window is None and torch.compiler.is_compiling():
+        return _traced_padding(info, mask[:, kv_offset:kv_offset + kv_length], None)
     if mask is None:
         if window is not None and not info.unsupported:
             info.shift = torch.zeros(batch_size, dtype=torch.int32,
@@ -634,6 +651,20 @@ LOCAL_WINDOW = MaskMod("hf.bidirectional_window", _local_fn, _local_torch,
                        kv_range=_local_keys, q_range=_local_queries)
 
 
+# Key padding read by the kernels (``_traced_padding``): key kv_idx of batch entry b is kept
+# iff aux[0][b, kv_idx] != 0, aux[0] int8 (batch, n) contiguous, n = aux[1][0].
+@triton.jit
+def _key_padding_fn(b, h, q_idx, kv_idx, aux):
+    return tl.load(aux[0] + b * tl.load(aux[1]) + kv_idx) != 0
+
+
+def _key_padding_torch(b, h, q_idx, kv_idx, aux):
+    return aux[0][b, kv_idx] != 0
+
+
+KEY_PADDING = MaskMod("hf.key_padding", _key_padding_fn, _key_padding_torch)
+
+
 def _not_implemented(what):
     """The NotImplementedError for a feature the model asked for that we do not compute (it
     names the feature and points to the implementations that do)."""
@@ -729,8 +760,14 @@ def attention_function(module, query, key, value, attention_mask, dropout=0.0, s
         if (info.kv_start, info.kv_used) != (0, k_len):
             k = key[:, :, info.kv_start:info.kv_used]
             v = value[:, :, info.kv_start:info.kv_used]
-        out = ops.attention(query, k, v, **options)
-        return out.transpose(1, 2), None
+        if info.key_padding is not None:
+            n = torch.tensor([info.key_padding.shape[1]], dtype=torch.int32,
+                             device=query.device)
+            options.update(mask_mod=KEY_PADDING, mod_aux=(info.key_padding, n))
+        out = ops.attention(query, k, v, **options).transpose(1, 2)
+        if info.key_padding is not None and info.valid_q is not None:
+            out = torch.where(info.valid_q[:, :, None, None], out, out.new_zeros(()))
+        return out, None
 
     # Packed: rows of (batch * len, heads, head_dim), the kept ones in order.
     heads_kv = key.shape[1]
