@@ -652,10 +652,12 @@ LOCAL_WINDOW = MaskMod("hf.bidirectional_window", _local_fn, _local_torch,
 
 
 # Key padding read by the kernels (``_traced_padding``): key kv_idx of batch entry b is kept
-# iff aux[0][b, kv_idx] != 0, aux[0] int8 (batch, n) contiguous, n = aux[1][0].
+# iff aux[0][b, kv_idx] != 0, aux[0] int8 (batch, n) contiguous, n = aux[1][0]. The index is
+# clamped: the function runs on whole tiles, whose columns past n the kernels mask anyway.
 @triton.jit
 def _key_padding_fn(b, h, q_idx, kv_idx, aux):
-    return tl.load(aux[0] + b * tl.load(aux[1]) + kv_idx) != 0
+    n = tl.load(aux[1])
+    return tl.load(aux[0] + b * n + tl.minimum(tl.maximum(kv_idx, 0), n - 1)) != 0
 
 
 def _key_padding_torch(b, h, q_idx, kv_idx, aux):
