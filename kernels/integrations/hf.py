@@ -68,6 +68,12 @@ chunks over a padding mask with holes, and a chunked layer whose cache dropped k
 queries' chunk. A layer called with no mask at all (a model that does not build masks through
 transformers' masking utilities) gets causal attention with its ``sliding_window``, as with
 ``flash_attention_2``. ``output_attentions=True`` warns and returns ``None`` weights, as ``sdpa``.
+
+Under ``torch.compile`` the hook reads nothing on the host while tracing (``_traced_padding``,
+``_traced_mask``), so ``fullgraph=True`` compiles: plain causal or bidirectional masks with
+padding become one dense call with a key-padding mask mod; any other pattern, and static
+caches, transformers' own boolean mask read by the kernels (exact for any pattern, at sdpa's
+cost of a (batch, q_len, k_len) mask).
 """
 import inspect
 import warnings
@@ -164,6 +170,7 @@ class MaskInfo:
         self.cu_sequences = None
         self.shift = None   # bidirectional windows: int32 (batch,), see _local_shift
         self.key_padding = None   # under torch.compile: see _traced_padding
+        self.dense_mask = None    # under torch.compile: see _traced_mask
 
     def contiguous(self):
         return self
@@ -186,9 +193,15 @@ class MaskInfo:
             return MaskInfo(unsupported="keeping only some query rows of packed sequences")
         drop = self.q_length - rows
         out = MaskInfo(batch_size=self.batch_size, q_length=rows, kv_length=self.kv_length,
-                       q_offset=self.q_offset + drop, kv_offset=self.kv_offset,
-                       window=self.window, chunk_size=self.chunk_size, causal=self.causal)
+                       q_offset=None if self.q_offset is None else self.q_offset + drop,
+                       kv_offset=self.kv_offset, window=self.window,
+                       chunk_size=self.chunk_size, causal=self.causal)
         out.dense, out.kv_start, out.kv_used = self.dense, self.kv_start, self.kv_used
+        if self.dense_mask is not None:
+            out.dense_mask = self.dense_mask[:, drop:]
+        if self.key_padding is not None:
+            out.key_padding = self.key_padding
+            out.valid_q = None if self.valid_q is None else self.valid_q[:, drop:]
         if not self.dense:
             out.indices_k, out.cu_seqlens_k = self.indices_k, self.cu_seqlens_k
             out.max_seqlen_k = self.max_seqlen_k
@@ -362,6 +375,12 @@ def mask_hook(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fun
               attention_mask=None, local_size=None, **kwargs):
     """transformers' ``AttentionMaskInterface`` entry for our name: returns a ``MaskInfo``."""
     _, mu = _transformers()
+    traced = torch.compiler.is_compiling()
+    if traced and not isinstance(attention_mask, MaskInfo) and (
+            isinstance(q_offset, torch.Tensor) or mask_function not in (
+                None, mu.causal_mask_function, mu.bidirectional_mask_function)):
+        return _traced_mask(mu, batch_size, q_length, kv_length, q_offset, kv_offset,
+                            mask_function, attention_mask, local_size, kwargs.get("device"))
     if isinstance(attention_mask, MaskInfo):  # prepared in advance by generate(), passed back
         same = (attention_mask.unsupported is None
                 and (attention_mask.batch_size, attention_mask.q_length,
@@ -428,6 +447,28 @@ def mask_hook(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fun
                             "between tokens of one sequence)")
         return info
     return _layout(info, valid_q, valid_k)
+
+
+def _traced_mask(mu, batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
+                 attention_mask, local_size, device):
+    """Under torch.compile, where reading the pattern (a window, chunks, packed sequences,
+    extra mask functions: closures Dynamo does not trace) or a query offset held in a tensor
+    (static caches) would break the graph: transformers' own boolean mask (``sdpa_mask``,
+    traced as sdpa's is), read by the kernels through ``DENSE_MASK`` in one dense call over
+    every key. Exact for any pattern transformers builds (query rows at padding are computed
+    as eager computes them); int8 (batch, q_length, kv_length) and every tile visited, as
+    sdpa's mask costs."""
+    mask = mu.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
+                        q_offset=q_offset, kv_offset=kv_offset, mask_function=mask_function,
+                        attention_mask=attention_mask, local_size=local_size,
+                        allow_is_causal_skip=False, allow_is_bidirectional_skip=False,
+                        device=device)
+    info = MaskInfo(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
+                    q_offset=None, kv_offset=int(kv_offset), causal=None)
+    info.kv_used = kv_length
+    info.dense_mask = mask.expand(batch_size, 1, q_length, kv_length)[:, 0].to(
+        torch.int8).contiguous()
+    return info
 
 
 def _traced_padding(info, valid_k, valid_q):
@@ -667,6 +708,26 @@ def _key_padding_torch(b, h, q_idx, kv_idx, aux):
 KEY_PADDING = MaskMod("hf.key_padding", _key_padding_fn, _key_padding_torch)
 
 
+# transformers' whole boolean mask read by the kernels (``_traced_mask``): query row i of
+# batch entry b sees key kv_idx iff aux[0][b, i, kv_idx] != 0, aux[0] int8 (batch, q, k)
+# contiguous, (q, k) = aux[1]; the kernels' q_idx is i + k - q. Indices clamped as above.
+@triton.jit
+def _dense_mask_fn(b, h, q_idx, kv_idx, aux):
+    q_len = tl.load(aux[1])
+    k_len = tl.load(aux[1] + 1)
+    row = tl.minimum(tl.maximum(q_idx - (k_len - q_len), 0), q_len - 1)
+    col = tl.minimum(tl.maximum(kv_idx, 0), k_len - 1)
+    return tl.load(aux[0] + (b.to(tl.int64) * q_len + row) * k_len + col) != 0
+
+
+def _dense_mask_torch(b, h, q_idx, kv_idx, aux):
+    q_len, k_len = aux[0].shape[1:]
+    return aux[0][b, q_idx - (k_len - q_len), kv_idx] != 0
+
+
+DENSE_MASK = MaskMod("hf.dense_mask", _dense_mask_fn, _dense_mask_torch)
+
+
 def _not_implemented(what):
     """The NotImplementedError for a feature the model asked for that we do not compute (it
     names the feature and points to the implementations that do)."""
@@ -730,6 +791,16 @@ def attention_function(module, query, key, value, attention_mask, dropout=0.0, s
         info = attention_mask
         if info.unsupported:
             raise _not_implemented(info.unsupported)
+        if info.dense_mask is not None:   # traced: the mask decides (``_traced_mask``)
+            if tuple(info.dense_mask.shape) != (batch, q_len, k_len):
+                raise _not_implemented(f"q {tuple(query.shape)}, k {tuple(key.shape)} with a "
+                                       f"mask of shape {tuple(info.dense_mask.shape)}")
+            dims = torch.tensor([q_len, k_len], dtype=torch.int32, device=query.device)
+            out = ops.attention(query, key, value, causal=False, dropout_p=dropout_p,
+                                softmax_scale=scaling, softcap=softcap, sinks=sinks,
+                                mask_mod=DENSE_MASK,
+                                mod_aux=(info.dense_mask.to(query.device), dims))
+            return out.transpose(1, 2), None
         if (info.batch_size, info.q_length, info.kv_length) != (batch, q_len, k_len):
             raise _not_implemented(f"q {tuple(query.shape)}, k {tuple(key.shape)} with a mask "
                                    f"built for batch {info.batch_size}, q_len {info.q_length}, "

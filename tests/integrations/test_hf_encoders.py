@@ -338,60 +338,28 @@ def test_random_bidirectional_masks_match_transformers(data):
     assert_parity(out, ref, lowp)
 
 
-@pytest.mark.parametrize("kind", ["bert", "llama"])
-@pytest.mark.usefixtures("model_route")
-def test_fullgraph_compile_with_padding(kind):
-    """Under torch.compile(fullgraph=True) the mask hook reads no mask on the host (the packed
-    layout would): one dense call whose key padding is a mask mod, padded query rows of a
-    causal layer zeroed after it. Same result as the eager call (packed)."""
-    if kind == "bert":
-        ours, _, oracle = _triple(transformers.AutoModel, _bert_config())
-
-        def run(m, ids, mask):
-            return m(ids, attention_mask=mask).last_hidden_state
-    else:
-        config = transformers.LlamaConfig(
-            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-        ours, _, oracle = _triple(transformers.AutoModelForCausalLM, config)
-
-        def run(m, ids, mask):
-            return m(ids, attention_mask=mask).logits
-    ids, mask = padded_batch([9, 6], 9, left=[False, True])
-    mask[0, 3] = 0                                       # a hole: no packing needed here
-    compiled = torch.compile(lambda ids, mask: run(ours, ids, mask), fullgraph=True,
-                             backend="aot_eager")
-    with torch.no_grad():
-        got, eager = compiled(ids, mask), run(ours, ids, mask)
-        ref = run(oracle, ids, mask)
-    torch._dynamo.reset()
-    rows = mask.bool() if kind == "llama" else torch.ones_like(mask, dtype=torch.bool)
-    assert_parity(got[rows], ref[rows], eager[rows], name=f"{kind} compiled")
-
-
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.usefixtures("model_route")
 def test_traced_padding_layout(causal, monkeypatch):
-    """The layout the hook gives under tracing (``torch.compiler.is_compiling``), one call:
-    dense, the key padding a mask mod, holes and a window too; a causal layer's padded query
-    rows are zeros (as the packed path gives them), a bidirectional layer's are computed."""
+    """The layout the hook gives a plain causal or bidirectional mask with padding under
+    tracing (``torch.compiler.is_compiling``): one dense call, the key padding a mask mod,
+    holes too; a causal layer's padded query rows are zeros (as the packed path gives them),
+    a bidirectional layer's are computed. (Other patterns: test_hf_compile.py.)"""
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     rows = ("1101111", "0001111", "1111100")
     mask2d = torch.tensor([[c == "1" for c in r] for r in rows])
     batch, n, dim = 3, 7, 8
-    fn = (mu.sliding_window_causal_mask_function(3) if causal
-          else mu.bidirectional_mask_function)
+    fn = mu.causal_mask_function if causal else mu.bidirectional_mask_function
     sizes = dict(batch_size=batch, q_length=n, kv_length=n, q_offset=0, kv_offset=0,
                  mask_function=fn, attention_mask=mask2d)
-    info = hf.mask_hook(**sizes, local_size=3 if causal else None)
+    info = hf.mask_hook(**sizes)
     assert info.unsupported is None and info.dense and info.key_padding is not None, info
     layer = _Layer()
     layer.is_causal = causal
     q, k, v = torch.randn(batch, 4, n, dim), torch.randn(batch, 2, n, dim), torch.randn(
         batch, 2, n, dim)
-    out, _ = hf.attention_function(layer, q, k, v, info, scaling=0.5,
-                                   sliding_window=3 if causal else None)
-    ref_mask = _transformers_mask(sizes, local_size=3 if causal else None)
+    out, _ = hf.attention_function(layer, q, k, v, info, scaling=0.5)
+    ref_mask = _transformers_mask(sizes)
     ref = masked_attention(q, k, v, ref_mask, 0.5)
     lowp = masked_attention(q, k, v, ref_mask, 0.5, dtype=torch.float32)
     kept = mask2d if causal else torch.ones_like(mask2d)

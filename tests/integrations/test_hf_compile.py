@@ -1,0 +1,89 @@
+"""kernels.hf under ``torch.compile(fullgraph=True)``: the mask hook reads nothing on the host
+while tracing (eager calls pack padded rows, which reads the mask). Plain causal or
+bidirectional layers with padding: one dense call whose key padding is a mask mod. Anything
+whose pattern lives in the mask function's closures (windows, chunks, packed sequences, extra
+mask functions), or a query offset held in a tensor (static caches): transformers' own boolean
+mask, read by the kernels. Each model against the float64 oracle on its valid rows, with the
+eager (packed) call of the same model as the PyTorch baseline; aot_eager on CPU (the kernels
+in the interpreter, or the fallback)."""
+import pytest
+import torch
+from helpers import assert_parity
+from hf_helpers import VOCAB, padded_batch, skip_module_unless_registered
+from hf_helpers import model_route  # noqa: F401 (the fixture the tests below use)
+
+transformers = pytest.importorskip(
+    "transformers", reason="Hugging Face transformers is not installed (pip install -e '.[hf]')")
+import test_hf  # noqa: E402
+import test_hf_encoders  # noqa: E402
+import test_hf_new_models  # noqa: E402
+from transformers import masking_utils as mu  # noqa: E402
+
+from kernels import hf  # noqa: E402
+
+skip_module_unless_registered()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _registered():
+    for module in (test_hf, test_hf_encoders, test_hf_new_models):
+        module._registered.__wrapped__()
+
+
+def _models(kind):
+    if kind == "bert":
+        return test_hf_encoders._triple(transformers.AutoModel,
+                                        test_hf_encoders._bert_config())
+    if kind in ("llama", "qwen2"):
+        return test_hf._models(kind)
+    return test_hf_new_models._models(kind)
+
+
+def _run(kind, model, ids, mask):
+    out = model(ids, attention_mask=mask)
+    return out.last_hidden_state if kind == "bert" else out.logits
+
+
+# llama, bert: the key-padding mask mod; qwen2 (a sliding-window layer), gemma4 (a sliding
+# layer, head_dim 512, KV-shared layers that keep the last query rows of a mask): the whole
+# mask.
+@pytest.mark.parametrize("kind", ["llama", "bert", "qwen2", "gemma4"])
+@pytest.mark.usefixtures("model_route")
+def test_fullgraph_compile_with_padding(kind):
+    ours, _, oracle = _models(kind)
+    ids, mask = padded_batch([9, 6], 9, left=[False, True])
+    mask[0, 3] = 0                                   # a hole: nothing is packed here
+    if kind in ("qwen2", "gemma4"):                  # eager refuses a window over a hole
+        mask[0, 3] = 1
+    compiled = torch.compile(lambda ids, mask: _run(kind, ours, ids, mask), fullgraph=True,
+                             backend="aot_eager")
+    try:
+        with torch.no_grad():
+            got = compiled(ids, mask)
+            eager, ref = _run(kind, ours, ids, mask), _run(kind, oracle, ids, mask)
+    finally:
+        torch._dynamo.reset()
+    rows = torch.ones_like(mask, dtype=torch.bool) if kind == "bert" else mask.bool()
+    assert_parity(got[rows], ref[rows], eager[rows], name=f"{kind} compiled, padded")
+
+
+def test_traced_mask_takes_tensor_offsets_and_any_pattern(monkeypatch):
+    """While tracing, a query offset held in a tensor (static caches) and an extra mask
+    function (refused in eager calls) both go through transformers' own mask."""
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    fn = mu.or_masks(mu.causal_mask_function, lambda b, h, q, k: k == 0)   # an attention sink
+    sizes = dict(batch_size=2, q_length=3, kv_length=8, q_offset=torch.tensor(5),
+                 kv_offset=0, mask_function=fn,
+                 attention_mask=torch.tensor([[1] * 8, [0, 0] + [1] * 6]).bool())
+    info = hf.mask_hook(**sizes)
+    assert info.unsupported is None and info.dense_mask is not None
+    expected = mu.sdpa_mask(**sizes, allow_is_causal_skip=False)
+    assert torch.equal(info.dense_mask.bool(), expected[:, 0])
+    q, k = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 8, 8)
+    layer = torch.nn.Module()
+    out, _ = hf.attention_function(layer, q, k, k, info, scaling=0.5)
+    ref = test_hf_encoders.masked_attention(q, k, k, expected, 0.5)
+    lowp = test_hf_encoders.masked_attention(q, k, k, expected, 0.5, dtype=torch.float32)
+    assert_parity(out, ref, lowp)
+    kept = info[:, :, -1:, :]                        # a model keeping the last query row
+    assert torch.equal(kept.dense_mask, info.dense_mask[:, -1:])
