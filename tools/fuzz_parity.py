@@ -396,13 +396,10 @@ class DenseOracle:
         return p, lse, drop
 
 
-def run_dense(c, gen):
-    dtype = DTYPES[c["dtype"]]
-    b, hkv, hq = c["batch"], c["heads_kv"], c["heads_kv"] * c["group"]
-    q = _view(_randn(gen, b, hq, c["q_len"], c["d"], dtype=dtype), c["transposed"])
-    k = _view(_randn(gen, b, hkv, c["k_len"], c["d"], dtype=dtype), c["transposed"])
-    v = _view(_randn(gen, b, hkv, c["k_len"], c["dv"], dtype=dtype), c["transposed"])
-    mods = _mods(c, gen, b)
+def _trainable(c, gen, num, q, k, v):
+    """The options of a differentiable route (dense, varlen), its sinks and the leaves its
+    gradients are checked for (q, k, v[, sinks]; requiring grad with ``c["grad"]``)."""
+    mods = _mods(c, gen, num)
     sinks = mods.pop("sinks")
     opts = dict(causal=c["causal"], window=c["window"], chunk_size=c["chunk"],
                 softmax_scale=c["scale"], dropout_p=c["dropout"], **mods)
@@ -410,6 +407,16 @@ def run_dense(c, gen):
     if c["grad"]:
         for t in leaves:
             t.requires_grad_()
+    return opts, sinks, leaves
+
+
+def run_dense(c, gen):
+    dtype = DTYPES[c["dtype"]]
+    b, hkv, hq = c["batch"], c["heads_kv"], c["heads_kv"] * c["group"]
+    q = _view(_randn(gen, b, hq, c["q_len"], c["d"], dtype=dtype), c["transposed"])
+    k = _view(_randn(gen, b, hkv, c["k_len"], c["d"], dtype=dtype), c["transposed"])
+    v = _view(_randn(gen, b, hkv, c["k_len"], c["dv"], dtype=dtype), c["transposed"])
+    opts, sinks, leaves = _trainable(c, gen, b, q, k, v)
     out, lse = _api("attention")(q, k, v, sinks=sinks, seed=c["dropout_seed"], return_lse=True,
                                  **opts)
     keep = None
@@ -489,14 +496,7 @@ def run_varlen(c, gen):
     v = _randn(gen, cu_k[-1], hkv, c["dv"], dtype=dtype)
     if c["transposed"]:   # head-major buffers seen as (total, heads, dim)
         q, k, v = (t.transpose(0, 1).contiguous().transpose(0, 1) for t in (q, k, v))
-    mods = _mods(c, gen, c["batch"])
-    sinks = mods.pop("sinks")
-    opts = dict(causal=c["causal"], window=c["window"], chunk_size=c["chunk"],
-                softmax_scale=c["scale"], dropout_p=c["dropout"], **mods)
-    leaves = [q, k, v] + ([sinks] if sinks is not None else [])
-    if c["grad"]:
-        for t in leaves:
-            t.requires_grad_()
+    opts, sinks, leaves = _trainable(c, gen, c["batch"], q, k, v)
     tq, tk = (torch.tensor(x, dtype=torch.int32) for x in (cu_q, cu_k))
     out, lse = _api("attention_varlen")(q, k, v, tq, tk, max(c["lens_q"]), max(c["lens_k"]),
                                         sinks=sinks, seed=c["dropout_seed"], return_lse=True,
