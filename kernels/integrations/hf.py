@@ -57,20 +57,20 @@ Supported exactly (the same attention as ``attn_implementation="eager"``):
   row, from 5.23 over their position ids: the same attention but for chunks, which follow the
   version's own rule).
 
-Anything else raises ``NotImplementedError`` naming it, never a silently different answer: a
-layer whose ``is_causal`` disagrees with its mask, a custom 4-D mask or any mask transformers'
-masking utilities did not build through our hook, extra mask functions
-(``or_mask_function``/``and_mask_function``: block-wise attention, image tokens), a
-bidirectional sliding window over padding with holes or between different query and key
-sequences, sinks
-that are not one logit per query head, position biases, paged caches, a sliding window or
-chunks over a padding mask with holes, and a chunked layer whose cache dropped keys of the
-queries' chunk. A layer called with no mask at all (a model that does not build masks through
-transformers' masking utilities) gets causal attention with its ``sliding_window``, as with
+Any other pattern transformers' masking builds over a 2-D padding mask (extra mask functions:
+image tokens, block-wise attention; windows or chunks over padding with holes; a chunked layer
+whose cache dropped keys of the queries' chunk; cache layouts the fast paths do not know) goes
+through transformers' whole boolean mask, read by the kernels: exact, at sdpa's cost, and
+said once per kind in a ``UserWarning``. What raises ``NotImplementedError`` naming it, never
+a silently different answer: a layer whose ``is_causal`` or ``sliding_window`` disagrees with
+its mask, a custom 4-D mask or any mask transformers' masking utilities did not build through
+our hook, sinks that are not one logit per query head, position biases, paged caches. A
+layer called with no mask at all (a model that does not build masks through transformers'
+masking utilities) gets causal attention with its ``sliding_window``, as with
 ``flash_attention_2``. ``output_attentions=True`` warns and returns ``None`` weights, as ``sdpa``.
 
 Under ``torch.compile`` the hook reads nothing on the host while tracing (``_traced_padding``,
-``_traced_mask``), so ``fullgraph=True`` compiles: plain causal or bidirectional masks with
+``_whole_mask``), so ``fullgraph=True`` compiles: plain causal or bidirectional masks with
 padding become one dense call with a key-padding mask mod; any other pattern, and static
 caches, transformers' own boolean mask read by the kernels (exact for any pattern, at sdpa's
 cost of a (batch, q_len, k_len) mask).
@@ -170,7 +170,7 @@ class MaskInfo:
         self.cu_sequences = None
         self.shift = None   # bidirectional windows: int32 (batch,), see _local_shift
         self.key_padding = None   # under torch.compile: see _traced_padding
-        self.dense_mask = None    # under torch.compile: see _traced_mask
+        self.dense_mask = None    # transformers' whole mask: see _whole_mask
 
     def contiguous(self):
         return self
@@ -373,14 +373,49 @@ def _runs(valid):
 
 def mask_hook(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
               attention_mask=None, local_size=None, **kwargs):
-    """transformers' ``AttentionMaskInterface`` entry for our name: returns a ``MaskInfo``."""
+    """transformers' ``AttentionMaskInterface`` entry for our name: returns a ``MaskInfo``.
+
+    The patterns ``_layout_of`` computes take the fast layouts (dense, or packed rows with
+    tile skipping); any other pattern transformers' masking builds over a 2-D padding mask
+    (extra mask functions such as image tokens, block-wise attention, windows or chunks over
+    padding with holes, cache layouts the fast ones do not know) goes through its whole mask
+    (``_whole_mask``), said once per kind in a ``UserWarning``; under torch.compile so does
+    every pattern whose reading would break the graph."""
     _, mu = _transformers()
-    traced = torch.compiler.is_compiling()
-    if traced and not isinstance(attention_mask, MaskInfo) and (
+    if isinstance(attention_mask, MaskInfo):
+        return _layout_of(mu, batch_size, q_length, kv_length, q_offset, kv_offset,
+                          mask_function, attention_mask, local_size, kwargs)
+    whole = dict(mu=mu, batch_size=batch_size, q_length=q_length, kv_length=kv_length,
+                 q_offset=q_offset, kv_offset=kv_offset, mask_function=mask_function,
+                 attention_mask=attention_mask, local_size=local_size,
+                 device=kwargs.get("device"))
+    if torch.compiler.is_compiling() and (
             isinstance(q_offset, torch.Tensor) or mask_function not in (
                 None, mu.causal_mask_function, mu.bidirectional_mask_function)):
-        return _traced_mask(mu, batch_size, q_length, kv_length, q_offset, kv_offset,
-                            mask_function, attention_mask, local_size, kwargs.get("device"))
+        return _whole_mask(**whole)
+    info = _layout_of(mu, batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
+                      attention_mask, local_size, kwargs)
+    if info.unsupported and (attention_mask is None or (
+            attention_mask.dim() == 2 and attention_mask.shape[0] == batch_size)):
+        reason = info.unsupported
+        if reason not in _WHOLE_MASK_SAID:
+            _WHOLE_MASK_SAID.add(reason)
+            warnings.warn(f"attn_implementation='triton_fused' computes {reason} through "
+                          f"transformers' whole boolean mask: exact, at sdpa's cost (an int8 "
+                          f"(batch, q_len, k_len) mask, every tile visited). Said once.",
+                          UserWarning, stacklevel=3)
+        return _whole_mask(**whole)
+    return info
+
+
+# The kinds of pattern already said to go through the whole mask (one warning each).
+_WHOLE_MASK_SAID = set()
+
+
+def _layout_of(mu, batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
+               attention_mask, local_size, kwargs):
+    """The fast layout of a mask request (``MaskInfo``, its ``unsupported`` set where the
+    pattern is not one of ours)."""
     if isinstance(attention_mask, MaskInfo):  # prepared in advance by generate(), passed back
         same = (attention_mask.unsupported is None
                 and (attention_mask.batch_size, attention_mask.q_length,
@@ -449,15 +484,15 @@ def mask_hook(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fun
     return _layout(info, valid_q, valid_k)
 
 
-def _traced_mask(mu, batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
-                 attention_mask, local_size, device):
-    """Under torch.compile, where reading the pattern (a window, chunks, packed sequences,
-    extra mask functions: closures Dynamo does not trace) or a query offset held in a tensor
-    (static caches) would break the graph: transformers' own boolean mask (``sdpa_mask``,
-    traced as sdpa's is), read by the kernels through ``DENSE_MASK`` in one dense call over
-    every key. Exact for any pattern transformers builds (query rows at padding are computed
-    as eager computes them); int8 (batch, q_length, kv_length) and every tile visited, as
-    sdpa's mask costs."""
+def _whole_mask(mu, batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
+                attention_mask, local_size, device):
+    """transformers' own boolean mask (``sdpa_mask``, traced as sdpa's is), read by the
+    kernels through ``DENSE_MASK`` in one dense call over every key: for a pattern the fast
+    layouts do not compute, and under torch.compile for one whose reading (a window, chunks,
+    packed sequences, extra mask functions: closures Dynamo does not trace) or a query offset
+    held in a tensor (static caches) would break the graph. Exact for any pattern
+    transformers builds (query rows at padding are computed as eager computes them); int8
+    (batch, q_length, kv_length) and every tile visited, as sdpa's mask costs."""
     mask = mu.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
                         q_offset=q_offset, kv_offset=kv_offset, mask_function=mask_function,
                         attention_mask=attention_mask, local_size=local_size,
@@ -708,7 +743,7 @@ def _key_padding_torch(b, h, q_idx, kv_idx, aux):
 KEY_PADDING = MaskMod("hf.key_padding", _key_padding_fn, _key_padding_torch)
 
 
-# transformers' whole boolean mask read by the kernels (``_traced_mask``): query row i of
+# transformers' whole boolean mask read by the kernels (``_whole_mask``): query row i of
 # batch entry b sees key kv_idx iff aux[0][b, i, kv_idx] != 0, aux[0] int8 (batch, q, k)
 # contiguous, (q, k) = aux[1]; the kernels' q_idx is i + k - q. Indices clamped as above.
 @triton.jit
@@ -791,7 +826,7 @@ def attention_function(module, query, key, value, attention_mask, dropout=0.0, s
         info = attention_mask
         if info.unsupported:
             raise _not_implemented(info.unsupported)
-        if info.dense_mask is not None:   # traced: the mask decides (``_traced_mask``)
+        if info.dense_mask is not None:   # the whole mask decides (``_whole_mask``)
             if tuple(info.dense_mask.shape) != (batch, q_len, k_len):
                 raise _not_implemented(f"q {tuple(query.shape)}, k {tuple(key.shape)} with a "
                                        f"mask of shape {tuple(info.dense_mask.shape)}")

@@ -122,3 +122,23 @@ def assert_param_grads_match(kind, ours, eager, oracle, at_least=6):
                       name=f"{kind} grad {name}")
         checked += 1
     assert checked >= at_least
+
+
+def assert_whole_mask(sizes, q, k, v, *, module, scaling=0.3, **layer_kwargs):
+    """``hf.mask_hook(**sizes)`` is a pattern the fast layouts do not compute: it warns (once
+    per kind; the record is cleared first) and goes through transformers' whole mask, whose
+    result matches eager's attention over ``sdpa_mask`` by the parity rule."""
+    from transformers import masking_utils as mu
+
+    from kernels.integrations import hf as hf_impl
+    hf_impl._WHOLE_MASK_SAID.clear()
+    with pytest.warns(UserWarning, match="whole boolean mask"):
+        info = hf.mask_hook(**sizes)
+    assert info.unsupported is None and info.dense_mask is not None, info
+    out, _ = hf.attention_function(module, q, k, v, info, scaling=scaling, **layer_kwargs)
+    ref_mask = mu.sdpa_mask(**sizes, allow_is_causal_skip=False,
+                            allow_is_bidirectional_skip=False)
+    ref = masked_attention(q, k, v, ref_mask, scaling)
+    lowp = masked_attention(q, k, v, ref_mask, scaling, dtype=torch.float32)
+    assert_parity(out, ref, lowp, name=f"whole mask: {info!r}")
+    return out

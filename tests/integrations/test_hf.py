@@ -14,8 +14,8 @@ import sys
 import pytest
 import torch
 from helpers import assert_parity
-from hf_helpers import (VOCAB, assert_training_grads_match, masked_attention, models,
-                        padded_batch, skip_module_unless_registered)
+from hf_helpers import (VOCAB, assert_training_grads_match, assert_whole_mask,
+                        masked_attention, models, padded_batch, skip_module_unless_registered)
 from hf_helpers import model_route  # noqa: F401 (the fixture the tests below use)
 
 transformers = pytest.importorskip(
@@ -194,7 +194,9 @@ def test_attention_matches_transformers_mask(case):
     assert (out[~valid_q] == 0).all()
 
 
-def test_unsupported_patterns_raise():
+def test_other_patterns_use_the_whole_mask():
+    """Patterns the fast layouts do not compute (extra mask functions, block-wise attention, a
+    window over padding with holes) go through transformers' whole mask: exact."""
     module, x = _Module(), torch.randn(1, 2, 4, 8)
     sizes = dict(batch_size=1, q_length=4, kv_length=4)
     cases = {
@@ -206,14 +208,10 @@ def test_unsupported_patterns_raise():
         cases["block-wise"] = mu.and_masks(
             mu.causal_mask_function, mu.blockwise_overlay(torch.zeros(1, 4, dtype=torch.long)))
     for what, fn in cases.items():
-        info = hf.mask_hook(**sizes, mask_function=fn)
-        assert info.unsupported, what
-        with pytest.raises(NotImplementedError, match="does not support"):
-            hf.attention_function(module, x, x, x, info)
-    holes = hf.mask_hook(**sizes, mask_function=mu.sliding_window_causal_mask_function(2),
-                         attention_mask=torch.tensor([[True, False, True, True]]), local_size=2)
-    with pytest.raises(NotImplementedError, match="holes"):
-        hf.attention_function(module, x, x, x, holes, sliding_window=2)
+        assert_whole_mask({**sizes, "mask_function": fn}, x, x, x, module=module)
+    assert_whole_mask({**sizes, "mask_function": mu.sliding_window_causal_mask_function(2),
+                       "attention_mask": torch.tensor([[True, False, True, True]]),
+                       "local_size": 2}, x, x, x, module=module, sliding_window=2)
     # softcap, sinks (one per head), chunks and value head dims are supported: see
     # test_hf_new_models.py, which also checks their refusals.
     # Non-causal layers are computed (test_hf_encoders.py, which checks their refusals too).
@@ -323,3 +321,20 @@ def test_training_with_dropout_is_reproducible():
     ours.eval()
     with torch.no_grad():
         assert not torch.equal(ours(ids, labels=ids).loss, loss_a), "dropout was not applied"
+
+
+@pytest.mark.usefixtures("model_route")
+def test_window_over_holes_matches_eager():
+    """Qwen2's sliding layer over a padding mask with holes: the whole-mask path (it warns
+    once), against float64 on the kept rows."""
+    ours, eager, oracle = _models("qwen2")
+    ids, mask = padded_batch([8, 8], 8, left=[False, False])
+    mask[0, 2] = mask[1, 5] = 0
+    with torch.no_grad(), pytest.warns(UserWarning, match="whole boolean mask"):
+        from kernels.integrations import hf as hf_impl
+        hf_impl._WHOLE_MASK_SAID.clear()
+        out = ours(ids, attention_mask=mask).logits
+    with torch.no_grad():
+        ref, lowp = oracle(ids, attention_mask=mask).logits, eager(ids, attention_mask=mask).logits
+    valid = mask.bool()
+    assert_parity(out[valid], ref[valid], lowp[valid], name="qwen2 logits, holes")

@@ -18,8 +18,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from helpers import assert_parity
-from hf_helpers import (VOCAB, assert_param_grads_match, masked_attention, padded_batch,
-                        skip_module_unless_registered)
+from hf_helpers import (VOCAB, assert_param_grads_match, assert_whole_mask, masked_attention,
+                        padded_batch, skip_module_unless_registered)
 from hf_helpers import model_route  # noqa: F401 (the fixture the tests below use)
 
 transformers = pytest.importorskip(
@@ -171,22 +171,23 @@ def test_bidirectional_window_matches_transformers_mask(case):
         assert_parity(out, ref, lowp)
 
 
-def test_bidirectional_window_refusals():
+def test_bidirectional_window_other_layouts():
+    """A window over padding with holes, or between different query and key sequences, goes
+    through transformers' whole mask; a layer whose window disagrees with its mask raises."""
     x = torch.randn(1, 2, 5, 8)
     fn = mu.sliding_window_bidirectional_mask_function(2)
-    holes = hf.mask_hook(batch_size=1, q_length=5, kv_length=5, mask_function=fn,
-                         attention_mask=torch.tensor([[True, False, True, True, True]]))
-    with pytest.raises(NotImplementedError, match="holes"):
-        hf.attention_function(_Layer(), x, x, x, holes, sliding_window=3)
+    holes = dict(batch_size=1, q_length=5, kv_length=5, mask_function=fn, local_size=2,
+                 attention_mask=torch.tensor([[True, False, True, True, True]]))
+    assert_whole_mask(holes, x, x, x, module=_Layer(), sliding_window=3)
+    cross = dict(batch_size=1, q_length=3, kv_length=5, mask_function=fn, local_size=2)
+    assert_whole_mask(cross, x[:, :, :3], x, x, module=_Layer(), sliding_window=3)
     info = hf.mask_hook(batch_size=1, q_length=5, kv_length=5, mask_function=fn)
     with pytest.raises(NotImplementedError, match="sliding_window=5"):
         hf.attention_function(_Layer(), x, x, x, info, sliding_window=5)
     assert "keeping only some query rows" in repr(info[:, :, -2:, :])
-    cross = hf.mask_hook(batch_size=1, q_length=3, kv_length=5, mask_function=fn)
-    assert "different query and key" in cross.unsupported
 
 
-def test_mismatches_and_other_patterns_are_refused():
+def test_mismatched_layers_are_refused():
     x = torch.randn(1, 2, 4, 8)
     sizes = dict(batch_size=1, q_length=4, kv_length=4)
     bidirectional = hf.mask_hook(**sizes, mask_function=mu.bidirectional_mask_function)
@@ -202,11 +203,9 @@ def test_mismatches_and_other_patterns_are_refused():
         hf.attention_function(Causal(), x, x, x, causal, is_causal=False)
     with pytest.raises(NotImplementedError, match="sliding window .* not its keys"):
         hf.attention_function(_Layer(), x, x[:, :, :3], x[:, :, :3], None, sliding_window=2)
-    # Image tokens, or any other mask function: and_masks over the bidirectional mask.
+    # Image tokens, or any other mask function over the bidirectional mask: the whole mask.
     local = mu.and_masks(mu.bidirectional_mask_function, lambda b, h, q, k: abs(q - k) < 2)
-    info = hf.mask_hook(**sizes, mask_function=local)
-    with pytest.raises(NotImplementedError, match="bidirectional mask combined"):
-        hf.attention_function(_Layer(), x, x, x, info)
+    assert_whole_mask({**sizes, "mask_function": local}, x, x, x, module=_Layer())
     # No mask at all (cross-attention without an encoder mask): every key.
     out, _ = hf.attention_function(_Layer(), x, x, x, None)
     ref = masked_attention(x, x, x, None, 8 ** -0.5, dtype=torch.float32)

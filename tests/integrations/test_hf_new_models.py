@@ -21,8 +21,8 @@ import inspect
 import pytest
 import torch
 from helpers import GRAD_FACTOR, assert_parity
-from hf_helpers import (VOCAB, assert_training_grads_match, masked_attention, models,
-                        padded_batch, skip_module_unless_registered)
+from hf_helpers import (VOCAB, assert_training_grads_match, assert_whole_mask,
+                        masked_attention, models, padded_batch, skip_module_unless_registered)
 from hf_helpers import model_route  # noqa: F401 (the fixture the tests below use)
 
 transformers = pytest.importorskip(
@@ -420,6 +420,8 @@ def test_kept_query_rows_of_a_mask():
 
 
 def test_new_features_refuse_what_they_cannot_do_exactly():
+    """Sinks that are not one logit per head are refused; chunk layouts the fast path does
+    not compute go through the whole mask."""
     module, x = _Module(), torch.randn(2, 4, 6, 8)
     kv = torch.randn(2, 2, 6, 8)
     with pytest.raises(NotImplementedError, match=r"sinks of shape \(2, 4, 6, 1\)"):
@@ -427,24 +429,21 @@ def test_new_features_refuse_what_they_cannot_do_exactly():
     with pytest.raises(NotImplementedError, match="both s_aux and sinks"):
         hf.attention_function(module, x, kv, kv, None, s_aux=torch.zeros(4),
                               sinks=torch.zeros(4))
+    # Chunks over padding with holes, a cache that dropped keys of the query's chunk (chunk
+    # 4: query 9 sees keys 8 and 9), an announced size that disagrees: the whole mask.
     chunked = dict(batch_size=2, q_length=6, kv_length=6, local_size=2)
     holes = torch.tensor([[1, 1, 0, 1, 1, 1], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
     left = (holes.long().cumsum(-1) == 0).sum(-1)
-    info = hf.mask_hook(**chunked, mask_function=mu.chunked_causal_mask_function(2, left),
-                        attention_mask=holes)
-    with pytest.raises(NotImplementedError, match="chunked attention over a padding mask with "
-                                                  "holes"):
-        hf.attention_function(module, x, kv, kv, info)
-    # A cache that dropped keys of the query's chunk (chunk 4: query 9 sees keys 8 and 9).
+    assert_whole_mask({**chunked, "mask_function": mu.chunked_causal_mask_function(2, left),
+                       "attention_mask": holes}, x, kv, kv, module=module)
     zero = torch.zeros(2, dtype=torch.long)
-    dropped = hf.mask_hook(batch_size=2, q_length=1, kv_length=1, q_offset=9, kv_offset=9,
-                           mask_function=mu.chunked_causal_mask_function(4, zero), local_size=4)
-    with pytest.raises(NotImplementedError, match="no longer holds"):
-        hf.attention_function(module, x[:, :, :1], kv[:, :, :1], kv[:, :, :1], dropped)
-    with pytest.raises(NotImplementedError, match="chunk size 2"):  # announced size disagrees
-        hf.attention_function(module, x, kv, kv, hf.mask_hook(
-            **{**chunked, "local_size": 3},
-            mask_function=mu.chunked_causal_mask_function(2, zero)))
+    assert_whole_mask(dict(batch_size=2, q_length=1, kv_length=1, q_offset=9, kv_offset=9,
+                           mask_function=mu.chunked_causal_mask_function(4, zero),
+                           local_size=4), x[:, :, :1], kv[:, :, :1], kv[:, :, :1],
+                      module=module)
+    assert_whole_mask({**chunked, "local_size": 3,
+                       "mask_function": mu.chunked_causal_mask_function(2, zero)}, x, kv, kv,
+                      module=module)
 
 
 # --------------------------------------------------------------------------------------------
