@@ -727,6 +727,22 @@ def _exp_(x, flush):
 _LSE_ULPS = 8
 
 
+def _exp_rows_(s, sink, flush):
+    """exp(s - m) in place over each row of the masked scores ``s``, m the row's max (the
+    sink's logit included, so that no exp overflows; 0 in rows that see no key). Returns
+    (the scores' own max, m, the row sums with exp(sink - m) in them). The forward and the
+    backward (``_weights_``) both make P with it."""
+    m_s = m = s.amax(-1, keepdim=True)
+    if sink is not None:
+        m = torch.maximum(m, sink)  # NaN stays NaN: torch.maximum propagates it
+    m = _finite_or_zero(m)
+    _exp_(s.sub_(m), flush=flush)
+    total = s.sum(-1, keepdim=True)
+    if sink is not None:
+        total.add_((sink - m).exp_())
+    return m_s, m, total
+
+
 def _weights_(s, lse, sink, flush):
     """The softmax weights P, in place, from the masked scores ``s`` (B, H_kv, rows, keys) of
     rows that see all their keys here, given the forward's ``lse`` (rows, 1; -inf replaced by
@@ -737,14 +753,7 @@ def _weights_(s, lse, sink, flush):
     key blocks: ring attention) exp(s - max) * exp(max - lse). (exp(s - lse) alone has the
     relative error eps * |lse| of lse's fp32 rounding: at scores ~100, 50x that of eager's
     softmax.)"""
-    m = s.amax(-1, keepdim=True)
-    if sink is not None:
-        m = torch.maximum(m, sink)
-    m = _finite_or_zero(m)
-    _exp_(s.sub_(m), flush=flush)
-    total = s.sum(-1, keepdim=True)
-    if sink is not None:
-        total = total + (sink - m).exp()
+    _, m, total = _exp_rows_(s, sink, flush)
     own = (m + total.log() - lse).abs() <= (
         _LSE_ULPS * torch.finfo(torch.float32).eps * lse.abs().clamp(min=1.0))
     scale = torch.where(own, total.reciprocal(), (m - lse).exp())
@@ -778,12 +787,7 @@ def _forward_blocks(pb, o, lse, blocks):
             continue
         q_s = pb.rows(pb.q, i0, i1) * pb.scale
         s = pb.scores(q_s, i0, i1, k0, k1, buf)
-        m_s = m = s.amax(-1, keepdim=True)
-        if sink is not None:
-            m = torch.maximum(m, sink)  # NaN stays NaN: torch.maximum propagates it
-        m = _finite_or_zero(m)
-        _exp_(s.sub_(m), flush=bool(pb.score_mods))
-        total = s.sum(-1, keepdim=True)
+        m_s, m, total = _exp_rows_(s, sink, flush=bool(pb.score_mods))
         if pb.p_fp8:
             # The kernel rounds exp(x - max of the scores seen) * P_SCALE (the sinks join only
             # at the end) to e4m3: the same here, with the row's max of the scores.
@@ -792,8 +796,6 @@ def _forward_blocks(pb, o, lse, blocks):
             s.mul_(c)
             s.copy_(s.to(FP8_DTYPE))
             s.div_(c)
-        if sink is not None:
-            total.add_((sink - m).exp_())
         pb.put_rows(lse, i0, i1, (m + total.log()).squeeze(-1))
         # The weights normalised before P @ V, as eager's softmax is: the block holds every
         # key of its rows (dividing the product instead rounds o differently from eager, by
