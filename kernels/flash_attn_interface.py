@@ -77,7 +77,6 @@ kernels (head_dim > 256, softcap with dropout, batch 0, any paged block size), w
 A row that sees no key has lse -inf here (FlashAttention writes +inf); docs/flash_attn.md
 lists every difference.
 """
-import functools
 import inspect
 import numbers
 
@@ -85,7 +84,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .core.mods import MaskMod
+from .core.mods import MaskMod, aux_ints
 from .ops import attention, attention_varlen, attention_with_kvcache
 
 __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
@@ -240,20 +239,6 @@ LEFTPAD_CHUNK_MASK = MaskMod("flash_attn.leftpad_chunk", _leftpad_chunk_fn,
                              q_range=_leftpad_chunk_queries)
 
 
-def _bounds_tensor(bounds, device):
-    """int32 ``bounds`` ((left, right) or (left, right, chunk)) on ``device``: made once per
-    window in eager mode (no host-to-device copy per call; the kernels only read it), a
-    constant of the graph under torch.compile."""
-    if torch.compiler.is_compiling():
-        return torch.tensor(bounds, dtype=torch.int32, device=device)
-    return _cached_bounds(bounds, device)
-
-
-@functools.lru_cache(maxsize=64)
-def _cached_bounds(bounds, device):
-    return torch.tensor(bounds, dtype=torch.int32, device=device)
-
-
 def _mask_kw(window_size, causal, device, leftpad=None, chunk=0):
     """Our visibility keywords (causal, window, chunk_size, mask_mod, mod_aux) for
     FlashAttention's ``window_size`` and ``causal``, FlashAttention 3's ``attention_chunk``
@@ -279,7 +264,7 @@ def _mask_kw(window_size, causal, device, leftpad=None, chunk=0):
         chunk = 0
     if leftpad is None and left >= _WINDOW_CAP and right >= _WINDOW_CAP and not chunk:
         return kw
-    bounds = _bounds_tensor((left, right, chunk) if chunk else (left, right), device)
+    bounds = aux_ints((left, right, chunk) if chunk else (left, right), device)
     if leftpad is None:
         kw.update(mask_mod=CHUNK_MASK if chunk else WINDOW_MASK, mod_aux=(bounds,))
     else:

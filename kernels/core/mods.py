@@ -87,6 +87,7 @@ Every mod has a unique ``name``: the custom ops (kernels/ops.py) carry mods by n
 ``torch.compile`` sees a string, not a function. Creating a second mod with a name already
 taken by another object is an error.
 """
+import functools
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Optional
 
@@ -177,6 +178,21 @@ class MaskMod:
         if not callable(self.torch_fn):
             raise TypeError(f"MaskMod.torch_fn must be callable, got {self.torch_fn!r}")
         _register(self)
+
+
+def aux_ints(values, device):
+    """A mod's int32 aux tensor holding ``values`` (a tuple of ints: a window's reach, a
+    mask's sizes) on ``device``: made once per values and device in eager calls (no
+    host-to-device copy per call; the kernels only read it), a constant of the graph under
+    torch.compile."""
+    if torch.compiler.is_compiling():
+        return torch.tensor(values, dtype=torch.int32, device=device)
+    return _cached_ints(tuple(values), device)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_ints(values, device):
+    return torch.tensor(values, dtype=torch.int32, device=device)
 
 
 def lookup(name: str, kind):

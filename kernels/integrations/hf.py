@@ -84,7 +84,7 @@ import triton
 import triton.language as tl
 
 from .. import ops
-from ..core.mods import MaskMod
+from ..core.mods import MaskMod, aux_ints
 
 NAME = "triton_fused"
 _HINT = ("use attn_implementation='eager' or 'sdpa' for this model, or call kernels.attention "
@@ -306,8 +306,7 @@ def _pattern(mask_function, mu, *, packed_ok=True):
             packed = _packed_pattern(parts, mu)
             if packed is not None:
                 return packed
-    if mask_function is mu.bidirectional_mask_function or (
-            _same_code(mask_function, mu.and_masks, mu.bidirectional_mask_function)
+    if (_same_code(mask_function, mu.and_masks, mu.bidirectional_mask_function)
             and any(f is mu.bidirectional_mask_function
                     for f in _cells(mask_function).get("mask_functions", ()))):
         return ("a bidirectional mask combined with another mask function "
@@ -830,11 +829,10 @@ def attention_function(module, query, key, value, attention_mask, dropout=0.0, s
             if tuple(info.dense_mask.shape) != (batch, q_len, k_len):
                 raise _not_implemented(f"q {tuple(query.shape)}, k {tuple(key.shape)} with a "
                                        f"mask of shape {tuple(info.dense_mask.shape)}")
-            dims = torch.tensor([q_len, k_len], dtype=torch.int32, device=query.device)
+            aux = (info.dense_mask.to(query.device), aux_ints((q_len, k_len), query.device))
             out = ops.attention(query, key, value, causal=False, dropout_p=dropout_p,
                                 softmax_scale=scaling, softcap=softcap, sinks=sinks,
-                                mask_mod=DENSE_MASK,
-                                mod_aux=(info.dense_mask.to(query.device), dims))
+                                mask_mod=DENSE_MASK, mod_aux=aux)
             return out.transpose(1, 2), None
         if (info.batch_size, info.q_length, info.kv_length) != (batch, q_len, k_len):
             raise _not_implemented(f"q {tuple(query.shape)}, k {tuple(key.shape)} with a mask "
@@ -854,14 +852,13 @@ def attention_function(module, query, key, value, attention_mask, dropout=0.0, s
                                f"pre-built mask; triton_fused reads the padding through its mask "
                                f"hook, registered by kernels.hf.register)")
     _check_flash_kwargs(kwargs, info)
+    # A non-causal layer's window is two-sided: the LOCAL_WINDOW mask mod, not ours.
     options = dict(causal=info.causal, dropout_p=dropout_p, softmax_scale=scaling,
-                   window=info.window, chunk_size=info.chunk_size, softcap=softcap, sinks=sinks)
-    if not info.causal:
-        options["window"] = None
-        if _effective(info.window, info.kv_used) is not None:
-            options.update(mask_mod=LOCAL_WINDOW, mod_aux=(
-                torch.tensor([info.window - 1], dtype=torch.int32, device=query.device),
-                info.shift.to(query.device)))
+                   window=info.window if info.causal else None, chunk_size=info.chunk_size,
+                   softcap=softcap, sinks=sinks)
+    if not info.causal and _effective(info.window, info.kv_used) is not None:
+        options.update(mask_mod=LOCAL_WINDOW, mod_aux=(
+            aux_ints((info.window - 1,), query.device), info.shift.to(query.device)))
 
     if info.dense:
         k, v = key, value
@@ -869,9 +866,8 @@ def attention_function(module, query, key, value, attention_mask, dropout=0.0, s
             k = key[:, :, info.kv_start:info.kv_used]
             v = value[:, :, info.kv_start:info.kv_used]
         if info.key_padding is not None:
-            n = torch.tensor([info.key_padding.shape[1]], dtype=torch.int32,
-                             device=query.device)
-            options.update(mask_mod=KEY_PADDING, mod_aux=(info.key_padding, n))
+            options.update(mask_mod=KEY_PADDING, mod_aux=(
+                info.key_padding, aux_ints((info.key_padding.shape[1],), query.device)))
         out = ops.attention(query, k, v, **options).transpose(1, 2)
         if info.key_padding is not None and info.valid_q is not None:
             out = torch.where(info.valid_q[:, :, None, None], out, out.new_zeros(()))
