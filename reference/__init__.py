@@ -6,14 +6,21 @@
   a value head_dim of its own, sliding window, chunked attention, softcap, ALiBi, PyTorch
   score_mod / mask_mod callables, attention sinks, optional lse), ``attention_varlen``
   (FlashAttention's packed variable-length layout), ``attention_with_kvcache`` (a KV cache, row
-  by row) and ``causal_mask`` (bottom-right, optional window or chunks).
+  by row), ``causal_mask`` (bottom-right, optional window or chunks) and ``flash_attn_mask``
+  (FlashAttention's two-sided windows and FA3's chunks, as a mask_mod).
 * ``dropout``: the kernel's Philox dropout mask, bit for bit (``dropout_keep_mask`` dense,
   ``dropout_keep_mask_varlen`` packed, ``dropout_keep_rows`` selected rows).
 
 Nothing here imports ``kernels``: the reference must not share the code it checks.
 """
 from .dropout import dropout_keep_mask, dropout_keep_mask_varlen, dropout_keep_rows, philox4x32
-from .functional import attention, attention_varlen, attention_with_kvcache, causal_mask
+from .functional import (
+    attention,
+    attention_varlen,
+    attention_with_kvcache,
+    causal_mask,
+    flash_attn_mask,
+)
 from .gpt import (
     GELU,
     GPT_CONFIG_124M,
@@ -48,6 +55,7 @@ __all__ = [
     "attention_varlen",
     "attention_with_kvcache",
     "causal_mask",
+    "flash_attn_mask",
     "dropout_keep_mask",
     "dropout_keep_mask_varlen",
     "dropout_keep_rows",

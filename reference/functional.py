@@ -136,6 +136,31 @@ def causal_mask(q_len, k_len, device=None, window=None, chunk_size=None):
     return visible
 
 
+def flash_attn_mask(causal, window_size, leftpad=0, chunk=0):
+    """FlashAttention's visibility rule as a ``mask_mod`` for ``attention(causal=False, ...)``
+    (positions on the key axis, as the mods see them): the query at position P sees key j iff
+    ``P - left <= j <= P + right`` for ``window_size = (left, right)`` (-1: unbounded;
+    ``causal`` sets right to 0), ``j >= leftpad`` (a left-padded KV cache row) and, with
+    FlashAttention 3's ``attention_chunk`` ``chunk`` > 0, ``C * floor(P / C) <= j <
+    C * floor(P / C) + C``."""
+    left, right = window_size
+    if causal:
+        right = 0
+
+    def visible(b, h, q_idx, kv_idx, aux):
+        vis = kv_idx >= leftpad
+        if left >= 0:
+            vis = vis & (kv_idx >= q_idx - left)
+        if right >= 0:
+            vis = vis & (kv_idx <= q_idx + right)
+        if chunk:
+            first = torch.div(q_idx, chunk, rounding_mode="floor") * chunk
+            vis = vis & (kv_idx >= first) & (kv_idx < first + chunk)
+        return vis
+
+    return visible
+
+
 def _check_heads(heads_q, heads_kv, shapes):
     if heads_kv == 0 or heads_q % heads_kv != 0:
         raise ValueError(

@@ -29,28 +29,7 @@ PAGED = "block_table" in inspect.signature(kernels.attention_with_kvcache).param
 
 
 # ------------------------------------------------------------------------------ the oracle
-def _fa_mask(causal, window_size, leftpad=0, chunk=0):
-    """FlashAttention's visibility as a reference mask_mod (positions on the key axis); keys
-    before ``leftpad`` hidden (a left-padded KV cache row); ``chunk`` > 0: FlashAttention 3's
-    ``attention_chunk``."""
-    left, right = window_size
-    if causal:
-        right = 0
-
-    def visible(b, h, q_idx, kv_idx, aux):
-        vis = kv_idx >= leftpad
-        if left >= 0:
-            vis = vis & (kv_idx >= q_idx - left)
-        if right >= 0:
-            vis = vis & (kv_idx <= q_idx + right)
-        if chunk:
-            first = torch.div(q_idx, chunk, rounding_mode="floor") * chunk
-            vis = vis & (kv_idx >= first) & (kv_idx < first + chunk)
-        return vis
-
-    return visible
-
-
+# FlashAttention's visibility rule: reference.flash_attn_mask.
 def _ours(t):
     """(batch, seq, heads, dim) -> (batch, heads, seq, dim), detached leaf copies for the
     oracle: float64 and the input dtype."""
@@ -70,9 +49,8 @@ def _oracle(q, k, v, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slop
         if s_aux is not None:
             sinks = s_aux.detach().double() if i == 0 else s_aux.detach().clone()
             leaves.append(sinks.requires_grad_())
-        o, lse = reference.attention(*leaves[:3], causal=False, sinks=sinks,
-                                     mask_mod=_fa_mask(causal, window_size, leftpad,
-                                                       attention_chunk),
+        mask = reference.flash_attn_mask(causal, window_size, leftpad, attention_chunk)
+        o, lse = reference.attention(*leaves[:3], causal=False, sinks=sinks, mask_mod=mask,
                                      softcap=softcap or None, alibi_slopes=alibi_slopes,
                                      softmax_scale=softmax_scale, keep_mask=keep,
                                      dropout_p=dropout_p, upcast=i == 0, return_lse=True)
@@ -299,8 +277,8 @@ def _varlen_oracle(q, k, v, cu_q, cu_k, kw, upcast):
     """reference.attention_varlen with FlashAttention's mask: (out, lse), differentiable in
     q, k, v (float64 with ``upcast``, else the input dtype)."""
     kw = dict(kw)
-    mask = _fa_mask(kw.pop("causal", False), kw.pop("window_size", (-1, -1)),
-                    chunk=kw.pop("attention_chunk", 0))
+    mask = reference.flash_attn_mask(kw.pop("causal", False), kw.pop("window_size", (-1, -1)),
+                                     chunk=kw.pop("attention_chunk", 0))
     kw["sinks"] = kw.pop("s_aux", None)
     kw["softcap"] = kw.get("softcap") or None
     return reference.attention_varlen(q, k, v, cu_q, cu_k, causal=False, mask_mod=mask,

@@ -8,8 +8,9 @@ sequences, with theirs), ``kvcache`` (decoding with an append and split-KV), ``p
 same over a paged cache), ``paged_varlen`` (packed queries over pages) and ``fa``
 (``flash_attn_interface.flash_attn_func`` with its backward: two-sided ``window_size``,
 FlashAttention 3's ``attention_chunk`` with or without causal, ``s_aux`` sinks; its oracle's
-mask written from FA3's rule). Drawn with them: dtype, batch, grouped-query heads, lengths
-1-80 and now and then up to 300 (q_len > k_len included, empty packed sequences), head dims
+mask is ``reference.flash_attn_mask``, FA3's rule). Drawn with them: dtype, batch,
+grouped-query heads, lengths 1-80 and now and then up to 300 (q_len > k_len included, empty
+packed sequences), head dims
 1-80 and now and then 128 or 256 (a value head dim of its own), causal / window / chunk /
 neither, softcap, ALiBi (per head or per batch entry), sinks (with their gradient), a user
 score mod (a bias table) and mask mod (per-row prefix or per-head stripes), dropout, a custom
@@ -627,28 +628,6 @@ def run_paged_varlen(c, gen):
     return max(worst, check_lse(lse, rl, ll, q, k, _scale(c)))
 
 
-def _fa_visible(causal, window_size, chunk):
-    """FlashAttention's rule as the oracle's mask_mod: query i is at position P = i + k_len -
-    q_len and sees key j iff P - left <= j <= P + right (-1 = unbounded; causal: right = 0)
-    and, with attention_chunk C > 0, C * floor(P / C) <= j < C * floor(P / C) + C."""
-    left, right = window_size
-    if causal:
-        right = 0
-
-    def mask(b, h, q_idx, kv_idx, aux):
-        pos = q_idx             # the oracle's q_idx is already the position i + k_len - q_len
-        ok = torch.ones_like(pos - kv_idx, dtype=torch.bool)
-        if left >= 0:
-            ok = ok & (kv_idx >= pos - left)
-        if right >= 0:
-            ok = ok & (kv_idx <= pos + right)
-        if chunk:
-            start = torch.div(pos, chunk, rounding_mode="floor") * chunk
-            ok = ok & (kv_idx >= start) & (kv_idx < start + chunk)
-        return ok
-    return mask
-
-
 def run_fa(c, gen):
     dtype = DTYPES[c["dtype"]]
     b, hkv, hq = c["batch"], c["heads_kv"], c["heads_kv"] * c["group"]
@@ -670,7 +649,8 @@ def run_fa(c, gen):
                                      attention_chunk=c["attention_chunk"], s_aux=sinks,
                                      return_attn_probs=True)
     opts = dict(causal=False, softmax_scale=c["scale"], dropout_p=0.0,
-                mask_mod=_fa_visible(c["causal"], c["window_size"], c["attention_chunk"]),
+                mask_mod=reference.flash_attn_mask(c["causal"], c["window_size"],
+                                                   chunk=c["attention_chunk"]),
                 **mods)
 
     def bhsd(t):
