@@ -523,6 +523,17 @@ def run_varlen(c, gen):
     return _check_all(c, gen, (out, ro, lo), (lse, rl, ll), q, k, leaves, ref_fn, oracle)
 
 
+def _to_pages_like(cache, table, page_size):
+    """A (b, h, max_len, d) cache's pages in ``table``'s order: (b * max_blocks, page_size, h,
+    d), the last page of each row zero-padded."""
+    b, h, n, d = cache.shape
+    blocks = table.shape[1]
+    padded = torch.zeros(b, h, blocks * page_size, d, dtype=cache.dtype)
+    padded[:, :, :n] = cache
+    return padded.view(b, h, blocks, page_size, d).permute(0, 2, 3, 1, 4).reshape(
+        b * blocks, page_size, h, d)
+
+
 def _to_pages(cache, page_size, gen):
     """A (b, h, max_len, d) cache as a pool of pages (num_blocks, page_size, h, d) in shuffled
     order, two spare pages of noise, and its block table (b, max_blocks)."""
@@ -531,10 +542,7 @@ def _to_pages(cache, page_size, gen):
     num = b * blocks + 2
     perm = torch.randperm(num, generator=gen)[:b * blocks].view(b, blocks)
     pages = torch.randn(num, page_size, h, d, generator=gen).to(cache.dtype)
-    padded = torch.zeros(b, h, blocks * page_size, d, dtype=cache.dtype)
-    padded[:, :, :n] = cache
-    pages[perm.flatten()] = padded.view(b, h, blocks, page_size, d).permute(
-        0, 2, 3, 1, 4).reshape(b * blocks, page_size, h, d)
+    pages[perm.flatten()] = _to_pages_like(cache, perm, page_size)
     return pages, perm.to(torch.int32)
 
 
@@ -559,7 +567,8 @@ def run_kvcache(c, gen):
     mods = _mods(c, gen, b)
     opts = dict(causal=c["causal"], window=c["window"], chunk_size=c["chunk"],
                 softmax_scale=c["scale"], **mods)
-    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    # The oracle's caches, before the call writes into ours: float64 and the input dtype.
+    ref_k, ref_v = k_cache.double(), v_cache.double()
     low_k, low_v = k_cache.clone(), v_cache.clone()
     if c["route"] == "paged":
         kc, table = _to_pages(k_cache, c["page_size"], gen)
@@ -576,7 +585,7 @@ def run_kvcache(c, gen):
                                                   **opts)
         got_k, got_v = k_cache, v_cache
     ro, rl = reference.attention_with_kvcache(
-        q.double(), ref_k.double(), ref_v.double(), c["seqlens"],
+        q.double(), ref_k, ref_v, c["seqlens"],
         None if new_k is None else new_k.double(), None if new_v is None else new_v.double(),
         upcast=True, return_lse=True, **_twins(opts))
     lo, ll = reference.attention_with_kvcache(q, low_k, low_v, c["seqlens"], new_k, new_v,
@@ -585,16 +594,6 @@ def run_kvcache(c, gen):
         raise Mismatch("cache: the appended cache differs from the oracle's")
     worst = check("out", out, ro, lo)
     return max(worst, check_lse(lse, rl, ll, q, low_k, _scale(c)))
-
-
-def _to_pages_like(cache, table, page_size):
-    """cache's pages in ``table``'s order (for a second cache sharing the first's table)."""
-    b, h, n, d = cache.shape
-    blocks = table.shape[1]
-    padded = torch.zeros(b, h, blocks * page_size, d, dtype=cache.dtype)
-    padded[:, :, :n] = cache
-    return padded.view(b, h, blocks, page_size, d).permute(0, 2, 3, 1, 4).reshape(
-        b * blocks, page_size, h, d)
 
 
 def run_paged_varlen(c, gen):
