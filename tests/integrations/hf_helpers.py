@@ -1,5 +1,6 @@
-"""Shared pieces of the transformers tests (test_hf.py, test_hf_new_models.py): the float64
-attention the oracles compute, the (ours, eager, oracle) model triple, padded batches."""
+"""Shared pieces of the transformers tests (test_hf*.py): the float64 attention the oracles
+compute (and the plain oracle implementation, ``F64_ORACLE``), the (ours, eager, oracle)
+model triple, padded batches."""
 import contextlib
 import copy
 
@@ -40,6 +41,33 @@ def model_route(route, monkeypatch):
     # (On a GPU a cached plan keeps its decision: the kernel route may make none.)
     assert all(d == fallback for d in decided), f"route {route.name}: decisions {decided}"
     assert decided or not fallback, "no attention call was made on the fallback route"
+
+
+# The float64 oracle as an attention implementation: exact float64 math over transformers' own
+# boolean mask (``sdpa_mask``, never skipped), registered by ``register_f64_oracle``.
+F64_ORACLE = "f64_oracle_for_tests"
+
+
+def _f64_oracle_mask(*args, **kwargs):
+    from transformers import masking_utils as mu
+    kwargs["allow_is_causal_skip"] = False
+    return mu.sdpa_mask(*args, **kwargs)
+
+
+def _f64_oracle_attention(module, query, key, value, attention_mask, dropout=0.0,
+                          scaling=None, **kwargs):
+    assert dropout == 0.0
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    return masked_attention(query, key, value, attention_mask, scaling).to(query.dtype), None
+
+
+def register_f64_oracle():
+    """Register kernels.hf and ``F64_ORACLE`` with transformers (idempotent)."""
+    import transformers
+    from transformers import masking_utils as mu
+    hf.register()
+    transformers.AttentionInterface.register(F64_ORACLE, _f64_oracle_attention)
+    mu.AttentionMaskInterface.register(F64_ORACLE, _f64_oracle_mask)
 
 
 def masked_attention(q, k, v, mask, scaling, *, softcap=None, sinks=None, dtype=torch.float64):

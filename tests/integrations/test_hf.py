@@ -14,8 +14,9 @@ import sys
 import pytest
 import torch
 from helpers import assert_parity
-from hf_helpers import (VOCAB, assert_training_grads_match, assert_whole_mask,
-                        masked_attention, models, padded_batch, skip_module_unless_registered)
+from hf_helpers import (F64_ORACLE, VOCAB, assert_training_grads_match, assert_whole_mask,
+                        masked_attention, models, padded_batch, register_f64_oracle,
+                        skip_module_unless_registered)
 from hf_helpers import model_route  # noqa: F401 (the fixture the tests below use)
 
 transformers = pytest.importorskip(
@@ -26,30 +27,12 @@ from kernels import hf  # noqa: E402
 
 skip_module_unless_registered()
 
-ORACLE = "f64_oracle_for_tests"
-
-
-# --------------------------------------------------------------------------------------------
-# The float64 oracle: exact attention over transformers' own boolean mask
-# --------------------------------------------------------------------------------------------
-def _oracle_mask(*args, **kwargs):
-    kwargs["allow_is_causal_skip"] = False
-    return mu.sdpa_mask(*args, **kwargs)
-
-
-def _oracle_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                      **kwargs):
-    assert dropout == 0.0
-    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    out = masked_attention(query, key, value, attention_mask, scaling)
-    return out.to(query.dtype), None
+ORACLE = F64_ORACLE
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _registered():
-    hf.register()
-    transformers.AttentionInterface.register(ORACLE, _oracle_attention)
-    mu.AttentionMaskInterface.register(ORACLE, _oracle_mask)
+    register_f64_oracle()
 
 
 # --------------------------------------------------------------------------------------------

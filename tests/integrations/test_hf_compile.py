@@ -9,7 +9,7 @@ in the interpreter, or the fallback)."""
 import pytest
 import torch
 from helpers import assert_parity
-from hf_helpers import VOCAB, padded_batch, skip_module_unless_registered
+from hf_helpers import padded_batch, register_f64_oracle, skip_module_unless_registered
 from hf_helpers import model_route  # noqa: F401 (the fixture the tests below use)
 
 transformers = pytest.importorskip(
@@ -26,8 +26,8 @@ skip_module_unless_registered()
 
 @pytest.fixture(scope="module", autouse=True)
 def _registered():
-    for module in (test_hf, test_hf_encoders, test_hf_new_models):
-        module._registered.__wrapped__()
+    register_f64_oracle()
+    test_hf_new_models.register_oracle()
 
 
 def _models(kind):

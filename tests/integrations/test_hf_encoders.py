@@ -7,7 +7,7 @@ the 2-D padding mask keeps (the mask marks keys only, so padded query rows are c
 Our mask hook turns that into one dense ``causal=False`` call, or packed keys
 (``kernels.attention_varlen``) where rows are padded, holes included. The oracle is a float64
 copy of each model whose attention is exact float64 math over transformers' own boolean mask
-(``masking_utils.sdpa_mask``); transformers' fp32 ``eager`` is the PyTorch baseline of the
+(``hf_helpers.F64_ORACLE``); transformers' fp32 ``eager`` is the PyTorch baseline of the
 parity rule. Tiny random configs, nothing downloaded."""
 import copy
 import os
@@ -18,8 +18,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from helpers import assert_parity
-from hf_helpers import (VOCAB, assert_param_grads_match, assert_whole_mask, masked_attention,
-                        padded_batch, skip_module_unless_registered)
+from hf_helpers import (F64_ORACLE, VOCAB, assert_param_grads_match, assert_whole_mask,
+                        masked_attention, padded_batch, register_f64_oracle,
+                        skip_module_unless_registered)
 from hf_helpers import model_route  # noqa: F401 (the fixture the tests below use)
 
 transformers = pytest.importorskip(
@@ -31,21 +32,12 @@ from kernels import hf  # noqa: E402
 
 skip_module_unless_registered()
 
-ORACLE = "f64_oracle_for_encoder_tests"
-
-
-def _oracle_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                      **kwargs):
-    assert dropout == 0.0
-    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    return masked_attention(query, key, value, attention_mask, scaling).to(query.dtype), None
+ORACLE = F64_ORACLE
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _registered():
-    hf.register()
-    transformers.AttentionInterface.register(ORACLE, _oracle_attention)
-    mu.AttentionMaskInterface.register(ORACLE, mu.sdpa_mask)
+    register_f64_oracle()
 
 
 class _Layer(torch.nn.Module):

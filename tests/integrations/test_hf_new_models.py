@@ -72,11 +72,16 @@ def _oracle_without(feature):
         _IGNORED.discard(feature)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _registered():
+def register_oracle():
+    """Register kernels.hf and this file's oracle with transformers (idempotent)."""
     hf.register()
     transformers.AttentionInterface.register(ORACLE, _oracle_attention)
     mu.AttentionMaskInterface.register(ORACLE, _oracle_mask)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _registered():
+    register_oracle()
 
 
 # --------------------------------------------------------------------------------------------
