@@ -86,18 +86,13 @@ def _caller_stacklevel():
     return level
 
 
-def _use_fallback(t, fp8=False):
+def _use_fallback(t):
     """Whether a call on ``t``'s device takes the PyTorch fallback: CPU tensors without
     Triton's interpreter, and CUDA tensors on GPUs the Triton kernels do not serve (before
-    sm_80: ``configs.unsupported_gpu_reason``; with ``fp8``, an FP8 call, GPUs without FP8
-    tensor cores: ``configs.fp8_unsupported_reason``); warned once, at the caller's line."""
+    sm_80: ``configs.unsupported_gpu_reason``); warned once, at the caller's line. One tensor
+    in, a bool out: the backend decision tools patch (tools/host_overhead.py)."""
     global _warned_fallback, _warned_gpu
     device = t.device
-    if fp8 and device.type == "cuda" and unsupported_gpu_reason(device) is None:
-        if fp8_unsupported_reason(device) is None:
-            return False
-        _fp8_notice()
-        return True
     if device.type == "cuda":
         reason = unsupported_gpu_reason(device)   # from configs' per-device cache
         if reason is not None and not _warned_gpu:
@@ -110,8 +105,6 @@ def _use_fallback(t, fp8=False):
     if device.type == "cpu":
         check_interpreter_setting()
     if device.type == "cpu" and not interpreter_active():
-        if fp8:
-            _fp8_notice()
         if not _warned_fallback:
             warnings.warn("kernels: note: CPU tensors run the PyTorch fallback, which computes "
                           "the same attention (same results, same dropout mask); the fused "
@@ -121,6 +114,19 @@ def _use_fallback(t, fp8=False):
             _warned_fallback = True
         return True
     return False
+
+
+def _route_fallback(t, fp8):
+    """``_use_fallback(t)``, and for an FP8 call (``fp8``) also GPUs the kernels serve but
+    without FP8 tensor cores (``configs.fp8_unsupported_reason``); an FP8 call on the fallback
+    is said once (``_fp8_notice``)."""
+    if not fp8:
+        return _use_fallback(t)
+    fallback = _use_fallback(t) or (t.device.type == "cuda"
+                                    and fp8_unsupported_reason(t.device) is not None)
+    if fallback:
+        _fp8_notice()
+    return fallback
 
 
 def unit_last(t):
@@ -171,7 +177,7 @@ class AttentionPlan:
             return True
         route = self.cuda_route
         if route is None or not q.is_cuda:
-            route = _use_fallback(q, self.fp8)
+            route = _route_fallback(q, self.fp8)
             if q.is_cuda:
                 self.cuda_route = route
         return route
@@ -276,7 +282,7 @@ class KVCacheRunner:
         if q.shape[1] == 0:  # no query heads (and so no kv heads: no cache entry to append)
             return (new_out(q, v_cache.shape[-1], call.out_dtype),
                     q.new_empty(tuple(q.shape[:3]), dtype=torch.float32))
-        if not (self.unfit or _use_fallback(q, self.fp8)):
+        if not (self.unfit or _route_fallback(q, self.fp8)):
             q = unit_last(q)
             k = None if k is None else unit_last(k)
             v = None if v is None else unit_last(v)
@@ -313,7 +319,7 @@ class PagedVarlenRunner:
         if q.shape[1] == 0:
             return (new_out(q, v_cache.shape[-1], call.out_dtype),
                     q.new_empty(lse_shape(q, True), dtype=torch.float32))
-        if not (self.unfit or _use_fallback(q, self.fp8)):
+        if not (self.unfit or _route_fallback(q, self.fp8)):
             q = unit_last(q)
             try:
                 if self.plan is None:
