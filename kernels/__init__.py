@@ -18,6 +18,7 @@ from .ops import attention, attention_varlen, attention_with_kvcache
 from .pipeline import PlanCache, plans
 from .core.backend import FallbackNotice
 from .core.mods import ALIBI, SOFTCAP, MaskMod, ScoreMod
+from .core.tensor_mask import TensorMask
 from . import book, distributed, fuse, hf, modules, sdpa
 from .integrations.fuse import fuse_attention
 from .integrations.modules import (
@@ -28,7 +29,7 @@ from .integrations.modules import (
 from . import flash_attn_interface  # FlashAttention 2's API on the functions above
 
 __all__ = ["attention", "attention_varlen", "attention_with_kvcache", "plans", "PlanCache",
-           "FallbackNotice", "ScoreMod", "MaskMod", "SOFTCAP", "ALIBI", "FusedCausalAttention",
+           "FallbackNotice", "ScoreMod", "MaskMod", "SOFTCAP", "ALIBI", "TensorMask", "FusedCausalAttention",
            "FusedMultiHeadAttentionWrapper",
            "FusedMultiHeadAttention", "fuse_attention", "book", "distributed", "fuse", "hf",
            "modules", "sdpa", "flash_attn_interface"]

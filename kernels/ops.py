@@ -8,7 +8,8 @@ signature) → its cached plan → run it. The plan cache is ``kernels.plans``
 from .core import fallback
 from .core.call import default_softmax_scale  # noqa: F401  (re-exported for integrations)
 from .core.backend import _use_fallback  # noqa: F401  (the backend decision; tools patch it)
-from .pipeline import (SEED_LIMIT, attention_plan, check_arguments, check_grad_shapes,  # noqa: F401
+from .pipeline import (SEED_LIMIT, attention_plan, check_arguments, check_attn_mask,  # noqa: F401
+                       check_grad_shapes,
                        integration_backward, integration_forward, integration_plan,
                        public_descales, kvcache_descales, kvcache_runner, paged_varlen, plans,
                        run_attention, run_kvcache, _packed)
@@ -17,7 +18,7 @@ from .pipeline import (SEED_LIMIT, attention_plan, check_arguments, check_grad_s
 def attention(q, k, v, *, causal=True, dropout_p=0.0, softmax_scale=None, seed=None,
               window=None, num_splits=0, return_lse=False, softcap=None, sinks=None,
               chunk_size=None, alibi_slopes=None, score_mod=None, mask_mod=None, mod_aux=(),
-              q_descale=None, k_descale=None, v_descale=None, out_dtype=None):
+              q_descale=None, k_descale=None, v_descale=None, out_dtype=None, attn_mask=None):
     """Fused scaled-dot-product attention: softmax(mask(q kᵀ · scale)) → dropout → @ v.
 
     Never materialises the (q_len × k_len) matrix; differentiable (FlashAttention-2-style
@@ -124,6 +125,8 @@ def attention(q, k, v, *, causal=True, dropout_p=0.0, softmax_scale=None, seed=N
         path, as in ``reference.attention`` (tests/core/test_layouts_property.py).
     """
     descale = public_descales(q_descale, k_descale, v_descale)
+    if attn_mask is not None:
+        mask_mod, mod_aux = check_attn_mask(attn_mask, q, k, mask_mod, mod_aux)
     plan, mods = attention_plan(q, k, v, (causal, dropout_p, softmax_scale, window, num_splits,
                                           softcap, chunk_size, score_mod, mask_mod, None),
                                 sinks, alibi_slopes, mod_aux, descale=descale,

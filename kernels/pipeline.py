@@ -29,8 +29,8 @@ from .core.backend import AttentionPlan, KVCacheRunner, PagedVarlenRunner
 from .core.call import (AttentionCall, call_spec, default_softmax_scale, lse_shape, new_like,
                         new_out, parse_spec, with_tensors, without_tensors)
 from .core.mods import Descale, aux_grad_buffers, aux_grad_mask, sinks_grad
-from .validation import (FP8_DTYPE, SEED_LIMIT, check_cache_lengths, check_cu_seqlens,
-                         check_drop_layout, check_fp8, check_kvcache, check_mods,
+from .validation import (FP8_DTYPE, SEED_LIMIT, check_attn_mask, check_cache_lengths,
+                         check_cu_seqlens, check_drop_layout, check_fp8, check_kvcache, check_mods,
                          check_num_splits, check_paged_varlen, check_seed, expand_scale,
                          validate_attention)
 

@@ -12,6 +12,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .core.call import FP8_DTYPE   # FP8 attention (forward only) takes OCP e4m3 alone
 from .core.common import MAX_HEAD_DIM
 from .core.mods import CallMods, MaskMod, ScoreMod
+from .core.tensor_mask import TENSOR_MASK, TensorMask
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _OTHER_FP8 = tuple(getattr(torch, n) for n in ("float8_e5m2", "float8_e4m3fnuz",
@@ -297,6 +298,26 @@ def check_mods(q, causal, window, softcap, sinks, chunk_size, alibi_slopes, scor
     mods = CallMods(softcap=softcap, alibi_slopes=alibi_slopes, score_mod=score_mod,
                     mask_mod=mask_mod, sinks=sinks, aux=tuple(mod_aux))
     return mods, chunk_size
+
+
+def check_attn_mask(attn_mask, q, k, mask_mod, mod_aux):
+    """``attention``'s ``attn_mask`` (a bool tensor or a ``TensorMask``) as the call's mask mod
+    and its aux: (TENSOR_MASK, aux). It takes the mask mod's place, so it is not combined with
+    one (nor with ``mod_aux``, whose indices a score mod reads)."""
+    if mask_mod is not None or mod_aux:
+        raise ValueError("attn_mask cannot be combined with mask_mod or mod_aux (it is read "
+                         "through a mask mod of its own): fold the mask into your mask_mod")
+    mask = attn_mask if isinstance(attn_mask, TensorMask) else TensorMask(attn_mask)
+    if not (isinstance(q, torch.Tensor) and q.dim() == 4 and isinstance(k, torch.Tensor)
+            and k.dim() == 4):
+        return TENSOR_MASK, ()       # validate_attention says what is wrong with q / k
+    if mask.device != q.device:
+        raise ValueError(f"attn_mask must be on q's device {q.device}, got {mask.device}")
+    target = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    if any(m not in (1, t) for m, t in zip(mask.shape, target)):
+        raise ValueError(f"attn_mask of shape {tuple(mask.mask.shape)} does not broadcast to "
+                         f"(batch, heads_q, q_len, k_len) = {target}")
+    return TENSOR_MASK, mask.aux(*target)
 
 
 def check_num_splits(num_splits):

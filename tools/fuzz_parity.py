@@ -13,8 +13,9 @@ grouped-query heads, lengths 1-80 and now and then up to 300 (q_len > k_len incl
 packed sequences), head dims
 1-80 and now and then 128 or 256 (a value head dim of its own), causal / window / chunk /
 neither, softcap, ALiBi (per head or per batch entry), sinks (with their gradient), a user
-score mod (a bias table) and mask mod (per-row prefix or per-head stripes), dropout, a custom
-softmax scale, transposed views. Case ``i`` of seed ``S`` is drawn from
+score mod (a bias table) and mask mod (per-row prefix or per-head stripes), on dense calls
+without a mod SDPA's boolean ``attn_mask`` (every broadcast shape, a transposed one; drawn
+from a stream of its own), dropout, a custom softmax scale, transposed views. Case ``i`` of seed ``S`` is drawn from
 ``random.Random(f"{S}:{i}")`` alone, so ``--seed S --only i`` replays it.
 
 What is checked: out (and lse where there is one, its -inf rows exactly) within the parity
@@ -104,6 +105,11 @@ def draw_case(seed, index, routes=ROUTES):
     c["sinks"] = rng.random() < 0.25
     c["mod"] = None if route == "fa" else rng.choice([None, None, None, None, "bias", "mask",
                                                       "both"])
+    # SDPA's boolean attn_mask (dense calls without a mod of their own), drawn from a stream
+    # of its own so that the other draws of every case stay what they were.
+    extra = random.Random(f"{seed}:{index}:attn_mask")
+    if route == "dense" and c["mod"] is None and extra.random() < 0.3:
+        c["attn_mask"] = extra.choice(ATTN_MASK_SHAPES)
     c["scale"] = None if rng.random() < 0.7 else round(rng.uniform(0.05, 1.5), 3)
     c["transposed"] = rng.random() < 0.4
     c["dropout"] = 0.0
@@ -190,8 +196,34 @@ PREFIX_OR_STRIPES = kernels.MaskMod("fuzz_parity.prefix_or_stripes", _prefix_or_
 
 
 def _twins(opts):
-    """The oracle's options: the mods' PyTorch twins in place of the mods."""
-    return {k: getattr(v, "torch_fn", v) for k, v in opts.items()}
+    """The oracle's options: the mods' PyTorch twins in place of the mods, an attn_mask as
+    the oracle's mask mod."""
+    twins = {k: getattr(v, "torch_fn", v) for k, v in opts.items() if k != "attn_mask"}
+    if opts.get("attn_mask") is not None:
+        mask = opts["attn_mask"]
+        twins["mask_mod"] = lambda b, h, q_idx, kv_idx, aux: mask
+    return twins
+
+
+# attn_mask's shapes, as (batch, heads_q, q_len, k_len) factors kept (1: broadcast; a name
+# with fewer letters: fewer dims, SDPA's right-aligned broadcasting).
+ATTN_MASK_SHAPES = ("bhqk", "b1qk", "b11k", "qk", "hqk", "b1qk_transposed")
+
+
+def _attn_mask(c, gen, hq):
+    """A random bool mask (random spans per row, holes, some empty rows) of the case's
+    attn_mask shape."""
+    kind = c["attn_mask"]
+    sizes = dict(b=c["batch"], h=hq, q=c["q_len"], k=c["k_len"])
+    shape = [sizes.get(x, 1) for x in kind.split("_")[0]]
+    k_len = c["k_len"]
+    lo = torch.randint(0, k_len + 1, (*shape[:-1], 1), generator=gen)
+    hi = lo + torch.randint(0, k_len + 1, (*shape[:-1], 1), generator=gen)
+    cols = torch.arange(k_len)
+    mask = (cols >= lo) & (cols < hi) & (torch.rand(shape, generator=gen) < 0.8)
+    if kind.endswith("_transposed"):
+        mask = mask.transpose(-1, -2).contiguous().transpose(-1, -2)
+    return mask
 
 
 def _mods(c, gen, num):
@@ -205,6 +237,8 @@ def _mods(c, gen, num):
         slopes = torch.rand(num, hq, generator=gen)
     sinks = _randn(gen, hq, dtype=torch.float32) if c["sinks"] else None
     mods = dict(softcap=c["softcap"], alibi_slopes=slopes, sinks=sinks)
+    if c.get("attn_mask"):
+        mods["attn_mask"] = _attn_mask(c, gen, hq)
     mod = c.get("mod")
     if mod:
         mods["score_mod"] = REL_BIAS if mod in ("bias", "both") else None

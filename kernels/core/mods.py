@@ -180,19 +180,19 @@ class MaskMod:
         _register(self)
 
 
-def aux_ints(values, device):
-    """A mod's int32 aux tensor holding ``values`` (a tuple of ints: a window's reach, a
-    mask's sizes) on ``device``: made once per values and device in eager calls (no
-    host-to-device copy per call; the kernels only read it), a constant of the graph under
-    torch.compile."""
+def aux_ints(values, device, dtype=torch.int32):
+    """A mod's int aux tensor (int32, or ``dtype``) holding ``values`` (a tuple of ints: a
+    window's reach, a mask's sizes) on ``device``: made once per values and device in eager
+    calls (no host-to-device copy per call; the kernels only read it), a constant of the graph
+    under torch.compile."""
     if torch.compiler.is_compiling():
-        return torch.tensor(values, dtype=torch.int32, device=device)
-    return _cached_ints(tuple(values), device)
+        return torch.tensor(values, dtype=dtype, device=device)
+    return _cached_ints(tuple(values), device, dtype)
 
 
 @functools.lru_cache(maxsize=64)
-def _cached_ints(values, device):
-    return torch.tensor(values, dtype=torch.int32, device=device)
+def _cached_ints(values, device, dtype):
+    return torch.tensor(values, dtype=dtype, device=device)
 
 
 def lookup(name: str, kind):

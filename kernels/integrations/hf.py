@@ -60,8 +60,8 @@ Supported exactly (the same attention as ``attn_implementation="eager"``):
 Any other pattern transformers' masking builds over a 2-D padding mask (extra mask functions:
 image tokens, block-wise attention; windows or chunks over padding with holes; a chunked layer
 whose cache dropped keys of the queries' chunk; cache layouts the fast paths do not know) goes
-through transformers' whole boolean mask, read by the kernels: exact, at sdpa's cost, and
-said once per kind in a ``UserWarning``. What raises ``NotImplementedError`` naming it, never
+through transformers' whole boolean mask, read by the kernels (each query tile visiting
+the key tiles from its first visible key to its last): exact, and said once per kind in a ``UserWarning``. What raises ``NotImplementedError`` naming it, never
 a silently different answer: a layer whose ``is_causal`` or ``sliding_window`` disagrees with
 its mask, a custom 4-D mask or any mask transformers' masking utilities did not build through
 our hook, sinks that are not one logit per query head, position biases, paged caches. A
@@ -85,6 +85,7 @@ import triton.language as tl
 
 from .. import ops
 from ..core.mods import MaskMod, aux_ints
+from ..core.tensor_mask import TensorMask
 
 NAME = "triton_fused"
 _HINT = ("use attn_implementation='eager' or 'sdpa' for this model, or call kernels.attention "
@@ -170,7 +171,7 @@ class MaskInfo:
         self.cu_sequences = None
         self.shift = None   # bidirectional windows: int32 (batch,), see _local_shift
         self.key_padding = None   # under torch.compile: see _traced_padding
-        self.dense_mask = None    # transformers' whole mask: see _whole_mask
+        self.dense_mask = None    # transformers' whole mask, a kernels.TensorMask: _whole_mask
 
     def contiguous(self):
         return self
@@ -197,8 +198,8 @@ class MaskInfo:
                        kv_offset=self.kv_offset, window=self.window,
                        chunk_size=self.chunk_size, causal=self.causal)
         out.dense, out.kv_start, out.kv_used = self.dense, self.kv_start, self.kv_used
-        if self.dense_mask is not None:
-            out.dense_mask = self.dense_mask[:, drop:]
+        if self.dense_mask is not None:   # the rows read in place, with bounds of their own
+            out.dense_mask = TensorMask(self.dense_mask.mask[:, :, drop:])
         if self.key_padding is not None:
             out.key_padding = self.key_padding
             out.valid_q = None if self.valid_q is None else self.valid_q[:, drop:]
@@ -400,8 +401,9 @@ def mask_hook(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fun
         if reason not in _WHOLE_MASK_SAID:
             _WHOLE_MASK_SAID.add(reason)
             warnings.warn(f"attn_implementation='triton_fused' computes {reason} through "
-                          f"transformers' whole boolean mask: exact, at sdpa's cost (an int8 "
-                          f"(batch, q_len, k_len) mask, every tile visited). Said once.",
+                          f"transformers' whole boolean mask: exact, the mask at sdpa's cost (int8 "
+                          f"(batch, q_len, k_len)), each query tile visiting the key tiles "
+                          f"from its first visible key to its last. Said once.",
                           UserWarning, stacklevel=3)
         return _whole_mask(**whole)
     return info
@@ -486,12 +488,14 @@ def _layout_of(mu, batch_size, q_length, kv_length, q_offset, kv_offset, mask_fu
 def _whole_mask(mu, batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
                 attention_mask, local_size, device):
     """transformers' own boolean mask (``sdpa_mask``, traced as sdpa's is), read by the
-    kernels through ``DENSE_MASK`` in one dense call over every key: for a pattern the fast
-    layouts do not compute, and under torch.compile for one whose reading (a window, chunks,
+    kernels as a ``TensorMask`` (``attention(attn_mask=)``) in one dense call: for a pattern
+    the fast layouts do not compute, and under torch.compile for one whose reading (a window, chunks,
     packed sequences, extra mask functions: closures Dynamo does not trace) or a query offset
     held in a tensor (static caches) would break the graph. Exact for any pattern
-    transformers builds (query rows at padding are computed as eager computes them); int8
-    (batch, q_length, kv_length) and every tile visited, as sdpa's mask costs."""
+    transformers builds (query rows at padding are computed as eager computes them). Costs an
+    int8 (batch, q_length, kv_length) mask, as sdpa's, and the key tiles each query tile's
+    rows see from the first visible key to the last (the mask's tile bounds, computed once
+    per mask; gaps in between are visited and masked)."""
     mask = mu.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
                         q_offset=q_offset, kv_offset=kv_offset, mask_function=mask_function,
                         attention_mask=attention_mask, local_size=local_size,
@@ -500,8 +504,7 @@ def _whole_mask(mu, batch_size, q_length, kv_length, q_offset, kv_offset, mask_f
     info = MaskInfo(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
                     q_offset=None, kv_offset=int(kv_offset), causal=None)
     info.kv_used = kv_length
-    info.dense_mask = mask.expand(batch_size, 1, q_length, kv_length)[:, 0].to(
-        torch.int8).contiguous()
+    info.dense_mask = TensorMask(mask.expand(batch_size, 1, q_length, kv_length))
     return info
 
 
@@ -742,26 +745,6 @@ def _key_padding_torch(b, h, q_idx, kv_idx, aux):
 KEY_PADDING = MaskMod("hf.key_padding", _key_padding_fn, _key_padding_torch)
 
 
-# transformers' whole boolean mask read by the kernels (``_whole_mask``): query row i of
-# batch entry b sees key kv_idx iff aux[0][b, i, kv_idx] != 0, aux[0] int8 (batch, q, k)
-# contiguous, (q, k) = aux[1]; the kernels' q_idx is i + k - q. Indices clamped as above.
-@triton.jit
-def _dense_mask_fn(b, h, q_idx, kv_idx, aux):
-    q_len = tl.load(aux[1])
-    k_len = tl.load(aux[1] + 1)
-    row = tl.minimum(tl.maximum(q_idx - (k_len - q_len), 0), q_len - 1)
-    col = tl.minimum(tl.maximum(kv_idx, 0), k_len - 1)
-    return tl.load(aux[0] + (b.to(tl.int64) * q_len + row) * k_len + col) != 0
-
-
-def _dense_mask_torch(b, h, q_idx, kv_idx, aux):
-    q_len, k_len = aux[0].shape[1:]
-    return aux[0][b, q_idx - (k_len - q_len), kv_idx] != 0
-
-
-DENSE_MASK = MaskMod("hf.dense_mask", _dense_mask_fn, _dense_mask_torch)
-
-
 def _not_implemented(what):
     """The NotImplementedError for a feature the model asked for that we do not compute (it
     names the feature and points to the implementations that do)."""
@@ -826,13 +809,14 @@ def attention_function(module, query, key, value, attention_mask, dropout=0.0, s
         if info.unsupported:
             raise _not_implemented(info.unsupported)
         if info.dense_mask is not None:   # the whole mask decides (``_whole_mask``)
-            if tuple(info.dense_mask.shape) != (batch, q_len, k_len):
+            if info.dense_mask.shape != (batch, 1, q_len, k_len):
                 raise _not_implemented(f"q {tuple(query.shape)}, k {tuple(key.shape)} with a "
-                                       f"mask of shape {tuple(info.dense_mask.shape)}")
-            aux = (info.dense_mask.to(query.device), aux_ints((q_len, k_len), query.device))
+                                       f"mask of shape {info.dense_mask.shape}")
+            if info.dense_mask.device != query.device:
+                info.dense_mask = TensorMask(info.dense_mask.mask.to(query.device))
             out = ops.attention(query, key, value, causal=False, dropout_p=dropout_p,
                                 softmax_scale=scaling, softcap=softcap, sinks=sinks,
-                                mask_mod=DENSE_MASK, mod_aux=aux)
+                                attn_mask=info.dense_mask)
             return out.transpose(1, 2), None
         if (info.batch_size, info.q_length, info.kv_length) != (batch, q_len, k_len):
             raise _not_implemented(f"q {tuple(query.shape)}, k {tuple(key.shape)} with a mask "

@@ -67,6 +67,29 @@ def test_fullgraph_compile_with_padding(kind):
     assert_parity(got[rows], ref[rows], eager[rows], name=f"{kind} compiled, padded")
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.usefixtures("model_route")
+def test_compiled_static_cache_generate_matches_eager(kind):
+    """transformers' compiled decoding: a static cache, the forward under
+    ``torch.compile(fullgraph=True)``, left-padded prompts; Qwen2's sliding layer generates past
+    its window. generate prepares each step's masks outside the compiled forward (our hook in
+    eager, a tensor query offset) and passes them in, where the hook takes them back. Greedy
+    tokens equal eager sdpa's."""
+    ours, eager, _ = test_hf._models(kind)
+    ids, mask = padded_batch([6, 3], 6, left=[True, True])
+    kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0,
+              cache_implementation="static")
+    try:
+        with torch.no_grad():
+            expected = eager.generate(ids, **kw)
+            ours.forward = torch.compile(ours.forward, fullgraph=True, backend="aot_eager")
+            got = ours.generate(ids, **kw)
+    finally:
+        torch._dynamo.reset()
+    assert got.shape[1] == ids.shape[1] + 4
+    assert torch.equal(got, expected), f"{kind}: {got.tolist()} != {expected.tolist()}"
+
+
 def test_traced_mask_takes_tensor_offsets_and_any_pattern(monkeypatch):
     """While tracing, a query offset held in a tensor (static caches) and an extra mask
     function (refused in eager calls) both go through transformers' own mask."""
@@ -78,7 +101,7 @@ def test_traced_mask_takes_tensor_offsets_and_any_pattern(monkeypatch):
     info = hf.mask_hook(**sizes)
     assert info.unsupported is None and info.dense_mask is not None
     expected = mu.sdpa_mask(**sizes, allow_is_causal_skip=False)
-    assert torch.equal(info.dense_mask.bool(), expected[:, 0])
+    assert torch.equal(info.dense_mask.mask, expected)
     q, k = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 8, 8)
     layer = torch.nn.Module()
     out, _ = hf.attention_function(layer, q, k, k, info, scaling=0.5)
@@ -86,4 +109,40 @@ def test_traced_mask_takes_tensor_offsets_and_any_pattern(monkeypatch):
     lowp = test_hf_encoders.masked_attention(q, k, k, expected, 0.5, dtype=torch.float32)
     assert_parity(out, ref, lowp)
     kept = info[:, :, -1:, :]                        # a model keeping the last query row
-    assert torch.equal(kept.dense_mask, info.dense_mask[:, -1:])
+    assert torch.equal(kept.dense_mask.mask, expected[:, :, -1:])
+    # Read in place (a slice: batch stride 3 rows), not as a (2, 1, 8) mask of its own.
+    out, _ = hf.attention_function(layer, q[:, :, -1:], k, k, kept, scaling=0.5)
+    ref = test_hf_encoders.masked_attention(q[:, :, -1:], k, k, expected[:, :, -1:], 0.5)
+    lowp = test_hf_encoders.masked_attention(q[:, :, -1:], k, k, expected[:, :, -1:], 0.5,
+                                             dtype=torch.float32)
+    assert_parity(out, ref, lowp, name="kept rows of a whole mask")
+
+
+def test_whole_mask_skips_the_tiles_it_hides(monkeypatch):
+    """Through the whole mask a chunked causal pattern (chunks of 128, whole tiles of every
+    width up to 128) never reads another chunk's tiles: NaN values of keys 0..127 leave the
+    second chunk's rows as they were, NaN queries 0..127 leave its keys' dK / dV. Without the
+    bounds every tile is visited (NaN reaches them)."""
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    chunk, n = 128, 144
+    sizes = dict(batch_size=2, q_length=n, kv_length=n, q_offset=0, kv_offset=0,
+                 mask_function=mu.chunked_causal_mask_function(chunk, torch.zeros(2, dtype=torch.long)),
+                 attention_mask=torch.ones(2, n, dtype=torch.bool))
+    info = hf.mask_hook(**sizes)
+    assert info.dense_mask is not None
+    layer = torch.nn.Module()
+    q, k, v = (torch.randn(2, 2, n, 16, requires_grad=True) for _ in range(3))
+
+    def run(q, k, v):
+        out, _ = hf.attention_function(layer, q, k, v, info, scaling=0.25)
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        return out.detach(), dk, dv
+
+    out, dk, dv = run(q, k, v)
+    pv, pq = v.detach().clone(), q.detach().clone()
+    pv[:, :, :chunk], pq[:, :, :chunk] = float("nan"), float("nan")
+    poisoned_v = run(q, k, pv.requires_grad_())[0]
+    _, dk_q, dv_q = run(pq.requires_grad_(), k, v)
+    assert torch.equal(poisoned_v[:, chunk:], out[:, chunk:])
+    assert torch.equal(dk_q[:, :, chunk:], dk[:, :, chunk:])
+    assert torch.equal(dv_q[:, :, chunk:], dv[:, :, chunk:])

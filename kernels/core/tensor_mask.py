@@ -1,0 +1,185 @@
+"""Boolean attention masks held in a tensor (``attention(..., attn_mask=)``), read by the
+kernels through a mask mod, with tile bounds taken from the mask so that a causal, windowed,
+chunked or block-diagonal pattern visits about the tiles it shows.
+
+A mask is SDPA's boolean ``attn_mask``: True where query i may attend to key j, any shape that
+broadcasts to (batch, heads_q, q_len, k_len) (2-D (q_len, k_len) for every batch entry and
+head, (batch, 1, q_len, k_len) per batch entry, ...). It is read in place through its strides:
+a broadcast (stride-0) or sliced view costs no copy.
+
+The mod's ``aux`` (``TensorMask.aux``):
+    aux[0]  the mask as int8, broadcast to (batch, heads_q, q_len, k_len): a view, unless its
+            keys are not unit-stride (a transposed mask: then copied once)
+    aux[1]  (q_len, k_len, its batch, head and row strides, the bounds' two batch strides):
+            int32, or int64 if the mask spans 2**31 elements or more
+    aux[2]  int32 (batch or 1, cdiv(q_len, GROUP), 2): per group of GROUP query rows, the keys
+            [lo, hi) any of its rows sees in any head
+    aux[3]  int32 (batch or 1, cdiv(k_len, GROUP), 2): per group of GROUP keys, the query rows
+            [lo, hi) that see any of them in any head
+(an empty group: lo = the other axis' length, hi = 0). A tile's bound is the union over the
+groups it touches (at most MAX_GROUPS, read as one vector; a wider tile gets no bound), so
+only the tiles before a query block's first visible key and after its last are skipped (and
+for dK / dV, the query tiles outside its keys' rows); gaps in between are visited and masked.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from .mods import MaskMod, aux_ints
+
+_GROUP = 16          # rows (keys) per bound entry: the smallest tile of any config
+_MAX_GROUPS = 32     # groups one tile's bound reads at once: tiles up to 496 rows
+GROUP = tl.constexpr(_GROUP)
+MAX_GROUPS = tl.constexpr(_MAX_GROUPS)
+
+
+@triton.jit
+def _mask_fn(b, h, q_idx, kv_idx, aux):
+    q_len = tl.load(aux[1])
+    k_len = tl.load(aux[1] + 1)
+    # Clamped: mods run on whole tiles, whose rows and columns past the ends are masked anyway.
+    row = tl.minimum(tl.maximum(q_idx - (k_len - q_len), 0), q_len - 1)
+    col = tl.minimum(tl.maximum(kv_idx, 0), k_len - 1)
+    # aux[1]'s dtype is the offsets' (int32 unless the mask spans 2**31 bytes); the keys are
+    # unit-stride: a row vector of offsets plus the columns, one full-tile add.
+    rows = aux[0] + (b * tl.load(aux[1] + 2) + h * tl.load(aux[1] + 3)
+                     + row * tl.load(aux[1] + 4))
+    return tl.load(rows + col) != 0
+
+
+@triton.jit
+def _group_union(bounds, stride_b, b, lo, hi, n, other):
+    """The union [first, last) of the (lo, hi) entries of ``bounds`` (int32 (., cdiv(n,
+    GROUP), 2), batch stride ``stride_b``) over the groups meeting [lo, hi) of an axis of
+    length ``n`` (``other``: the bounded axis' length); [0, other) if that is more than
+    MAX_GROUPS groups, an empty (reversed) range if it meets none."""
+    lo = tl.maximum(lo, 0)
+    hi = tl.minimum(hi, n)
+    g0 = lo // GROUP
+    g1 = tl.cdiv(hi, GROUP)
+    g = g0 + tl.arange(0, MAX_GROUPS)
+    met = g < g1
+    entry = bounds + b.to(tl.int64) * stride_b + 2 * g
+    first = tl.min(tl.load(entry, mask=met, other=other), axis=0)
+    last = tl.max(tl.load(entry + 1, mask=met, other=0), axis=0)
+    wide = g1 - g0 > MAX_GROUPS
+    return tl.where(wide, 0, first), tl.where(wide, other, last)
+
+
+@triton.jit
+def _mask_keys(b, q_lo, q_hi, aux):
+    q_len = tl.load(aux[1]).to(tl.int32)
+    k_len = tl.load(aux[1] + 1).to(tl.int32)
+    diag = k_len - q_len
+    return _group_union(aux[2], tl.load(aux[1] + 5), b, q_lo - diag, q_hi - diag, q_len, k_len)
+
+
+@triton.jit
+def _mask_queries(b, kv_lo, kv_hi, aux):
+    q_len = tl.load(aux[1]).to(tl.int32)
+    k_len = tl.load(aux[1] + 1).to(tl.int32)
+    diag = k_len - q_len
+    lo, hi = _group_union(aux[3], tl.load(aux[1] + 6), b, kv_lo, kv_hi, k_len, q_len)
+    return lo + diag, hi + diag
+
+
+def _mask_torch(b, h, q_idx, kv_idx, aux):
+    q_len, k_len = aux[0].shape[2:]
+    return aux[0][b, h, q_idx - (k_len - q_len), kv_idx] != 0
+
+
+TENSOR_MASK = MaskMod("kernels.attn_mask", _mask_fn, _mask_torch, kv_range=_mask_keys,
+                      q_range=_mask_queries)
+
+
+def _groups_seen(seen, dim):
+    """int8 ``seen`` (batch, q, k) reduced by max over groups of GROUP along ``dim`` (1: query
+    rows, 2: keys): (batch, cdiv(q, GROUP), k) or (batch, q, cdiv(k, GROUP)), without a copy of
+    the mask (a ragged last group reduced on its own)."""
+    n = seen.shape[dim]
+    whole = n // _GROUP * _GROUP
+    parts = []
+    if whole:
+        parts.append(seen.narrow(dim, 0, whole).unflatten(dim, (whole // _GROUP, _GROUP))
+                     .amax(dim + 1))
+    if n > whole or not parts:
+        parts.append(seen.narrow(dim, whole, n - whole).amax(dim, keepdim=True) if n > whole
+                     else seen.narrow(dim, 0, 0))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+
+def _spans(grouped):
+    """int32 (batch, groups, 2): per row of int8 ``grouped`` (batch, groups, n) the [lo, hi)
+    of its nonzero entries, (n, 0) for a row without any."""
+    n = grouped.shape[-1]
+    if n == 0 or grouped.shape[1] == 0:
+        return torch.zeros((*grouped.shape[:2], 2), dtype=torch.int32, device=grouped.device)
+    first = grouped.argmax(-1)                          # argmax: the first maximum
+    end = n - grouped.flip(-1).argmax(-1)
+    any_seen = grouped.amax(-1) > 0
+    return torch.stack((torch.where(any_seen, first, n), torch.where(any_seen, end, 0)),
+                       -1).to(torch.int32).contiguous()
+
+
+class TensorMask:
+    """A boolean attention mask prepared for the kernels: pass it as ``attn_mask`` to several
+    calls (the layers of a model) instead of the tensor, so that its tile bounds (a few
+    reductions over the mask) are computed once per (q_len, k_len), not at each call.
+
+    Args:
+        mask: bool, broadcastable to (batch, heads_q, q_len, k_len) of the calls it serves
+            (checked at each call); True = the query attends to the key.
+
+    ``mask``: the tensor, as given; ``shape``: its shape as 4-D (1s prepended)."""
+
+    def __init__(self, mask):
+        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+            got = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
+            raise TypeError(f"attn_mask must be a bool tensor (True = attend; an additive "
+                            f"float mask is a score_mod), got {got}")
+        if not 2 <= mask.dim() <= 4:
+            raise ValueError(f"attn_mask must have 2 to 4 dims, broadcastable to (batch, "
+                             f"heads_q, q_len, k_len), got shape {tuple(mask.shape)}")
+        self.mask = mask
+        m = mask.view(torch.int8)
+        self._int8 = m.reshape((1,) * (4 - m.dim()) + tuple(m.shape)) if m.dim() < 4 else m
+        self.shape = tuple(self._int8.shape)
+        self._bounds = {}
+
+    @property
+    def device(self):
+        return self.mask.device
+
+    def bounds(self, q_len, k_len):
+        """(key_bounds, query_bounds) for calls of q_len x k_len: int32 (batch or 1,
+        cdiv(q_len, GROUP), 2) and (batch or 1, cdiv(k_len, GROUP), 2), see the module's
+        docstring; the union over heads (a mod's bounds do not see the head)."""
+        hit = self._bounds.get((q_len, k_len))
+        if hit is None:
+            seen = self._int8
+            for d in (0, 1):      # a broadcast (stride-0) batch or head dim is read once
+                if seen.shape[d] > 1 and seen.stride(d) == 0:
+                    seen = seen.narrow(d, 0, 1)
+            seen = (seen.amax(1) if seen.shape[1] > 1 else seen[:, 0]).expand(
+                -1, q_len, k_len)
+            hit = self._bounds[(q_len, k_len)] = (
+                _spans(_groups_seen(seen, 1)), _spans(_groups_seen(seen, 2).transpose(1, 2)))
+        return hit
+
+    def aux(self, batch, heads_q, q_len, k_len):
+        """TENSOR_MASK's ``mod_aux`` for a call of (batch, heads_q, q_len, k_len), a shape the
+        mask broadcasts to (checked by the caller)."""
+        if self._int8.stride(-1) != 1 and self._int8.shape[-1] > 1:
+            self._int8 = self._int8.contiguous()   # the kernels read unit-stride keys
+        m = self._int8.expand(batch, heads_q, q_len, k_len)
+        key_bounds, query_bounds = self.bounds(q_len, k_len)
+        strides = m.stride()[:3]
+        span = sum((n - 1) * st for n, st in zip(m.shape, m.stride())) + 1
+        ints = aux_ints((q_len, k_len, *strides,
+                         key_bounds.stride(0) if key_bounds.shape[0] > 1 else 0,
+                         query_bounds.stride(0) if query_bounds.shape[0] > 1 else 0), m.device,
+                        torch.int32 if span < 2 ** 31 else torch.int64)
+        return (m, ints, key_bounds, query_bounds)
+
+    def __repr__(self):
+        return f"TensorMask(shape={self.shape}, device={self.device})"

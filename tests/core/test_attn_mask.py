@@ -1,0 +1,164 @@
+"""``attention(attn_mask=)``: SDPA's boolean mask read by the kernels (the interpreter on CPU)
+through their mask mod, against the float64 oracle with the mask as its mask: forward, lse and
+gradients for every broadcast shape and odd memory layouts, with causal and GQA; the tile
+bounds equal a loop's and skip the tiles a mask hides (NaN there never reaches the result);
+bad masks are clear errors."""
+import pytest
+import torch
+
+import kernels
+from kernels.core import tensor_mask
+from tests.core.test_mods import _check
+from tests.helpers import DEVICE, randn
+
+B, HQ, HKV = 2, 4, 2
+
+
+def _mask(shape, seed, keep=0.7):
+    """A random bool mask of ``shape`` with random spans (empty rows included) and holes."""
+    gen = torch.Generator().manual_seed(seed)
+    k_len = shape[-1]
+    lo = torch.randint(0, k_len + 1, (*shape[:-1], 1), generator=gen)
+    hi = lo + torch.randint(0, k_len + 1, (*shape[:-1], 1), generator=gen)
+    cols = torch.arange(k_len)
+    return ((cols >= lo) & (cols < hi) & (torch.rand(shape, generator=gen) < keep)).to(DEVICE)
+
+
+def _case(mask, **kwargs):
+    """The kernels' call with ``attn_mask`` and the oracle's with the same mask as its mask."""
+    return (dict(attn_mask=mask, **kwargs),
+            dict(mask_mod=lambda b, h, q_idx, kv_idx, aux: mask, **kwargs))
+
+
+@pytest.mark.parametrize("q_len,k_len,shape", [
+    (19, 23, (B, HQ, 19, 23)),          # per batch entry and head
+    (17, 97, (B, 1, 17, 97)),           # per batch entry (transformers' masks)
+    (1, 200, (B, 1, 1, 200)),           # key padding, one query row
+    (40, 33, (40, 33)),                 # one mask for every batch entry and head
+    (33, 17, (HQ, 33, 17)),             # 3-D: per head (right-aligned, as SDPA broadcasts)
+])
+def test_attn_mask_matches_the_oracle(q_len, k_len, shape, route):
+    """Both routes: the kernels' mask mod and its PyTorch twin in the fallback."""
+    if route.device != DEVICE:
+        pytest.skip(f"the fallback route runs on {route.device}; this test's tensors are on "
+                    f"{DEVICE}")
+    mask = _mask(shape, seed=q_len * k_len)
+    kernel, oracle = _case(mask, causal=False)
+    _check(kernel, b=B, hq=HQ, hkv=HKV, q_len=q_len, k_len=k_len, oracle_case=oracle)
+
+
+def test_attn_mask_with_causal_and_odd_layouts():
+    """On top of causal (bottom-right); a transposed view, a stride-0 expand and a slice with
+    a non-unit last stride are read in place."""
+    q_len, k_len = 21, 30
+    base = _mask((B, 1, k_len, q_len), seed=3)
+    for mask in (base.transpose(-1, -2),                               # transposed view
+                 _mask((1, 1, q_len, 1), seed=4).expand(B, HQ, q_len, k_len),   # stride 0
+                 _mask((B, 1, q_len, 2 * k_len), seed=5)[..., ::2]):   # last stride 2
+        kernel, oracle = _case(mask, causal=True)
+        _check(kernel, b=B, hq=HQ, hkv=HKV, q_len=q_len, k_len=k_len, oracle_case=oracle)
+
+
+def test_a_prepared_mask_is_the_tensor():
+    """``TensorMask`` (bounds computed once) gives the tensor's results, bit for bit."""
+    q, k, v = (randn(B, HQ, 17, 16) for _ in range(3))
+    mask = _mask((B, 1, 17, 17), seed=6)
+    prepared = kernels.TensorMask(mask)
+    out = kernels.attention(q, k, v, causal=False, attn_mask=mask)
+    assert torch.equal(kernels.attention(q, k, v, causal=False, attn_mask=prepared), out)
+    assert torch.equal(kernels.attention(q, k, v, causal=False, attn_mask=prepared), out)
+
+
+def _brute_spans(mask, group):
+    """Per group of ``group`` rows of bool (q, k) ``mask`` the [lo, hi) of the keys any row
+    sees, (k, 0) for none: a loop, independent of the reductions it checks."""
+    q_len, k_len = mask.shape
+    spans = []
+    for g0 in range(0, q_len, group):
+        cols = [j for j in range(k_len) if mask[g0:g0 + group, j].any()]
+        spans.append([cols[0], cols[-1] + 1] if cols else [k_len, 0])
+    return spans
+
+
+@pytest.mark.parametrize("q_len,k_len", [(1, 1), (17, 97), (40, 1), (200, 33)])
+def test_tile_bounds_are_the_spans(q_len, k_len):
+    """Per 16 query rows the keys from the first seen (in any head) to the last, per 16 keys
+    the rows that see them, equal to a loop's over random masks (holes, empty rows, an entry
+    that sees nothing), ragged last groups included."""
+    mask = _mask((3, 2, q_len, k_len), seed=q_len * 1000 + k_len).cpu()
+    mask[0] = False
+    key_bounds, query_bounds = kernels.TensorMask(mask).bounds(q_len, k_len)
+    seen = mask.any(1)
+    for b in range(3):
+        assert key_bounds[b].tolist() == _brute_spans(seen[b], tensor_mask._GROUP)
+        assert query_bounds[b].tolist() == _brute_spans(seen[b].T, tensor_mask._GROUP)
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning")
+def test_attn_mask_skips_the_tiles_it_hides():
+    """A block-diagonal mask of blocks of 128 positions (whole tiles of every width up to 128)
+    over 144: NaN values of keys 0..127 leave the second block's rows as they were, NaN queries
+    0..127 leave its keys' dK / dV. Without the bounds (the same mask as a mask mod without
+    ranges) every tile is visited and NaN reaches them."""
+    block, n = 128, 144
+    pos = torch.arange(n, device=DEVICE)
+    mask = (pos[:, None] // block) == (pos[None, :] // block)
+    q, k, v = (randn(1, 2, n, 16, requires_grad=True) for _ in range(3))
+
+    def run(q, k, v, **kw):
+        out = kernels.attention(q, k, v, causal=False, **kw)
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        return out.detach(), dk, dv
+
+    out, dk, dv = run(q, k, v, attn_mask=mask)
+    pv, pq = v.detach().clone(), q.detach().clone()
+    pv[:, :, :block], pq[:, :, :block] = float("nan"), float("nan")
+    poisoned = run(q, k, pv.requires_grad_(), attn_mask=mask)[0]
+    _, dk_q, dv_q = run(pq.requires_grad_(), k, v, attn_mask=mask)
+    assert torch.equal(poisoned[:, :, block:], out[:, :, block:])
+    assert torch.equal(dk_q[:, :, block:], dk[:, :, block:])
+    assert torch.equal(dv_q[:, :, block:], dv[:, :, block:])
+    unbounded = kernels.MaskMod("tests.attn_mask_unbounded", tensor_mask.TENSOR_MASK.fn,
+                                tensor_mask.TENSOR_MASK.torch_fn)
+    aux = kernels.TensorMask(mask).aux(1, 2, n, n)
+    blind = kernels.attention(q.detach(), k.detach(), pv, causal=False, mask_mod=unbounded,
+                              mod_aux=aux)
+    assert torch.isnan(blind[:, :, block:]).any()
+
+
+def test_bad_masks_are_clear_errors():
+    q, k, v = (randn(B, HQ, 8, 16) for _ in range(3))
+    good = torch.ones(8, 8, dtype=torch.bool, device=DEVICE)
+    with pytest.raises(TypeError, match="bool tensor.*score_mod"):
+        kernels.attention(q, k, v, attn_mask=torch.zeros(8, 8, device=DEVICE))
+    with pytest.raises(ValueError, match=r"does not broadcast to .* \(2, 4, 8, 8\)"):
+        kernels.attention(q, k, v, attn_mask=torch.ones(3, 1, 8, 8, dtype=torch.bool,
+                                                       device=DEVICE))
+    with pytest.raises(ValueError, match="2 to 4 dims"):
+        kernels.attention(q, k, v, attn_mask=torch.ones(8, dtype=torch.bool, device=DEVICE))
+    with pytest.raises(ValueError, match="mask_mod or mod_aux"):
+        kernels.attention(q, k, v, attn_mask=good, mask_mod=tensor_mask.TENSOR_MASK)
+    with pytest.raises(ValueError, match="q must be"):
+        kernels.attention(q[0], k, v, attn_mask=good)
+
+
+def test_attn_mask_under_torch_compile():
+    """``torch.compile(fullgraph=True)`` traces the mask's bounds and its call, with the mask
+    as a graph input or prepared outside; the same results and gradients as eager."""
+    q, k, v = (randn(B, HQ, 33, 16, requires_grad=True) for _ in range(3))
+    mask = _mask((B, 1, 33, 33), seed=7)
+    prepared = kernels.TensorMask(mask)
+
+    def run(fn):
+        out = fn(q, k, v)
+        return (out, *torch.autograd.grad(out, (q, k, v), torch.ones_like(out)))
+
+    eager = run(lambda q, k, v: kernels.attention(q, k, v, causal=False, attn_mask=mask))
+    try:
+        for given in (mask, prepared):
+            compiled = torch.compile(lambda q, k, v: kernels.attention(
+                q, k, v, causal=False, attn_mask=given), fullgraph=True, backend="aot_eager")
+            for got, want in zip(run(compiled), eager):
+                assert torch.equal(got, want)
+    finally:
+        torch._dynamo.reset()
