@@ -1,6 +1,7 @@
 """Feature rows: grouped-query heads, a sliding window, chunked attention, packed sequences
-(also over a paged cache), a value head dim of its own (MLA), split-KV decoding and a
-transformers model (``hf``), each against what it should at least match; ``--features`` /
+(also over a paged cache), a value head dim of its own (MLA), split-KV decoding, a boolean
+``attn_mask`` (``mask``: a sliding window given as a mask tensor) and a transformers model
+(``hf``), each against what it should at least match; ``--features`` /
 ``--no-features``; run right after the sweep's primary config. Modes ``fwd`` and ``fwd_bwd``
 (decode, paged: ``fwd``), causal, the sweep's first dtype, measured like every row (measure.py);
 the providers and extra columns are in docs/performance.md. ``target_met`` is None on CPU.
@@ -18,7 +19,7 @@ from .measure import (MEASURE_KEYS, classify_failure, describe, free_memory, mea
 from .providers import Case, SdpaProvider
 from .sweep import add_speedups, new_row
 
-FEATURES = ("gqa", "window", "chunk", "varlen", "mla", "decode", "fp8", "hf")
+FEATURES = ("gqa", "window", "chunk", "varlen", "mla", "decode", "fp8", "mask", "hf")
 # On CPU ``hf`` is left out of the default (~8 s of interpreted attention; --features hf).
 DEFAULT_FEATURES = {"cuda": FEATURES, "cpu": tuple(f for f in FEATURES if f != "hf")}
 FEATURE_MODES = ("fwd", "fwd_bwd")
@@ -39,7 +40,10 @@ SHAPES = {
                     cache_lens=tuple(1024 << i for i in range(8))),  # 1k ... 128k
         # The FP8 targets' points: causal prefill at 4k, d128; decode at 32k keys.
         fp8=dict(batch=4, heads=16, seq_len=4096, head_dim=128, decode_batch=8,
-                 decode_heads=32, heads_kv=8, cache_len=32768)),
+                 decode_heads=32, heads_kv=8, cache_len=32768),
+        # A window of 1024 at 8k as an (8192, 8192) bool mask (64 MiB; SDPA's efficient
+        # backend makes it a 128 MiB additive bias).
+        mask=dict(batch=2, heads=16, seq_len=8192, head_dim=128, window=1024)),
     # CPU: a handful of 16x16 tiles per call (each interpreted call still takes 0.1-1 s).
     "cpu": dict(
         gqa=dict(batch=1, heads=2, heads_kv=1, seq_len=32, head_dim=32),
@@ -54,11 +58,14 @@ SHAPES = {
         decode=dict(batches=(1, 2), heads=4, heads_kv=1, head_dim=16, num_splits=4,
                     cache_lens=(64, 128)),
         fp8=dict(batch=1, heads=2, seq_len=32, head_dim=32, decode_batch=2, decode_heads=2,
-                 heads_kv=1, cache_len=64)),
+                 heads_kv=1, cache_len=64),
+        mask=dict(batch=1, heads=1, seq_len=64, head_dim=32, window=16)),
 }
 GQA_SDPA = {"cuda": ("sdpa_flash", "sdpa_efficient", "sdpa_cudnn"),
             "cpu": ("sdpa_math", "sdpa_flash")}  # also the mla rows' SDPA backends
 DECODE_SDPA = ("sdpa_flash", "sdpa_efficient")  # on CPU efficient is "unsupported: CUDA-only"
+MASK_SDPA = {"cuda": ("sdpa_efficient", "sdpa_cudnn"),   # the backends that take a mask
+             "cpu": ("sdpa_math",)}
 TARGETS = {"gqa": ("speedup_vs_mha", 1.0, "GQA at least as fast as MHA with the same query "
                                           "heads (speedup_vs_mha >= 1)"),
            "window": ("speedup_vs_full", 3.5, "window at least 3.5x faster than full causal "
@@ -77,13 +84,19 @@ TARGETS = {"gqa": ("speedup_vs_mha", 1.0, "GQA at least as fast as MHA with the 
                                                   "(tflops_vs_dense_each >= 0.9)"),
            # (the decode row's own target: FP8_CACHE_TARGET)
            "fp8": ("speedup_vs_bf16", 1.5, "FP8 forward at least 1.5x our bf16 forward "
-                                           "(speedup_vs_bf16 >= 1.5)")}
+                                           "(speedup_vs_bf16 >= 1.5)"),
+           # The mask is read per visited tile (int8, 1/8 of a bf16 K tile at d128 per row of
+           # it) and bounds the tiles only per 16 rows: some cost over the native window, not
+           # its double.
+           "mask": ("speedup_vs_native", 0.7, "a window given as attn_mask at least 0.7x the "
+                                              "native window's speed (speedup_vs_native >= "
+                                              "0.7)")}
 # (ours, baseline): the rows whose ms give a feature's speed-up (varlen: TFLOP/s, in _compare).
 BASELINES = {"gqa": ("kernels", "kernels_mha"), "window": ("kernels", "kernels_causal"),
              "chunk": ("kernels", "kernels_causal"), "mla": ("kernels", "kernels_padded"),
-             "fp8": ("kernels_fp8", "kernels")}
+             "fp8": ("kernels_fp8", "kernels"), "mask": ("kernels", "kernels_window")}
 # The row field that picks a row's FLOP count in the feature's table (else: by mode alone).
-FLOPS_BY = {"window": "window", "chunk": "chunk_size", "fp8": "fp8_case"}
+FLOPS_BY = {"window": "window", "chunk": "chunk_size", "fp8": "fp8_case", "mask": "window"}
 FP8_CACHE_TARGET = (1.6, "an FP8 cache at least 1.6x the bf16 cache's tokens/s "
                          "(speedup_vs_bf16 >= 1.6)")
 
@@ -393,6 +406,34 @@ def _mla_specs(sh, device, dtype, sdpa_names):
     return case, specs, flops
 
 
+def _mask_specs(sh, device, dtype, sdpa_names):
+    """A sliding window given as a boolean ``attn_mask`` (L, L) to a non-causal call (the
+    tensor mask's tile bounds decide which tiles run), vs the same window native, and SDPA's
+    backends that take a mask."""
+    B, H, L, D, W = sh["batch"], sh["heads"], sh["seq_len"], sh["head_dim"], sh["window"]
+    g = torch.Generator(device=device).manual_seed(L)
+    q, k, v, do = (_randn(g, (B, H, L, D), device, dtype) for _ in range(4))
+    case = Case(batch=B, heads=H, seq_len=L, head_dim=D, dtype=dtype, dropout_p=0.0,
+                device=device, causal=False)
+    pos = torch.arange(L, device=device)
+    band = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - W)
+
+    def masked_build():
+        import kernels
+
+        leaves = tuple(_leaf(x) for x in (q, k, v))
+        return (lambda: [kernels.attention(*leaves, causal=False, attn_mask=band)]), leaves
+
+    extra = dict(heads_kv=H, window=W)
+    specs = [_Spec("kernels", masked_build, [do], extra=extra),
+             _Spec("kernels_window", _ours(q, k, v, window=W), [do],
+                   extra=dict(extra, causal=True))]
+    specs += [_sdpa_spec(n, case, (q, k, v), [do], extra, attn_mask=band) for n in sdpa_names]
+    flops = {(m, W): attention_flops(B, H, L, L, D, causal=True, mode=m, window=W)
+             for m in FEATURE_MODES}
+    return case, specs, flops
+
+
 def _measure_spec(spec, mode, device, opts):
     try:
         forward, grads = spec.build()
@@ -419,9 +460,11 @@ def feature_rows(device, dtype, features=FEATURES, opts=None, deadline=float("in
     shapes = SHAPES[prof]
     sdpa = GQA_SDPA["cuda" if prof == "cuda" else "cpu"]
     decode_sdpa = DECODE_SDPA
+    mask_sdpa = MASK_SDPA["cuda" if prof == "cuda" else "cpu"]
     if sdpa_names is not None:
         sdpa = tuple(s for s in sdpa if s in sdpa_names)
         decode_sdpa = tuple(s for s in decode_sdpa if s in sdpa_names)
+        mask_sdpa = tuple(s for s in mask_sdpa if s in sdpa_names)
     unknown = [f for f in features if f not in FEATURES]
     if unknown:
         raise ValueError(f"unknown feature(s) {unknown}; choose from {FEATURES}")
@@ -430,7 +473,8 @@ def feature_rows(device, dtype, features=FEATURES, opts=None, deadline=float("in
              "chunk": lambda sh: _chunk_specs(sh, device, dtype),
              "varlen": lambda sh: _varlen_specs(sh, device, dtype),
              "mla": lambda sh: _mla_specs(sh, device, dtype, sdpa),
-             "fp8": lambda sh: _fp8_specs(sh, device, dtype)}
+             "fp8": lambda sh: _fp8_specs(sh, device, dtype),
+             "mask": lambda sh: _mask_specs(sh, device, dtype, mask_sdpa)}
     rows = []
     for feature in features:
         sh = shapes.get(feature)
@@ -523,7 +567,7 @@ def _compare(feature, rows, device, sh):
         mine[field] = value
         mine["target"] = text
         mine["target_met"] = (value >= threshold) if (gpu and value is not None) else None
-    if feature in ("gqa", "mla"):
+    if feature in ("gqa", "mla", "mask"):
         add_speedups(rows)
 
 

@@ -218,7 +218,7 @@ def format_tables(rows, metric="tflops", memory=False):
     return "\n".join(out)
 
 
-FEATURE_BENCHES = ("gqa", "window", "chunk", "varlen", "mla", "fp8", "hf")
+FEATURE_BENCHES = ("gqa", "window", "chunk", "varlen", "mla", "fp8", "mask", "hf")
 # (field, format) of the comparison shown on ours' rows, per bench.
 _COMPARISONS = {"gqa": ("speedup_vs_mha", "{:.3g}x MHA"), "window": ("speedup_vs_full",
                                                                      "{:.3g}x full"),
@@ -226,6 +226,7 @@ _COMPARISONS = {"gqa": ("speedup_vs_mha", "{:.3g}x MHA"), "window": ("speedup_vs
                 "varlen": ("tflops_vs_dense_each", "{:.3g}x dense"),
                 "mla": ("speedup_vs_padded", "{:.3g}x padded v"),
                 "fp8": ("speedup_vs_bf16", "{:.3g}x bf16"),
+                "mask": ("speedup_vs_native", "{:.3g}x native window"),
                 "hf": ("speedup_vs_sdpa", "{:.3g}x sdpa")}
 
 
@@ -243,7 +244,7 @@ def _feature_shape(r):
 
 
 def format_features(rows):
-    """The feature rows (gqa, window, chunk, varlen, mla, fp8, hf), with each target."""
+    """The feature rows (gqa, window, chunk, varlen, mla, fp8, mask, hf), with each target."""
     sel = [r for r in rows if r["bench"] in FEATURE_BENCHES]
     if not sel:
         return ""
@@ -263,7 +264,7 @@ def format_features(rows):
                 note += f" (ideal {r['ideal_speedup']:.3g}x)"
             if r["bench"] == "chunk" and r.get("speedup_vs_batched") is not None:
                 note += f", {r['speedup_vs_batched']:.3g}x batched"
-            if r["bench"] == "mla" and r.get("best_sdpa_ms_over_ours") is not None:
+            if r["bench"] in ("mla", "mask") and r.get("best_sdpa_ms_over_ours") is not None:
                 note += f", {r['best_sdpa_ms_over_ours']:.3g}x sdpa"
             if r["bench"] == "varlen" and r.get("tflops_vs_dense_padded") is not None:
                 note += f", {r['tflops_vs_dense_padded']:.3g}x padded"

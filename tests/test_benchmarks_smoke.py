@@ -676,7 +676,7 @@ def test_feature_rows_respect_the_time_budget():
     runs), each says why."""
     rows = feature_rows("cpu", torch.bfloat16, deadline=float("-inf"))
     assert {r["bench"] for r in rows} == {"gqa", "window", "chunk", "varlen", "mla", "decode",
-                                          "fp8", "hf"}
+                                          "fp8", "mask", "hf"}
     assert all(r["ms"] is None for r in rows)
     assert all(r["status"] == "skipped: time budget" or r["status"].startswith(
         ("unsupported: ", "skipped: transformers")) for r in rows), {
@@ -684,7 +684,7 @@ def test_feature_rows_respect_the_time_budget():
     assert {r["provider"] for r in rows if r["status"] == "skipped: time budget"} >= {
         "kernels", "kernels_mha", "kernels_causal", "kernels_chunks_batched", "kernels_varlen",
         "kernels_dense_each", "kernels_dense_padded", "kernels_padded", "kernels_unsplit",
-        "kernels_dense", "kernels_fp8", "kernels_cache", "kernels_cache_fp8"}
+        "kernels_dense", "kernels_fp8", "kernels_cache", "kernels_cache_fp8", "kernels_window"}
     assert all(r.get("target_met") is None for r in rows)
     assert "features (shape:" in format_features(rows)
     # decode, then the integration rows last: every point written
