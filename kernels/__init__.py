@@ -29,7 +29,7 @@ from .integrations.modules import (
 from . import flash_attn_interface  # FlashAttention 2's API on the functions above
 
 __all__ = ["attention", "attention_varlen", "attention_with_kvcache", "plans", "PlanCache",
-           "FallbackNotice", "ScoreMod", "MaskMod", "SOFTCAP", "ALIBI", "TensorMask", "FusedCausalAttention",
-           "FusedMultiHeadAttentionWrapper",
+           "FallbackNotice", "ScoreMod", "MaskMod", "SOFTCAP", "ALIBI", "TensorMask",
+           "FusedCausalAttention", "FusedMultiHeadAttentionWrapper",
            "FusedMultiHeadAttention", "fuse_attention", "book", "distributed", "fuse", "hf",
            "modules", "sdpa", "flash_attn_interface"]

@@ -113,6 +113,21 @@ def attention(q, k, v, *, causal=True, dropout_p=0.0, softmax_scale=None, seed=N
             (@triton.jit functions with PyTorch twins; contract in kernels/core/mods.py) and
             the tuple of tensors they read. The score mod applies after softcap and ALiBi, the
             mask mod on top of causal / window / chunk.
+        attn_mask: None, or SDPA's ``attn_mask``, broadcastable to (batch, heads_q, q_len,
+            k_len), read through its strides (broadcast or sliced views cost no copy), on top
+            of causal / window / chunk (pass ``causal=False`` for the mask alone); a row left
+            without keys gives zeros where SDPA gives NaN. Either
+            - bool: True where the query attends to the key. Tiles before a query block's
+              first visible key and after its last are skipped (per 16 rows;
+              ``kernels.core.tensor_mask``): a causal, windowed, chunked or block-diagonal
+              mask costs about what it shows. The bounds cost a few reductions over the mask
+              per call; a ``kernels.TensorMask(mask)`` computes them once for every call it
+              is passed to. Takes the mask mod's place (not with mask_mod / mod_aux); or
+            - float: added to the scaled scores (-inf hides a pair), after softcap and ALiBi;
+              differentiable (``attn_mask.grad``, summed over its broadcast dims; atomics:
+              its last bits vary run to run). Converted to float32 once per call if it is not.
+              Every tile is visited. Takes the score mod's place (not with score_mod /
+              mod_aux).
 
     Returns:
         out: (batch, heads_q, q_len, head_dim_v) in q's dtype. It has q's memory layout when q
@@ -126,7 +141,8 @@ def attention(q, k, v, *, causal=True, dropout_p=0.0, softmax_scale=None, seed=N
     """
     descale = public_descales(q_descale, k_descale, v_descale)
     if attn_mask is not None:
-        mask_mod, mod_aux = check_attn_mask(attn_mask, q, k, mask_mod, mod_aux)
+        score_mod, mask_mod, mod_aux = check_attn_mask(attn_mask, q, k, score_mod, mask_mod,
+                                                       mod_aux)
     plan, mods = attention_plan(q, k, v, (causal, dropout_p, softmax_scale, window, num_splits,
                                           softcap, chunk_size, score_mod, mask_mod, None),
                                 sinks, alibi_slopes, mod_aux, descale=descale,

@@ -12,7 +12,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .core.call import FP8_DTYPE   # FP8 attention (forward only) takes OCP e4m3 alone
 from .core.common import MAX_HEAD_DIM
 from .core.mods import CallMods, MaskMod, ScoreMod
-from .core.tensor_mask import TENSOR_MASK, TensorMask
+from .core.tensor_mask import TENSOR_BIAS, TENSOR_MASK, TensorMask, as_4d, bias_aux
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _OTHER_FP8 = tuple(getattr(torch, n) for n in ("float8_e5m2", "float8_e4m3fnuz",
@@ -300,24 +300,39 @@ def check_mods(q, causal, window, softcap, sinks, chunk_size, alibi_slopes, scor
     return mods, chunk_size
 
 
-def check_attn_mask(attn_mask, q, k, mask_mod, mod_aux):
-    """``attention``'s ``attn_mask`` (a bool tensor or a ``TensorMask``) as the call's mask mod
-    and its aux: (TENSOR_MASK, aux). It takes the mask mod's place, so it is not combined with
-    one (nor with ``mod_aux``, whose indices a score mod reads)."""
-    if mask_mod is not None or mod_aux:
-        raise ValueError("attn_mask cannot be combined with mask_mod or mod_aux (it is read "
-                         "through a mask mod of its own): fold the mask into your mask_mod")
-    mask = attn_mask if isinstance(attn_mask, TensorMask) else TensorMask(attn_mask)
+def check_attn_mask(attn_mask, q, k, score_mod, mask_mod, mod_aux):
+    """``attention``'s ``attn_mask`` as the call's mods: (score_mod, mask_mod, mod_aux). A
+    boolean mask (a bool tensor or a ``TensorMask``) takes the mask mod's place (TENSOR_MASK),
+    an additive float one the score mod's (TENSOR_BIAS); neither is combined with a mod in
+    that place nor with ``mod_aux`` (whose indices the mods read)."""
+    bias = isinstance(attn_mask, torch.Tensor) and attn_mask.is_floating_point()
+    taken = score_mod if bias else mask_mod
+    if taken is not None or mod_aux:
+        kind = "an additive float" if bias else "a boolean"
+        place = "score_mod" if bias else "mask_mod"
+        raise ValueError(f"attn_mask ({kind} mask, read through a {place} of its own) cannot "
+                         f"be combined with {place} or mod_aux: fold it into your mod")
+    if bias:
+        if attn_mask.dim() not in (2, 3, 4):
+            raise ValueError(f"attn_mask must have 2 to 4 dims, broadcastable to (batch, "
+                             f"heads_q, q_len, k_len), got shape {tuple(attn_mask.shape)}")
+        shape, device = tuple(as_4d(attn_mask).shape), attn_mask.device
+    else:
+        mask = attn_mask if isinstance(attn_mask, TensorMask) else TensorMask(attn_mask)
+        shape, device = mask.shape, mask.device
     if not (isinstance(q, torch.Tensor) and q.dim() == 4 and isinstance(k, torch.Tensor)
             and k.dim() == 4):
-        return TENSOR_MASK, ()       # validate_attention says what is wrong with q / k
-    if mask.device != q.device:
-        raise ValueError(f"attn_mask must be on q's device {q.device}, got {mask.device}")
+        # validate_attention says what is wrong with q / k
+        return (TENSOR_BIAS, None, ()) if bias else (None, TENSOR_MASK, ())
+    if device != q.device:
+        raise ValueError(f"attn_mask must be on q's device {q.device}, got {device}")
     target = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-    if any(m not in (1, t) for m, t in zip(mask.shape, target)):
-        raise ValueError(f"attn_mask of shape {tuple(mask.mask.shape)} does not broadcast to "
-                         f"(batch, heads_q, q_len, k_len) = {target}")
-    return TENSOR_MASK, mask.aux(*target)
+    if any(m not in (1, t) for m, t in zip(shape, target)):
+        raise ValueError(f"attn_mask of shape {shape} does not broadcast to (batch, heads_q, "
+                         f"q_len, k_len) = {target}")
+    if bias:
+        return TENSOR_BIAS, None, bias_aux(attn_mask, target)
+    return None, TENSOR_MASK, mask.aux(*target)
 
 
 def check_num_splits(num_splits):

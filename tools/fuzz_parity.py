@@ -14,9 +14,9 @@ packed sequences), head dims
 1-80 and now and then 128 or 256 (a value head dim of its own), causal / window / chunk /
 neither, softcap, ALiBi (per head or per batch entry), sinks (with their gradient), a user
 score mod (a bias table) and mask mod (per-row prefix or per-head stripes), on dense calls
-without a mod SDPA's boolean ``attn_mask`` (every broadcast shape, a transposed one; drawn
-from a stream of its own), dropout, a custom softmax scale, transposed views. Case ``i`` of seed ``S`` is drawn from
-``random.Random(f"{S}:{i}")`` alone, so ``--seed S --only i`` replays it.
+without a mod SDPA's ``attn_mask``, boolean or additive (every broadcast shape, a transposed
+one; drawn from a stream of its own), dropout, a custom softmax scale, transposed views. Case
+``i`` of seed ``S`` is drawn from ``random.Random(f"{S}:{i}")`` alone, so ``--seed S --only i`` replays it.
 
 What is checked: out (and lse where there is one, its -inf rows exactly) within the parity
 budget (``reference.parity``: factor x PyTorch's own error in the input dtype + a floor);
@@ -110,6 +110,8 @@ def draw_case(seed, index, routes=ROUTES):
     extra = random.Random(f"{seed}:{index}:attn_mask")
     if route == "dense" and c["mod"] is None and extra.random() < 0.3:
         c["attn_mask"] = extra.choice(ATTN_MASK_SHAPES)
+        if extra.random() < 0.5:      # an additive float mask: a bias, -inf where hidden
+            c["attn_mask"] += ":bias"
     c["scale"] = None if rng.random() < 0.7 else round(rng.uniform(0.05, 1.5), 3)
     c["transposed"] = rng.random() < 0.4
     c["dropout"] = 0.0
@@ -199,9 +201,14 @@ def _twins(opts):
     """The oracle's options: the mods' PyTorch twins in place of the mods, an attn_mask as
     the oracle's mask mod."""
     twins = {k: getattr(v, "torch_fn", v) for k, v in opts.items() if k != "attn_mask"}
-    if opts.get("attn_mask") is not None:
-        mask = opts["attn_mask"]
+    mask = opts.get("attn_mask")
+    if mask is not None and mask.dtype == torch.bool:
         twins["mask_mod"] = lambda b, h, q_idx, kv_idx, aux: mask
+    elif mask is not None:      # a bias: its finite part added, its -inf entries a mask
+        seen = mask.detach() > float("-inf")
+        finite = mask.detach().masked_fill(~seen, 0.0)
+        twins["score_mod"] = lambda s, b, h, q_idx, kv_idx, aux: s + finite.to(s.dtype)
+        twins["mask_mod"] = lambda b, h, q_idx, kv_idx, aux: seen
     return twins
 
 
@@ -212,8 +219,9 @@ ATTN_MASK_SHAPES = ("bhqk", "b1qk", "b11k", "qk", "hqk", "b1qk_transposed")
 
 def _attn_mask(c, gen, hq):
     """A random bool mask (random spans per row, holes, some empty rows) of the case's
-    attn_mask shape."""
-    kind = c["attn_mask"]
+    attn_mask shape; for a ":bias" kind, a float32 bias of normal values, -inf where that
+    mask hides."""
+    kind, _, bias = c["attn_mask"].partition(":")
     sizes = dict(b=c["batch"], h=hq, q=c["q_len"], k=c["k_len"])
     shape = [sizes.get(x, 1) for x in kind.split("_")[0]]
     k_len = c["k_len"]
@@ -221,6 +229,8 @@ def _attn_mask(c, gen, hq):
     hi = lo + torch.randint(0, k_len + 1, (*shape[:-1], 1), generator=gen)
     cols = torch.arange(k_len)
     mask = (cols >= lo) & (cols < hi) & (torch.rand(shape, generator=gen) < 0.8)
+    if bias:
+        mask = torch.randn(shape, generator=gen).masked_fill(~mask, float("-inf"))
     if kind.endswith("_transposed"):
         mask = mask.transpose(-1, -2).contiguous().transpose(-1, -2)
     return mask

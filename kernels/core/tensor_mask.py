@@ -1,13 +1,23 @@
-"""Boolean attention masks held in a tensor (``attention(..., attn_mask=)``), read by the
-kernels through a mask mod, with tile bounds taken from the mask so that a causal, windowed,
-chunked or block-diagonal pattern visits about the tiles it shows.
+"""Attention masks held in a tensor (``attention(..., attn_mask=)``), SDPA's two kinds:
 
-A mask is SDPA's boolean ``attn_mask``: True where query i may attend to key j, any shape that
-broadcasts to (batch, heads_q, q_len, k_len) (2-D (q_len, k_len) for every batch entry and
-head, (batch, 1, q_len, k_len) per batch entry, ...). It is read in place through its strides:
-a broadcast (stride-0) or sliced view costs no copy.
+* boolean: read by the kernels through a mask mod (TENSOR_MASK), with tile bounds taken from
+  the mask so that a causal, windowed, chunked or block-diagonal pattern visits about the
+  tiles it shows (below);
+* additive (float): a bias added to the scaled scores by a score mod (TENSOR_BIAS), -inf
+  entries hiding their pairs, differentiable (its gradient accumulated in the dQ kernel, as
+  any learned aux: kernels/core/mods.py); no tile is skipped (``bias_aux``).
 
-The mod's ``aux`` (``TensorMask.aux``):
+Either has any shape that broadcasts to (batch, heads_q, q_len, k_len) (2-D (q_len, k_len) for
+every batch entry and head, (batch, 1, 1, k_len) key padding, (batch, 1, q_len, k_len) per
+batch entry, ...), read through its strides: a broadcast (stride-0) or sliced view costs no
+copy (a boolean mask is read in place; a bias not float32, or whose keys are not unit-stride,
+is converted once per call).
+
+The bias mod's ``aux`` (``bias_aux``): aux[0] the bias, float32, in its own shape made 4-D
+(broadcast dims of size 1); aux[1] as the mask's below, without the bounds' strides. Its
+gradient (``aux_grad``) adds ds at each pair's offset: a broadcast dim sums into its one entry.
+
+The boolean mask's ``aux`` (``TensorMask.aux``):
     aux[0]  the mask as int8, broadcast to (batch, heads_q, q_len, k_len): a view, unless its
             keys are not unit-stride (a transposed mask: then copied once)
     aux[1]  (q_len, k_len, its batch, head and row strides, the bounds' two batch strides):
@@ -25,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .mods import MaskMod, aux_ints
+from .mods import MaskMod, ScoreMod, aux_ints
 
 _GROUP = 16          # rows (keys) per bound entry: the smallest tile of any config
 _MAX_GROUPS = 32     # groups one tile's bound reads at once: tiles up to 496 rows
@@ -34,17 +44,23 @@ MAX_GROUPS = tl.constexpr(_MAX_GROUPS)
 
 
 @triton.jit
-def _mask_fn(b, h, q_idx, kv_idx, aux):
+def _offsets(b, h, q_idx, kv_idx, aux):
+    """Offsets of the (query, key) pairs in a mask or bias aux[0] read with unit-stride keys;
+    aux[1] = (q_len, k_len, batch, head and row strides (0 where broadcast), ...) in the
+    offsets' dtype (int32 unless the tensor spans 2**31 elements). Clamped: mods run on whole
+    tiles, whose rows and columns past the ends are masked anyway."""
     q_len = tl.load(aux[1])
     k_len = tl.load(aux[1] + 1)
-    # Clamped: mods run on whole tiles, whose rows and columns past the ends are masked anyway.
     row = tl.minimum(tl.maximum(q_idx - (k_len - q_len), 0), q_len - 1)
     col = tl.minimum(tl.maximum(kv_idx, 0), k_len - 1)
-    # aux[1]'s dtype is the offsets' (int32 unless the mask spans 2**31 bytes); the keys are
-    # unit-stride: a row vector of offsets plus the columns, one full-tile add.
-    rows = aux[0] + (b * tl.load(aux[1] + 2) + h * tl.load(aux[1] + 3)
-                     + row * tl.load(aux[1] + 4))
-    return tl.load(rows + col) != 0
+    # The (batch, head) offset and a row vector, then the columns: one full-tile add.
+    return (b * tl.load(aux[1] + 2) + h * tl.load(aux[1] + 3)
+            + row * tl.load(aux[1] + 4)) + col
+
+
+@triton.jit
+def _mask_fn(b, h, q_idx, kv_idx, aux):
+    return tl.load(aux[0] + _offsets(b, h, q_idx, kv_idx, aux)) != 0
 
 
 @triton.jit
@@ -121,8 +137,61 @@ def _spans(grouped):
                        -1).to(torch.int32).contiguous()
 
 
+@triton.jit
+def _bias_fn(s, b, h, q_idx, kv_idx, aux):
+    return s + tl.load(aux[0] + _offsets(b, h, q_idx, kv_idx, aux))
+
+
+@triton.jit
+def _bias_grad(ds, s, b, h, q_idx, kv_idx, aux, daux):
+    # d(bias) = ds at each pair; a broadcast dim (stride 0) sums its pairs into one entry.
+    tl.atomic_add(daux[0] + _offsets(b, h, q_idx, kv_idx, aux), ds)
+
+
+def _bias_torch(s, b, h, q_idx, kv_idx, aux):
+    bias = aux[0]
+    diag = aux[1][1] - aux[1][0]        # k_len - q_len, kept on the device (no host read)
+    at = [i * int(n > 1) for i, n in zip((b, h, q_idx - diag, kv_idx), bias.shape)]
+    return s + bias[at[0], at[1], at[2], at[3]].to(s.dtype)
+
+
+TENSOR_BIAS = ScoreMod("kernels.attn_bias", _bias_fn, _bias_torch, aux_grad=_bias_grad,
+                       grad_aux=(0,))
+
+
+def as_4d(t):
+    """``t`` (2 to 4 dims) viewed as 4-D, 1s prepended."""
+    return t.reshape((1,) * (4 - t.dim()) + tuple(t.shape)) if t.dim() < 4 else t
+
+
+def _offset_ints(t, target):
+    """aux[1] of a tensor ``t`` (4-D, unit-stride keys) read as broadcast to ``target`` (batch,
+    heads_q, q_len, k_len): (q_len, k_len, batch, head and row strides, 0 where broadcast),
+    int32 unless the tensor spans 2**31 elements."""
+    m = t.expand(*target)
+    span = sum((n - 1) * st for n, st in zip(m.shape, m.stride())) + 1
+    return m, (target[2], target[3], *m.stride()[:3]), (torch.int32 if span < 2 ** 31
+                                                       else torch.int64)
+
+
+def bias_aux(bias, target):
+    """TENSOR_BIAS's ``mod_aux`` for a float ``bias`` broadcastable to ``target`` (batch,
+    heads_q, q_len, k_len) (checked by the caller): the bias as float32 in its own (not
+    broadcast) shape, keys unit-stride (copied where it is not), and its offsets. A bias that
+    requires grad gets it through this conversion."""
+    b4 = as_4d(bias)
+    for d in range(4):          # a broadcast (stride-0) dim read once
+        if b4.shape[d] > 1 and b4.stride(d) == 0:
+            b4 = b4.narrow(d, 0, 1)
+    if b4.stride(-1) != 1 and b4.shape[-1] > 1 or bias.requires_grad:
+        b4 = b4.contiguous()
+    b4 = b4.float()
+    _, ints, dtype = _offset_ints(b4, target)
+    return (b4, aux_ints(ints, b4.device, dtype))
+
+
 class TensorMask:
-    """A boolean attention mask prepared for the kernels: pass it as ``attn_mask`` to several
+    """A boolean attention mask prepared for the kernels (a float one needs no preparing): pass it as ``attn_mask`` to several
     calls (the layers of a model) instead of the tensor, so that its tile bounds (a few
     reductions over the mask) are computed once per (q_len, k_len), not at each call.
 
@@ -135,14 +204,13 @@ class TensorMask:
     def __init__(self, mask):
         if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
             got = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
-            raise TypeError(f"attn_mask must be a bool tensor (True = attend; an additive "
-                            f"float mask is a score_mod), got {got}")
+            raise TypeError(f"attn_mask must be a bool tensor (True = attend) or a floating one "
+                            f"(added to the scores), got {got}")
         if not 2 <= mask.dim() <= 4:
             raise ValueError(f"attn_mask must have 2 to 4 dims, broadcastable to (batch, "
                              f"heads_q, q_len, k_len), got shape {tuple(mask.shape)}")
         self.mask = mask
-        m = mask.view(torch.int8)
-        self._int8 = m.reshape((1,) * (4 - m.dim()) + tuple(m.shape)) if m.dim() < 4 else m
+        self._int8 = as_4d(mask.view(torch.int8))
         self.shape = tuple(self._int8.shape)
         self._bounds = {}
 
@@ -171,14 +239,11 @@ class TensorMask:
         mask broadcasts to (checked by the caller)."""
         if self._int8.stride(-1) != 1 and self._int8.shape[-1] > 1:
             self._int8 = self._int8.contiguous()   # the kernels read unit-stride keys
-        m = self._int8.expand(batch, heads_q, q_len, k_len)
+        m, ints, dtype = _offset_ints(self._int8, (batch, heads_q, q_len, k_len))
         key_bounds, query_bounds = self.bounds(q_len, k_len)
-        strides = m.stride()[:3]
-        span = sum((n - 1) * st for n, st in zip(m.shape, m.stride())) + 1
-        ints = aux_ints((q_len, k_len, *strides,
-                         key_bounds.stride(0) if key_bounds.shape[0] > 1 else 0,
-                         query_bounds.stride(0) if query_bounds.shape[0] > 1 else 0), m.device,
-                        torch.int32 if span < 2 ** 31 else torch.int64)
+        ints = aux_ints((*ints, key_bounds.stride(0) if key_bounds.shape[0] > 1 else 0,
+                         query_bounds.stride(0) if query_bounds.shape[0] > 1 else 0),
+                        m.device, dtype)
         return (m, ints, key_bounds, query_bounds)
 
     def __repr__(self):

@@ -60,9 +60,10 @@ Supported exactly (the same attention as ``attn_implementation="eager"``):
 Any other pattern transformers' masking builds over a 2-D padding mask (extra mask functions:
 image tokens, block-wise attention; windows or chunks over padding with holes; a chunked layer
 whose cache dropped keys of the queries' chunk; cache layouts the fast paths do not know) goes
-through transformers' whole boolean mask, read by the kernels (each query tile visiting
-the key tiles from its first visible key to its last): exact, and said once per kind in a ``UserWarning``. What raises ``NotImplementedError`` naming it, never
-a silently different answer: a layer whose ``is_causal`` or ``sliding_window`` disagrees with
+through transformers' whole boolean mask, read by the kernels as ``attn_mask`` (each query
+tile visiting the key tiles from its first visible key to its last): exact, and said once per
+kind in a ``UserWarning``. What raises ``NotImplementedError`` naming it, never a silently
+different answer: a layer whose ``is_causal`` or ``sliding_window`` disagrees with
 its mask, a custom 4-D mask or any mask transformers' masking utilities did not build through
 our hook, sinks that are not one logit per query head, position biases, paged caches. A
 layer called with no mask at all (a model that does not build masks through transformers'
@@ -489,9 +490,9 @@ def _whole_mask(mu, batch_size, q_length, kv_length, q_offset, kv_offset, mask_f
                 attention_mask, local_size, device):
     """transformers' own boolean mask (``sdpa_mask``, traced as sdpa's is), read by the
     kernels as a ``TensorMask`` (``attention(attn_mask=)``) in one dense call: for a pattern
-    the fast layouts do not compute, and under torch.compile for one whose reading (a window, chunks,
-    packed sequences, extra mask functions: closures Dynamo does not trace) or a query offset
-    held in a tensor (static caches) would break the graph. Exact for any pattern
+    the fast layouts do not compute, and under torch.compile for one whose reading (a window,
+    chunks, packed sequences, extra mask functions: closures Dynamo does not trace) or a query
+    offset held in a tensor (static caches) would break the graph. Exact for any pattern
     transformers builds (query rows at padding are computed as eager computes them). Costs an
     int8 (batch, q_length, kv_length) mask, as sdpa's, and the key tiles each query tile's
     rows see from the first visible key to the last (the mask's tile bounds, computed once

@@ -1,15 +1,17 @@
 """``attention(attn_mask=)``: SDPA's boolean mask read by the kernels (the interpreter on CPU)
-through their mask mod, against the float64 oracle with the mask as its mask: forward, lse and
-gradients for every broadcast shape and odd memory layouts, with causal and GQA; the tile
-bounds equal a loop's and skip the tiles a mask hides (NaN there never reaches the result);
-bad masks are clear errors."""
+through their mask mod, and its additive float mask through their score mod, against the
+float64 oracle (the mask as its mask; the bias as its score mod, -inf entries as its mask):
+forward, lse and gradients (the bias's too) for every broadcast shape and odd memory layouts,
+with causal and GQA, on both routes; the tile bounds equal a loop's and skip the tiles a mask
+hides (NaN there never reaches the result); bad masks are clear errors."""
 import pytest
 import torch
 
 import kernels
+import reference
 from kernels.core import tensor_mask
 from tests.core.test_mods import _check
-from tests.helpers import DEVICE, randn
+from tests.helpers import DEVICE, GRAD_FACTOR, assert_parity, randn
 
 B, HQ, HKV = 2, 4, 2
 
@@ -45,6 +47,60 @@ def test_attn_mask_matches_the_oracle(q_len, k_len, shape, route):
     mask = _mask(shape, seed=q_len * k_len)
     kernel, oracle = _case(mask, causal=False)
     _check(kernel, b=B, hq=HQ, hkv=HKV, q_len=q_len, k_len=k_len, oracle_case=oracle)
+
+
+def _check_bias(bias, q_len, k_len, causal=False, dtype=torch.float32):
+    """The parity rule on out, lse, dq / dk / dv and the bias's own gradient: the oracle adds
+    the bias's finite entries by a score mod (differentiating it) and takes its -inf entries as
+    its mask (a row left without keys gives zeros in both)."""
+    q = randn(B, HQ, q_len, 16, dtype=dtype, requires_grad=True)
+    k, v = (randn(B, HKV, k_len, 16, dtype=dtype, requires_grad=True) for _ in range(2))
+    out, lse = kernels.attention(q, k, v, causal=causal, attn_mask=bias, return_lse=True)
+    do = randn(*out.shape, dtype=dtype)
+    grads = torch.autograd.grad(out, (q, k, v, bias), do)
+    seen = bias.detach() > float("-inf")
+    refs = []
+    for upcast in (True, False):
+        ins = [(t.detach().double() if upcast else t.detach().clone()).requires_grad_()
+               for t in (q, k, v, bias)]
+        o, l = reference.attention(
+            *ins[:3], causal=causal, upcast=upcast, return_lse=True, mod_aux=(ins[3],),
+            score_mod=lambda s, b, h, q_idx, kv_idx, aux: s + aux[0].masked_fill(
+                ~seen, 0.0).to(s.dtype),
+            mask_mod=lambda b, h, q_idx, kv_idx, aux: seen)
+        refs.append((o, l, torch.autograd.grad(o, ins, do.to(o.dtype))))
+    (ro, rl, rg), (lo, ll, lg) = refs
+    assert_parity(out, ro, lo)
+    finite = torch.isfinite(rl)
+    assert torch.equal(torch.isfinite(lse), finite), "lse: -inf rows differ from the oracle"
+    assert_parity(lse[finite], rl[finite], ll[finite].float(), name="lse")
+    for name, g, r, low in zip(("dq", "dk", "dv", "dbias"), grads, rg, lg):
+        assert_parity(g, r, low, factor=GRAD_FACTOR, name=name)
+
+
+@pytest.mark.parametrize("q_len,k_len,shape", [
+    (19, 23, (B, HQ, 19, 23)),          # per batch entry and head
+    (17, 97, (1, HQ, 17, 97)),          # T5's position bias: per head, shared by the batch
+    (1, 200, (B, 1, 1, 200)),           # per key
+    (40, 33, (40, 33)),                 # one for every batch entry and head
+])
+def test_additive_mask_matches_the_oracle(q_len, k_len, shape, route):
+    """Both routes, -inf entries included (some rows see nothing); the bias's gradient summed
+    over its broadcast dims."""
+    if route.device != DEVICE:
+        pytest.skip(f"the fallback route runs on {route.device}; this test's tensors are on "
+                    f"{DEVICE}")
+    seen = _mask(shape, seed=q_len + k_len)
+    bias = (randn(*shape) * 2).masked_fill(~seen, float("-inf")).requires_grad_()
+    _check_bias(bias, q_len, k_len)
+
+
+def test_additive_mask_with_causal_in_low_precision():
+    """A bf16 bias on bf16 inputs (converted to float32 once), causal, a transposed view."""
+    q_len = k_len = 21
+    bias = (randn(1, HQ, k_len, q_len) * 2).to(torch.bfloat16).transpose(-1, -2)
+    _check_bias(bias.detach().requires_grad_(), q_len, k_len, causal=True,
+                dtype=torch.bfloat16)
 
 
 def test_attn_mask_with_causal_and_odd_layouts():
@@ -129,8 +185,11 @@ def test_attn_mask_skips_the_tiles_it_hides():
 def test_bad_masks_are_clear_errors():
     q, k, v = (randn(B, HQ, 8, 16) for _ in range(3))
     good = torch.ones(8, 8, dtype=torch.bool, device=DEVICE)
-    with pytest.raises(TypeError, match="bool tensor.*score_mod"):
-        kernels.attention(q, k, v, attn_mask=torch.zeros(8, 8, device=DEVICE))
+    with pytest.raises(TypeError, match="bool tensor .* or a floating one"):
+        kernels.attention(q, k, v, attn_mask=torch.zeros(8, 8, dtype=torch.int64,
+                                                         device=DEVICE))
+    with pytest.raises(TypeError, match="bool tensor"):
+        kernels.TensorMask(torch.zeros(8, 8, device=DEVICE))     # prepared: boolean only
     with pytest.raises(ValueError, match=r"does not broadcast to .* \(2, 4, 8, 8\)"):
         kernels.attention(q, k, v, attn_mask=torch.ones(3, 1, 8, 8, dtype=torch.bool,
                                                        device=DEVICE))
@@ -138,27 +197,39 @@ def test_bad_masks_are_clear_errors():
         kernels.attention(q, k, v, attn_mask=torch.ones(8, dtype=torch.bool, device=DEVICE))
     with pytest.raises(ValueError, match="mask_mod or mod_aux"):
         kernels.attention(q, k, v, attn_mask=good, mask_mod=tensor_mask.TENSOR_MASK)
+    with pytest.raises(ValueError, match="score_mod or mod_aux"):
+        kernels.attention(q, k, v, attn_mask=good.float(), score_mod=tensor_mask.TENSOR_BIAS)
+    with pytest.raises(ValueError, match=r"does not broadcast to .* \(2, 4, 8, 8\)"):
+        kernels.attention(q, k, v, attn_mask=torch.zeros(5, 8, device=DEVICE))
     with pytest.raises(ValueError, match="q must be"):
         kernels.attention(q[0], k, v, attn_mask=good)
 
 
 def test_attn_mask_under_torch_compile():
     """``torch.compile(fullgraph=True)`` traces the mask's bounds and its call, with the mask
-    as a graph input or prepared outside; the same results and gradients as eager."""
+    as a graph input or prepared outside, and a bias with its gradient; the same results and
+    gradients as eager."""
     q, k, v = (randn(B, HQ, 33, 16, requires_grad=True) for _ in range(3))
     mask = _mask((B, 1, 33, 33), seed=7)
     prepared = kernels.TensorMask(mask)
+    bias = randn(1, HQ, 33, 33, requires_grad=True)
 
-    def run(fn):
-        out = fn(q, k, v)
-        return (out, *torch.autograd.grad(out, (q, k, v), torch.ones_like(out)))
+    def run(fn, given):
+        out = fn(q, k, v, given)
+        leaves = (q, k, v) + ((given,) if isinstance(given, torch.Tensor)
+                              and given.requires_grad else ())
+        return (out, *torch.autograd.grad(out, leaves, torch.ones_like(out)))
 
-    eager = run(lambda q, k, v: kernels.attention(q, k, v, causal=False, attn_mask=mask))
+    def call(q, k, v, given):
+        return kernels.attention(q, k, v, causal=False, attn_mask=given)
+
     try:
-        for given in (mask, prepared):
-            compiled = torch.compile(lambda q, k, v: kernels.attention(
-                q, k, v, causal=False, attn_mask=given), fullgraph=True, backend="aot_eager")
-            for got, want in zip(run(compiled), eager):
-                assert torch.equal(got, want)
+        for given in (mask, prepared, bias):
+            eager = run(call, given)
+            got = run(torch.compile(call, fullgraph=True, backend="aot_eager"), given)
+            assert all(torch.equal(a, b) for a, b in zip(got[:4], eager[:4]))
+            if given is bias:   # atomics: the sums' order (last bits) may differ, on a GPU
+                assert_parity(got[4], eager[4].double(), eager[4], name="dbias")
     finally:
         torch._dynamo.reset()
+
