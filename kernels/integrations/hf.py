@@ -65,7 +65,9 @@ tile visiting the key tiles from its first visible key to its last): exact, and 
 kind in a ``UserWarning``. What raises ``NotImplementedError`` naming it, never a silently
 different answer: a layer whose ``is_causal`` or ``sliding_window`` disagrees with
 its mask, a custom 4-D mask or any mask transformers' masking utilities did not build through
-our hook, sinks that are not one logit per query head, position biases, paged caches. A
+our hook, sinks that are not one logit per query head, paged caches. T5's position bias
+(``position_bias``) is an additive ``attn_mask``: on the native call without padding, added to
+transformers' boolean mask over padding (sdpa's way); differentiable. A
 layer called with no mask at all (a model that does not build masks through transformers'
 masking utilities) gets causal attention with its ``sliding_window``, as with
 ``flash_attention_2``. ``output_attentions=True`` warns and returns ``None`` weights, as ``sdpa``.
@@ -94,7 +96,6 @@ _HINT = ("use attn_implementation='eager' or 'sdpa' for this model, or call kern
 # Keyword arguments some transformers models pass to attention functions that would change the
 # result and that we cannot honour: raise when one is given (not None).
 _UNSUPPORTED_KWARGS = {
-    "position_bias": "an additive position bias (position_bias)",
     "head_mask": "a head mask (head_mask)",
     "indices": "sparse attention indices (indices)",
     "block_indices": "block-sparse attention indices (block_indices)",
@@ -173,9 +174,27 @@ class MaskInfo:
         self.shift = None   # bidirectional windows: int32 (batch,), see _local_shift
         self.key_padding = None   # under torch.compile: see _traced_padding
         self.dense_mask = None    # transformers' whole mask, a kernels.TensorMask: _whole_mask
+        self.whole_args = None    # _whole_mask's arguments (the hook's), for whole_mask()
+        self._whole = None        # whole_mask(), once computed (or the kept rows' parent)
 
     def contiguous(self):
         return self
+
+    def whole_mask(self):
+        """transformers' boolean mask of this pattern, (batch or 1, 1, q_length, kv_length):
+        the whole-mask path's, or built once from the hook's arguments (``_whole_mask``) for
+        a layer that needs it (a position bias over padding)."""
+        if self.dense_mask is not None:
+            return self.dense_mask.mask
+        if isinstance(self._whole, tuple):      # kept rows: the parent's last rows
+            parent, drop = self._whole
+            self._whole = parent.whole_mask()[:, :, drop:]
+        if self._whole is None:
+            if self.whole_args is None:
+                raise _not_implemented("this layer's mask as a tensor (the mask was not built "
+                                       "by our hook from a padding mask)")
+            self._whole = _whole_mask(**self.whole_args).dense_mask.mask
+        return self._whole
 
     def __getitem__(self, key):
         """``mask[:, :, -n:, :]``: the mask of the last ``n`` query rows only (Gemma 4 keeps the
@@ -201,6 +220,7 @@ class MaskInfo:
         out.dense, out.kv_start, out.kv_used = self.dense, self.kv_start, self.kv_used
         if self.dense_mask is not None:   # the rows read in place, with bounds of their own
             out.dense_mask = TensorMask(self.dense_mask.mask[:, :, drop:])
+        out._whole = (self, drop)
         if self.key_padding is not None:
             out.key_padding = self.key_padding
             out.valid_q = None if self.valid_q is None else self.valid_q[:, drop:]
@@ -402,11 +422,12 @@ def mask_hook(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fun
         if reason not in _WHOLE_MASK_SAID:
             _WHOLE_MASK_SAID.add(reason)
             warnings.warn(f"attn_implementation='triton_fused' computes {reason} through "
-                          f"transformers' whole boolean mask: exact, the mask at sdpa's cost (int8 "
-                          f"(batch, q_len, k_len)), each query tile visiting the key tiles "
-                          f"from its first visible key to its last. Said once.",
+                          f"transformers' whole boolean mask: exact, the mask at sdpa's cost "
+                          f"(bool (batch, q_len, k_len)), each query tile visiting the key "
+                          f"tiles from its first visible key to its last. Said once.",
                           UserWarning, stacklevel=3)
         return _whole_mask(**whole)
+    info.whole_args = whole     # for a layer that needs the mask itself (a position bias)
     return info
 
 
@@ -746,6 +767,13 @@ def _key_padding_torch(b, h, q_idx, kv_idx, aux):
 KEY_PADDING = MaskMod("hf.key_padding", _key_padding_fn, _key_padding_torch)
 
 
+def _biased(position_bias, mask):
+    """A position bias (batch or 1, heads, q_len, k_len) as an additive mask over the boolean
+    ``mask`` (batch or 1, 1, q_len, k_len): -inf where the mask hides (sdpa's
+    ``create_position_bias_mask``, with -inf for its dtype's min); differentiable in the bias."""
+    return position_bias.masked_fill(~mask, float("-inf"))
+
+
 def _not_implemented(what):
     """The NotImplementedError for a feature the model asked for that we do not compute (it
     names the feature and points to the implementations that do)."""
@@ -779,6 +807,7 @@ def attention_function(module, query, key, value, attention_mask, dropout=0.0, s
     for name, what in _UNSUPPORTED_KWARGS.items():
         if kwargs.get(name) is not None:
             raise _not_implemented(what)
+    position_bias = kwargs.get("position_bias")   # T5's relative bias, added to the scores
     cache = kwargs.get("cache")
     if cache is not None and type(cache).__name__ == "PagedAttentionCache":
         raise _not_implemented("a paged KV cache (continuous batching)")
@@ -815,9 +844,11 @@ def attention_function(module, query, key, value, attention_mask, dropout=0.0, s
                                        f"mask of shape {info.dense_mask.shape}")
             if info.dense_mask.device != query.device:
                 info.dense_mask = TensorMask(info.dense_mask.mask.to(query.device))
+            mask = info.dense_mask if position_bias is None else _biased(
+                position_bias, info.dense_mask.mask)
             out = ops.attention(query, key, value, causal=False, dropout_p=dropout_p,
                                 softmax_scale=scaling, softcap=softcap, sinks=sinks,
-                                attn_mask=info.dense_mask)
+                                attn_mask=mask)
             return out.transpose(1, 2), None
         if (info.batch_size, info.q_length, info.kv_length) != (batch, q_len, k_len):
             raise _not_implemented(f"q {tuple(query.shape)}, k {tuple(key.shape)} with a mask "
@@ -845,6 +876,16 @@ def attention_function(module, query, key, value, attention_mask, dropout=0.0, s
         options.update(mask_mod=LOCAL_WINDOW, mod_aux=(
             aux_ints((info.window - 1,), query.device), info.shift.to(query.device)))
 
+    if position_bias is not None and not (info.dense and info.key_padding is None
+                                          and "mask_mod" not in options):
+        # A bias over padding or a two-sided window: one dense call over transformers'
+        # boolean mask with the bias (sdpa's way), its -inf entries hiding what it hides.
+        mask = info.whole_mask().to(query.device)
+        options.update(causal=False, window=None, chunk_size=None, mask_mod=None, mod_aux=())
+        out = ops.attention(query, key, value, attn_mask=_biased(position_bias, mask),
+                            **options)
+        return out.transpose(1, 2), None
+
     if info.dense:
         k, v = key, value
         if (info.kv_start, info.kv_used) != (0, k_len):
@@ -853,6 +894,8 @@ def attention_function(module, query, key, value, attention_mask, dropout=0.0, s
         if info.key_padding is not None:
             options.update(mask_mod=KEY_PADDING, mod_aux=(
                 info.key_padding, aux_ints((info.key_padding.shape[1],), query.device)))
+        if position_bias is not None:    # the bias as an additive mask, the rest native
+            options["attn_mask"] = position_bias[..., info.kv_start:info.kv_used]
         out = ops.attention(query, k, v, **options).transpose(1, 2)
         if info.key_padding is not None and info.valid_q is not None:
             out = torch.where(info.valid_q[:, :, None, None], out, out.new_zeros(()))

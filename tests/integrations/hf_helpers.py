@@ -55,10 +55,11 @@ def _f64_oracle_mask(*args, **kwargs):
 
 
 def _f64_oracle_attention(module, query, key, value, attention_mask, dropout=0.0,
-                          scaling=None, **kwargs):
+                          scaling=None, position_bias=None, **kwargs):
     assert dropout == 0.0
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    return masked_attention(query, key, value, attention_mask, scaling).to(query.dtype), None
+    return masked_attention(query, key, value, attention_mask, scaling,
+                            bias=position_bias).to(query.dtype), None
 
 
 def register_f64_oracle():
@@ -70,11 +71,12 @@ def register_f64_oracle():
     mu.AttentionMaskInterface.register(F64_ORACLE, _f64_oracle_mask)
 
 
-def masked_attention(q, k, v, mask, scaling, *, softcap=None, sinks=None, dtype=torch.float64):
-    """Eager's attention in ``dtype``: softcap · tanh(q kᵀ · scaling / softcap) (if given), a
-    boolean (batch, 1, q_len, k_len) mask, one sink logit per head in the softmax (dropped after
-    it, as gpt-oss does; if given), then @ v (v may have its own head_dim). Rows that see no key
-    give zeros. q (batch, heads, q_len, d); k, v (batch, heads_kv, k_len, d or dv). Returns
+def masked_attention(q, k, v, mask, scaling, *, softcap=None, sinks=None, bias=None,
+                     dtype=torch.float64):
+    """Eager's attention in ``dtype``: softcap · tanh(q kᵀ · scaling / softcap) (if given), an
+    additive ``bias`` (T5's position bias; if given), a boolean (batch, 1, q_len, k_len) mask,
+    one sink logit per head in the softmax (dropped after it, as gpt-oss does; if given), then
+    @ v (v may have its own head_dim). Rows that see no key give zeros. q (batch, heads, q_len, d); k, v (batch, heads_kv, k_len, d or dv). Returns
     (batch, q_len, heads, dv)."""
     group = q.shape[1] // k.shape[1]
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
@@ -82,6 +84,8 @@ def masked_attention(q, k, v, mask, scaling, *, softcap=None, sinks=None, dtype=
     s = (q @ k.transpose(-1, -2)) * scaling
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
+    if bias is not None:            # T5's position bias, added before the mask
+        s = s + bias.to(dtype)
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
     if sinks is not None:

@@ -267,6 +267,41 @@ def test_bart_cross_attention_logits_and_generate_match_eager():
         assert torch.equal(ours.generate(src, **gen), eager.generate(src, **gen))
 
 
+def _t5_config():
+    return transformers.T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+        num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=16,
+        dropout_rate=0.0, pad_token_id=0, decoder_start_token_id=0, eos_token_id=1)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padding-with-holes"])
+@pytest.mark.usefixtures("model_route")
+def test_t5_position_bias_logits_generate_and_gradients_match_eager(padded):
+    """T5's learned relative position bias (passed to every layer as ``position_bias``):
+    without padding an additive ``attn_mask`` on the native causal / bidirectional call; over
+    padding (a hole in a source) added to transformers' boolean mask, as sdpa does. Logits
+    against float64, greedy generation against eager, and one training step's gradients
+    (``relative_attention_bias`` included) within the parity rule."""
+    ours, eager, oracle = _triple(transformers.AutoModelForSeq2SeqLM, _t5_config())
+    src, src_mask = padded_batch([7, 4] if padded else [7, 7], 7, left=[False, False])
+    tgt, tgt_mask = padded_batch([5, 3] if padded else [5, 5], 5, left=[False, False])
+    if padded:
+        src_mask[0, 2] = 0
+    kw = dict(attention_mask=src_mask, decoder_input_ids=tgt, decoder_attention_mask=tgt_mask)
+    with torch.no_grad():
+        out, ref, lowp = (m(src, **kw).logits for m in (ours, oracle, eager))
+        assert_parity(out, ref, lowp, name="T5 logits")
+        gen = dict(attention_mask=src_mask, max_new_tokens=4, do_sample=False, num_beams=1)
+        assert torch.equal(ours.generate(src, **gen), eager.generate(src, **gen))
+    labels = tgt.masked_fill(tgt_mask == 0, -100)
+    for m in (ours, eager, oracle):
+        m.train()
+        m(src, attention_mask=src_mask, labels=labels).loss.backward()
+    bias = ours.encoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight
+    assert bias.grad is not None and bias.grad.abs().sum() > 0
+    assert_param_grads_match("T5", ours, eager, oracle, at_least=10)
+
+
 @pytest.mark.usefixtures("model_route")
 def test_decoder_with_is_causal_false_matches_eager():
     """transformers' "power feature": ``is_causal=False`` makes a decoder bidirectional (its
