@@ -67,6 +67,26 @@ def test_fullgraph_compile_with_padding(kind):
     assert_parity(got[rows], ref[rows], eager[rows], name=f"{kind} compiled, padded")
 
 
+@pytest.mark.usefixtures("model_route")
+def test_fullgraph_compile_t5_with_position_bias_and_padding():
+    """T5 (its position bias added to transformers' boolean mask while tracing: padded
+    encoder self-attention, causal decoder, cross-attention) under fullgraph=True."""
+    ours, eager, oracle = test_hf_encoders._triple(transformers.AutoModelForSeq2SeqLM,
+                                                   test_hf_encoders._t5_config())
+    src, src_mask = padded_batch([7, 4], 7, left=[False, False])
+    tgt, tgt_mask = padded_batch([5, 3], 5, left=[False, False])
+    kw = dict(attention_mask=src_mask, decoder_input_ids=tgt, decoder_attention_mask=tgt_mask)
+    compiled = torch.compile(lambda src, kw: ours(src, **kw).logits, fullgraph=True,
+                             backend="aot_eager")
+    try:
+        with torch.no_grad():
+            got = compiled(src, kw)
+            ref, lowp = (m(src, **kw).logits for m in (oracle, eager))
+    finally:
+        torch._dynamo.reset()
+    assert_parity(got, ref, lowp, name="T5 compiled, padded")
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 @pytest.mark.usefixtures("model_route")
 def test_compiled_static_cache_generate_matches_eager(kind):
