@@ -97,6 +97,10 @@ QUICK = {
     "mods (softcap, ALiBi, score/mask mods, sinks, chunks)": [
         "tests/core/test_mods.py::test_feature_parity[everything]",
     ],
+    "attn_mask (SDPA's boolean and additive masks)": [
+        "tests/core/test_attn_mask.py::test_attn_mask_matches_the_oracle[kernel-17-97-shape1]",
+        "tests/core/test_attn_mask.py::test_additive_mask_matches_the_oracle[kernel-17-97-shape1]",
+    ],
     "CPU fallback (PyTorch path, same semantics and dropout mask)": [
         "tests/core/test_forward.py::test_cpu_fallback_same_semantics",
         "tests/core/test_forward.py::test_cpu_fallback_gradients[13-21-True-0.3]",

@@ -10,8 +10,7 @@ import torch
 import kernels
 import reference
 from kernels.core import tensor_mask
-from tests.core.test_mods import _check
-from tests.helpers import DEVICE, GRAD_FACTOR, assert_parity, randn
+from tests.helpers import DEVICE, GRAD_FACTOR, assert_parity, check_call, randn
 
 B, HQ, HKV = 2, 4, 2
 
@@ -46,7 +45,7 @@ def test_attn_mask_matches_the_oracle(q_len, k_len, shape, route):
                     f"{DEVICE}")
     mask = _mask(shape, seed=q_len * k_len)
     kernel, oracle = _case(mask, causal=False)
-    _check(kernel, b=B, hq=HQ, hkv=HKV, q_len=q_len, k_len=k_len, oracle_case=oracle)
+    check_call(kernel, b=B, hq=HQ, hkv=HKV, q_len=q_len, k_len=k_len, oracle_case=oracle)
 
 
 def _check_bias(bias, q_len, k_len, causal=False, dtype=torch.float32):
@@ -112,7 +111,7 @@ def test_attn_mask_with_causal_and_odd_layouts():
                  _mask((1, 1, q_len, 1), seed=4).expand(B, HQ, q_len, k_len),   # stride 0
                  _mask((B, 1, q_len, 2 * k_len), seed=5)[..., ::2]):   # last stride 2
         kernel, oracle = _case(mask, causal=True)
-        _check(kernel, b=B, hq=HQ, hkv=HKV, q_len=q_len, k_len=k_len, oracle_case=oracle)
+        check_call(kernel, b=B, hq=HQ, hkv=HKV, q_len=q_len, k_len=k_len, oracle_case=oracle)
 
 
 def test_a_prepared_mask_is_the_tensor():

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 import kernels
 import reference
 from kernels import MaskMod, ScoreMod
-from tests.helpers import DEVICE, GRAD_FACTOR, assert_parity, randn
+from tests.helpers import (DEVICE, GRAD_FACTOR, assert_parity, check_call, grads_with_unused,
+                           oracle_kwargs, randn)
 
 SCALE_OF = {16: 0.25, 24: 24 ** -0.5, 32: 32 ** -0.5}
 
@@ -103,55 +104,7 @@ DOCUMENTS_UNBOUNDED = MaskMod("tests.documents_unbounded", _same_doc, _same_doc_
 
 
 # ------------------------------------------------------------------ helpers
-def _oracle_kwargs(case):
-    """The oracle takes the mods' PyTorch twins."""
-    return {key: getattr(value, "torch_fn", value) for key, value in case.items()}
-
-
-def _grads(out, inputs, do):
-    return torch.autograd.grad(out, inputs, do, allow_unused=True)
-
-
-def _check(case, dtype=torch.float32, b=2, hq=4, hkv=2, q_len=19, k_len=23, d=16, dv=16,
-           seed=None, dropout_p=0.0, oracle_case=None, num_splits=0):
-    """Run ``kernels.attention(**case)`` and the oracle in float64 and in ``dtype``; assert the
-    parity rule on out, lse and every gradient (sinks included). ``oracle_case``: the oracle's
-    own arguments where they differ from the kernel's (a mask the oracle takes as a mask)."""
-    case = dict(case)
-    oracle_case = dict(case if oracle_case is None else oracle_case)
-    oracle_case.pop("sinks", None)
-    q = randn(b, hq, q_len, d, dtype=dtype, requires_grad=True)
-    k = randn(b, hkv, k_len, d, dtype=dtype, requires_grad=True)
-    v = randn(b, hkv, k_len, dv, dtype=dtype, requires_grad=True)
-    sinks = case.pop("sinks", None)
-    if sinks == "random":
-        sinks = randn(hq, requires_grad=True)
-    inputs = [q, k, v] + ([sinks] if sinks is not None else [])
-    keep = None
-    if dropout_p:
-        keep = reference.dropout_keep_mask(seed, b, hq, q_len, k_len, dropout_p, device=DEVICE)
-    out, lse = kernels.attention(q, k, v, sinks=sinks, dropout_p=dropout_p, seed=seed,
-                                 return_lse=True, num_splits=num_splits, **case)
-    assert out.shape == (b, hq, q_len, dv) and out.dtype == dtype
-    do = randn(*out.shape, dtype=dtype)
-    grads = _grads(out, inputs, do)
-
-    ref_in = [t.detach().double().requires_grad_() for t in inputs]
-    low_in = [t.detach().clone().requires_grad_() for t in inputs]
-    refs = {}
-    for name, ins, upcast in (("ref", ref_in, True), ("low", low_in, False)):
-        o, l = reference.attention(*ins[:3], sinks=ins[3] if sinks is not None else None,
-                                   dropout_p=dropout_p, keep_mask=keep, upcast=upcast,
-                                   return_lse=True, **_oracle_kwargs(oracle_case))
-        refs[name] = (o, l, _grads(o, ins, do.to(o.dtype)))
-    (ro, rl, rg), (lo, ll, lg) = refs["ref"], refs["low"]
-    assert_parity(out, ro, lo)
-    finite = torch.isfinite(rl)
-    assert torch.equal(torch.isfinite(lse), finite), "lse: -inf rows differ from the oracle"
-    assert_parity(lse[finite], rl[finite].float(), ll[finite].float(), name="lse")
-    for name, g, r, l in zip(("dq", "dk", "dv", "dsinks"), grads, rg, lg):
-        assert_parity(g, r, l, factor=GRAD_FACTOR, name=name)
-    return out, grads
+_oracle_kwargs, _grads, _check = oracle_kwargs, grads_with_unused, check_call
 
 
 CASES = {
