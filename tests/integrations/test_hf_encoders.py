@@ -256,13 +256,20 @@ def test_bert_training_gradients_match_eager():
 def test_bart_cross_attention_logits_and_generate_match_eager():
     """Encoder (bidirectional, padded sources), decoder self-attention (causal) and
     cross-attention (bidirectional over the encoder's padded keys, q_len != k_len)."""
-    ours, eager, oracle = _triple(transformers.AutoModelForSeq2SeqLM, _bart_config())
+    models = _triple(transformers.AutoModelForSeq2SeqLM, _bart_config())
     src, src_mask = padded_batch([7, 4], 7, left=[False, False])
     tgt, tgt_mask = padded_batch([5, 5], 5, left=[False, False])
+    _assert_seq2seq(models, src, src_mask, tgt, tgt_mask, "BART")
+
+
+def _assert_seq2seq(models, src, src_mask, tgt, tgt_mask, name):
+    """(ours, eager, oracle) of a seq2seq model: logits within the parity rule of the float64
+    oracle's (eager's as the low-precision reference), greedy generation equal to eager's."""
+    ours, eager, oracle = models
     kw = dict(attention_mask=src_mask, decoder_input_ids=tgt, decoder_attention_mask=tgt_mask)
     with torch.no_grad():
         out, ref, lowp = (m(src, **kw).logits for m in (ours, oracle, eager))
-        assert_parity(out, ref, lowp, name="BART logits")
+        assert_parity(out, ref, lowp, name=f"{name} logits")
         gen = dict(attention_mask=src_mask, max_new_tokens=4, do_sample=False, num_beams=1)
         assert torch.equal(ours.generate(src, **gen), eager.generate(src, **gen))
 
@@ -287,12 +294,7 @@ def test_t5_position_bias_logits_generate_and_gradients_match_eager(padded):
     tgt, tgt_mask = padded_batch([5, 3] if padded else [5, 5], 5, left=[False, False])
     if padded:
         src_mask[0, 2] = 0
-    kw = dict(attention_mask=src_mask, decoder_input_ids=tgt, decoder_attention_mask=tgt_mask)
-    with torch.no_grad():
-        out, ref, lowp = (m(src, **kw).logits for m in (ours, oracle, eager))
-        assert_parity(out, ref, lowp, name="T5 logits")
-        gen = dict(attention_mask=src_mask, max_new_tokens=4, do_sample=False, num_beams=1)
-        assert torch.equal(ours.generate(src, **gen), eager.generate(src, **gen))
+    _assert_seq2seq((ours, eager, oracle), src, src_mask, tgt, tgt_mask, "T5")
     labels = tgt.masked_fill(tgt_mask == 0, -100)
     for m in (ours, eager, oracle):
         m.train()
