@@ -120,9 +120,11 @@ def attention(q, k, v, *, causal=True, dropout_p=0.0, softmax_scale=None, seed=N
             - bool: True where the query attends to the key. Tiles before a query block's
               first visible key and after its last are skipped (per 16 rows;
               ``kernels.core.tensor_mask``): a causal, windowed, chunked or block-diagonal
-              mask costs about what it shows. The bounds cost a few reductions over the mask
-              per call; a ``kernels.TensorMask(mask)`` computes them once for every call it
-              is passed to. Takes the mask mod's place (not with mask_mod / mod_aux); or
+              mask costs about what it shows. The bounds (a few reductions over the mask) are
+              computed once per mask tensor and version, so the layers of a model sharing one
+              mask pay them once; under torch.compile, pass a ``kernels.TensorMask(mask)``
+              built outside for the same. Takes the mask mod's place (not with mask_mod /
+              mod_aux); or
             - float: added to the scaled scores (-inf hides a pair), after softcap and ALiBi;
               differentiable (``attn_mask.grad``, summed over its broadcast dims; atomics:
               its last bits vary run to run). Converted to float32 once per call if it is not.

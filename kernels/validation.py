@@ -318,7 +318,7 @@ def check_attn_mask(attn_mask, q, k, score_mod, mask_mod, mod_aux):
                              f"heads_q, q_len, k_len), got shape {tuple(attn_mask.shape)}")
         shape, device = tuple(as_4d(attn_mask).shape), attn_mask.device
     else:
-        mask = attn_mask if isinstance(attn_mask, TensorMask) else TensorMask(attn_mask)
+        mask = attn_mask if isinstance(attn_mask, TensorMask) else TensorMask.of(attn_mask)
         shape, device = mask.shape, mask.device
     if not (isinstance(q, torch.Tensor) and q.dim() == 4 and isinstance(k, torch.Tensor)
             and k.dim() == 4):

@@ -34,6 +34,7 @@ for dK / dV, the query tiles outside its keys' rows); gaps in between are visite
 import torch
 import triton
 import triton.language as tl
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .mods import MaskMod, ScoreMod, aux_ints
 
@@ -190,10 +191,18 @@ def bias_aux(bias, target):
     return (b4, aux_ints(ints, b4.device, dtype))
 
 
+# bool mask tensor -> (its version counter, its bounds per (q_len, k_len)): the layers of a
+# model that pass one mask tensor compute its bounds once (``TensorMask.of``). Only the bounds
+# are held, never the mask, so the key stays collectable.
+_BOUNDS = WeakIdKeyDictionary()
+
+
 class TensorMask:
-    """A boolean attention mask prepared for the kernels (a float one needs no preparing): pass it as ``attn_mask`` to several
-    calls (the layers of a model) instead of the tensor, so that its tile bounds (a few
-    reductions over the mask) are computed once per (q_len, k_len), not at each call.
+    """A boolean attention mask prepared for the kernels: its tile bounds (a few reductions
+    over the mask), computed once per (q_len, k_len) and kept. A bool tensor passed as
+    ``attn_mask`` gets them once per tensor and version in eager calls (``of``); a
+    ``TensorMask`` passed instead keeps them under torch.compile too (built outside the
+    compiled function) and wherever the tensor is rebuilt per call. A float mask needs none.
 
     Args:
         mask: bool, broadcastable to (batch, heads_q, q_len, k_len) of the calls it serves
@@ -213,6 +222,19 @@ class TensorMask:
         self._int8 = as_4d(mask.view(torch.int8))
         self.shape = tuple(self._int8.shape)
         self._bounds = {}
+
+    @classmethod
+    def of(cls, mask):
+        """The ``TensorMask`` of a bool tensor passed as ``attn_mask``: its bounds shared with
+        every earlier call on the same tensor at the same version (an in-place change makes
+        new ones); while tracing under torch.compile a fresh one (the graph computes them)."""
+        prepared = cls(mask)
+        if not torch.compiler.is_compiling():
+            hit = _BOUNDS.get(mask)
+            if hit is None or hit[0] != mask._version:
+                hit = _BOUNDS[mask] = (mask._version, {})
+            prepared._bounds = hit[1]
+        return prepared
 
     @property
     def device(self):

@@ -232,3 +232,21 @@ def test_attn_mask_under_torch_compile():
     finally:
         torch._dynamo.reset()
 
+
+
+def test_a_mask_tensor_gets_its_bounds_once(monkeypatch):
+    """Calls on one bool tensor (a model's layers) compute its bounds once; an in-place change
+    of the mask makes new ones (and the results follow it)."""
+    counted = []
+    spans = tensor_mask._spans
+    monkeypatch.setattr(tensor_mask, "_spans", lambda g: counted.append(1) or spans(g))
+    q, k, v = (randn(1, 2, 20, 16) for _ in range(3))
+    mask = _mask((1, 1, 20, 20), seed=9)
+    first = kernels.attention(q, k, v, causal=False, attn_mask=mask)
+    assert len(counted) == 2                          # key and query bounds
+    assert torch.equal(kernels.attention(q, k, v, causal=False, attn_mask=mask), first)
+    assert len(counted) == 2
+    mask[..., :16, :] = False                         # rows 0..15 now see nothing
+    changed = kernels.attention(q, k, v, causal=False, attn_mask=mask)
+    assert len(counted) == 4
+    assert (changed[:, :, :16] == 0).all() and torch.equal(changed[:, :, 16:], first[:, :, 16:])
