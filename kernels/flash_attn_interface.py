@@ -65,7 +65,8 @@ heads_k)) with ``torch.float8_e4m3fn`` q, k, v in ``flash_attn_func`` and
 ``flash_attn_varlen_func`` (forward only; output bf16), and an FP8 cache (with fp16 / bf16 or
 FP8 q) in ``flash_attn_with_kvcache``: ``kernels.attention``'s FP8 path (docs/features.md).
 FlashAttention 3's paged varlen call: ``page_table`` (its name for ``block_table``, also in
-``flash_attn_with_kvcache``) with ``seqused_k`` (key counts) in place of ``cu_seqlens_k``.
+``flash_attn_with_kvcache``) with ``seqused_k`` (key counts) in place of ``cu_seqlens_k``;
+without pages, ``seqused_k`` counts the keys each packed sequence uses (forward only).
 FlashAttention 3's scheduling hints (``scheduler_metadata``, ``sm_margin``, ``pack_gqa``,
 ``num_splits``) are accepted and change nothing. Not supported (``NotImplementedError`` naming
 the argument): FlashAttention 3's other arguments (``qv``, ``seqused_q``, ...). Errors
@@ -527,6 +528,34 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
 
 
 # ---------------------------------------------------------------------------- varlen
+def _row_pages(q, k, v, cu_seqlens_k, seqused_k, max_seqlen_k):
+    """Packed k, v (total_k, heads_k, d) with FlashAttention 3's ``seqused_k`` as a paged cache
+    of one-row pages: (k, v) viewed (total_k, 1, heads_k, d) (no copy) and the int32
+    (num_seqs, max_seqlen_k) table whose row s is cu_seqlens_k[s] + arange (clamped to the
+    last row: entries past a sequence's count are never read). Checks, outside torch.compile
+    tracing, that each count is within its sequence (a larger one would read the next
+    sequence's keys)."""
+    if cu_seqlens_k is None:
+        raise RuntimeError("seqused_k without a paged cache needs cu_seqlens_k (where each "
+                           "sequence's keys start)")
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise RuntimeError(f"{name} must be (total, heads, head_dim), got "
+                               f"{tuple(getattr(t, 'shape', ()))}")
+    _index_tensor("cu_seqlens_k", cu_seqlens_k, q.device, (None,))
+    _index_tensor("seqused_k", seqused_k, q.device, (cu_seqlens_k.numel() - 1,))
+    lens = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    if not torch.compiler.is_compiling():
+        if bool((seqused_k < 0).any()) or bool((seqused_k > lens).any()):
+            raise RuntimeError(f"seqused_k must be within each sequence's keys (0 <= "
+                               f"seqused_k[s] <= cu_seqlens_k[s + 1] - cu_seqlens_k[s]), got "
+                               f"{seqused_k.tolist()} for lengths {lens.tolist()}")
+    width = _longest(cu_seqlens_k, max_seqlen_k)
+    rows = cu_seqlens_k[:-1, None] + torch.arange(width, device=q.device, dtype=torch.int32)
+    table = rows.clamp(max=max(k.shape[0] - 1, 0)).to(torch.int32)
+    return k.unsqueeze(1), v.unsqueeze(1), table
+
+
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None,
                            max_seqlen_k=None, dropout_p=0.0, softmax_scale=None, causal=False,
                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
@@ -550,8 +579,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
             without dropout (``attention_varlen(..., block_table=)``); its pages may be FP8
             (float8_e4m3fn) under fp16 / bf16 q, with k_descale / v_descale.
         page_table: FlashAttention 3's name for ``block_table`` (one or the other).
-        seqused_k: with a paged cache, int32 (batch,): the key count of each sequence
-            (FlashAttention 3's and vLLM's paged call; cu_seqlens_k is then not needed).
+        seqused_k: int32 (batch,): the key count of each sequence. With a paged cache
+            (FlashAttention 3's and vLLM's paged call) cu_seqlens_k is then not needed;
+            without one (FlashAttention 3's packed keys with counts), sequence s uses rows
+            cu_seqlens_k[s] : cu_seqlens_k[s] + seqused_k[s] of k and v, read in place as a
+            paged cache of one-row pages: forward only, no dropout, causal aligned by the
+            used count (as FlashAttention 3).
         q_descale, k_descale, v_descale: FP8 descales, float32 (batch, heads_k), as in
             ``flash_attn_func``.
         attention_chunk, s_aux, learnable_sink: as in ``flash_attn_func`` (positions are
@@ -567,9 +600,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
     block_table = _page_table(block_table, page_table)
     paged = block_table is not None
     if seqused_k is not None and not paged:
-        raise NotImplementedError("seqused_k without a paged cache (block_table / page_table) "
-                                  "is not supported: pass each sequence's used keys packed, "
-                                  "through cu_seqlens_k")
+        # FlashAttention 3's packed keys with per-sequence counts: sequence s uses rows
+        # cu_seqlens_k[s] : cu_seqlens_k[s] + seqused_k[s]. Read in place as a paged cache of
+        # one-row pages (page j of sequence s is row cu_seqlens_k[s] + j): the paged path's
+        # kernel, counts and bottom-right alignment by the used length, forward only.
+        k, v, block_table = _row_pages(q, k, v, cu_seqlens_k, seqused_k, max_seqlen_k)
+        paged = True
     if cu_seqlens_k is None and seqused_k is None:
         raise RuntimeError("cu_seqlens_k is required (it may be None only with a paged cache "
                            "and seqused_k)")

@@ -849,7 +849,32 @@ def test_varlen_block_table():
     with pytest.raises(RuntimeError, match="pass one"):
         flash_attn_varlen_func(q, pool[0], pool[1], cu_q, cu_k, block_table=table,
                                page_table=table)
-    with pytest.raises(NotImplementedError, match="seqused_k without a paged cache"):
-        flash_attn_varlen_func(q, *packed, cu_q, cu_k, 4, 9, seqused_k=seqused)
     with pytest.raises(RuntimeError, match="cu_seqlens_k is required"):
         flash_attn_varlen_func(q, *packed, cu_q)
+
+
+def test_varlen_seqused_k_without_pages():
+    """FlashAttention 3's packed keys with per-sequence counts: sequence s uses rows
+    cu_seqlens_k[s] : cu_seqlens_k[s] + seqused_k[s] (an empty count too), causal aligned by
+    the count; bit for bit the packed call over just those keys. Counts past a sequence, and
+    a backward, raise RuntimeError."""
+    gen = torch.Generator().manual_seed(6)
+    lens_q, lens_k, used = [1, 4, 3], [6, 9, 5], [4, 9, 0]
+    q = torch.randn(sum(lens_q), 4, 16, generator=gen).to(DEVICE)
+    k, v = (torch.randn(sum(lens_k), 2, 16, generator=gen).to(DEVICE) for _ in range(2))
+    starts = [0, 6, 15]
+    kept = [torch.cat([x[s:s + n] for s, n in zip(starts, used)]) for x in (k, v)]
+    seqused = torch.tensor(used, dtype=torch.int32, device=DEVICE)
+    for causal in (False, True):
+        want = flash_attn_varlen_func(q, *kept, _cu(lens_q), _cu(used), 4, 9, causal=causal)
+        got = flash_attn_varlen_func(q, k, v, _cu(lens_q), _cu(lens_k), 4, 9, causal=causal,
+                                     seqused_k=seqused)
+        assert torch.equal(got, want), causal
+    with pytest.raises(RuntimeError, match="within each sequence"):
+        flash_attn_varlen_func(q, k, v, _cu(lens_q), _cu(lens_k), seqused_k=seqused + 1)
+    with pytest.raises(RuntimeError, match="needs cu_seqlens_k"):
+        flash_attn_varlen_func(q, k, v, _cu(lens_q), seqused_k=seqused)
+    out = flash_attn_varlen_func(q, k, v.requires_grad_(), _cu(lens_q), _cu(lens_k),
+                                 seqused_k=seqused)
+    with pytest.raises(RuntimeError, match="forward-only"):
+        out.sum().backward()
