@@ -175,15 +175,21 @@ def _offset_ints(t, target):
                                                        else torch.int64)
 
 
+def _read_once(t, dims):
+    """``t`` with each of ``dims`` that is broadcast (size > 1, stride 0) narrowed to size 1:
+    the same values, each read once (the offsets' strides broadcast them back)."""
+    for d in dims:
+        if t.shape[d] > 1 and t.stride(d) == 0:
+            t = t.narrow(d, 0, 1)
+    return t
+
+
 def bias_aux(bias, target):
     """TENSOR_BIAS's ``mod_aux`` for a float ``bias`` broadcastable to ``target`` (batch,
     heads_q, q_len, k_len) (checked by the caller): the bias as float32 in its own (not
     broadcast) shape, keys unit-stride (copied where it is not), and its offsets. A bias that
     requires grad gets it through this conversion."""
-    b4 = as_4d(bias)
-    for d in range(4):          # a broadcast (stride-0) dim read once
-        if b4.shape[d] > 1 and b4.stride(d) == 0:
-            b4 = b4.narrow(d, 0, 1)
+    b4 = _read_once(as_4d(bias), range(4))
     if b4.stride(-1) != 1 and b4.shape[-1] > 1 or bias.requires_grad:
         b4 = b4.contiguous()
     b4 = b4.float()
@@ -246,10 +252,7 @@ class TensorMask:
         docstring; the union over heads (a mod's bounds do not see the head)."""
         hit = self._bounds.get((q_len, k_len))
         if hit is None:
-            seen = self._int8
-            for d in (0, 1):      # a broadcast (stride-0) batch or head dim is read once
-                if seen.shape[d] > 1 and seen.stride(d) == 0:
-                    seen = seen.narrow(d, 0, 1)
+            seen = _read_once(self._int8, (0, 1))   # a broadcast batch or head dim
             seen = (seen.amax(1) if seen.shape[1] > 1 else seen[:, 0]).expand(
                 -1, q_len, k_len)
             hit = self._bounds[(q_len, k_len)] = (

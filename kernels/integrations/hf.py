@@ -175,7 +175,8 @@ class MaskInfo:
         self.key_padding = None   # under torch.compile: see _traced_padding
         self.dense_mask = None    # transformers' whole mask, a kernels.TensorMask: _whole_mask
         self.whole_args = None    # _whole_mask's arguments (the hook's), for whole_mask()
-        self._whole = None        # whole_mask(), once computed (or the kept rows' parent)
+        self.kept_from = None     # (parent MaskInfo, rows dropped): mask[:, :, -n:, :]
+        self._whole = None        # whole_mask(), once computed
 
     def contiguous(self):
         return self
@@ -186,8 +187,8 @@ class MaskInfo:
         a layer that needs it (a position bias over padding)."""
         if self.dense_mask is not None:
             return self.dense_mask.mask
-        if isinstance(self._whole, tuple):      # kept rows: the parent's last rows
-            parent, drop = self._whole
+        if self._whole is None and self.kept_from is not None:   # the parent's last rows
+            parent, drop = self.kept_from
             self._whole = parent.whole_mask()[:, :, drop:]
         if self._whole is None:
             if self.whole_args is None:
@@ -220,7 +221,7 @@ class MaskInfo:
         out.dense, out.kv_start, out.kv_used = self.dense, self.kv_start, self.kv_used
         if self.dense_mask is not None:   # the rows read in place, with bounds of their own
             out.dense_mask = TensorMask(self.dense_mask.mask[:, :, drop:])
-        out._whole = (self, drop)
+        out.kept_from = (self, drop)
         if self.key_padding is not None:
             out.key_padding = self.key_padding
             out.valid_q = None if self.valid_q is None else self.valid_q[:, drop:]
@@ -514,10 +515,10 @@ def _whole_mask(mu, batch_size, q_length, kv_length, q_offset, kv_offset, mask_f
     the fast layouts do not compute, and under torch.compile for one whose reading (a window,
     chunks, packed sequences, extra mask functions: closures Dynamo does not trace) or a query
     offset held in a tensor (static caches) would break the graph. Exact for any pattern
-    transformers builds (query rows at padding are computed as eager computes them). Costs an
-    int8 (batch, q_length, kv_length) mask, as sdpa's, and the key tiles each query tile's
-    rows see from the first visible key to the last (the mask's tile bounds, computed once
-    per mask; gaps in between are visited and masked)."""
+    transformers builds (query rows at padding are computed as eager computes them). Costs
+    sdpa's bool (batch, q_length, kv_length) mask, read in place, and the key tiles each query
+    tile's rows see from the first visible key to the last (the mask's tile bounds, computed
+    once per mask; gaps in between are visited and masked)."""
     mask = mu.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
                         q_offset=q_offset, kv_offset=kv_offset, mask_function=mask_function,
                         attention_mask=attention_mask, local_size=local_size,
