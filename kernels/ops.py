@@ -5,6 +5,8 @@ Each is one line of the pipeline (kernels/pipeline.py): resolve the call (valida
 signature) → its cached plan → run it. The plan cache is ``kernels.plans``
 (``kernels.plans.stats()``, ``kernels.plans.clear()``); docs/layout.md draws the layers.
 """
+import torch
+
 from .core import fallback
 from .core.call import default_softmax_scale  # noqa: F401  (re-exported for integrations)
 from .core.backend import _use_fallback  # noqa: F401  (the backend decision; tools patch it)
@@ -306,32 +308,50 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, *
 
 def forward_with_lse(q, k, v, *, causal=True, dropout_p=0.0, softmax_scale=None, seed=0,
                      window=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-                     max_seqlen_k=None, drop_layout=None):
+                     max_seqlen_k=None, drop_layout=None, attn_mask=None):
     """(out, lse) of ``attention`` (dense) or ``attention_varlen`` (with cu_seqlens), same
     arguments and validation, but as a plain forward: for integrations that register their own
     backward (kernels.sdpa, kernels.distributed), which pass the same arguments to
     ``backward``. ``seed``: an int, or a 0-d int64 tensor on q's device (read by the
     kernels, never by the host: no sync), the dropout mask's Philox key; ignored without
-    dropout.
+    dropout. ``attn_mask``: ``attention``'s (bool or additive float; dense calls only).
     ``drop_layout``: see ``check_drop_layout`` (context parallelism's blocks)."""
-    plan, mods, packed, seed_t = integration_plan(
-        q, k, v, causal, dropout_p, softmax_scale, window, cu_seqlens_q, cu_seqlens_k,
-        max_seqlen_q, max_seqlen_k, drop_layout, seed)
-    return integration_forward(plan, mods, packed, seed_t, q, k, v)
+    c = integration_plan(q, k, v, causal, dropout_p, softmax_scale, window, cu_seqlens_q,
+                         cu_seqlens_k, max_seqlen_q, max_seqlen_k, drop_layout, seed, attn_mask)
+    return integration_forward(c, q, k, v)
 
 
 def backward(do, q, k, v, out, lse, *, causal=True, dropout_p=0.0, softmax_scale=None, seed=0,
              window=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-             max_seqlen_k=None, drop_layout=None):
+             max_seqlen_k=None, drop_layout=None, attn_mask=None, attn_mask_grad=False):
     """(dq, dk, dv) for ``do`` = dL/d(out), given the (out, lse) of ``forward_with_lse`` with
     the same arguments; shapes and layouts of q, k, v. Deterministic. With another call's
     (out, lse) -- the merged result of several key blocks -- it gives this block's share of the
-    gradients (FlashAttention-2's backward only needs the final out and lse)."""
-    plan, mods, packed, seed_t = integration_plan(
-        q, k, v, causal, dropout_p, softmax_scale, window, cu_seqlens_q, cu_seqlens_k,
-        max_seqlen_q, max_seqlen_k, drop_layout, seed)
-    check_grad_shapes(do, q, out, lse, packed is not None)
-    return integration_backward(plan, mods, packed, seed_t, do, q, k, v, out, lse)
+    gradients (FlashAttention-2's backward only needs the final out and lse).
+
+    ``attn_mask_grad`` (an additive float ``attn_mask``): returns (dq, dk, dv, d_attn_mask),
+    the last in attn_mask's shape and dtype, the gradient of each of its elements as given (a
+    broadcast (stride-0) view's elements each get their own; its size-1 dims sum over what
+    they broadcast to). Not deterministic in its last bits (atomics)."""
+    if attn_mask_grad:
+        if not (isinstance(attn_mask, torch.Tensor) and attn_mask.is_floating_point()):
+            raise ValueError(f"attn_mask_grad=True needs an additive (floating) attn_mask, got "
+                             f"{_describe(attn_mask)}")
+        # Each element its own gradient: one fp32 copy of the mask in its own shape (the
+        # kernels' gradient buffer shares its indexing).
+        mask_in = attn_mask
+        attn_mask = attn_mask.contiguous()
+    c = integration_plan(q, k, v, causal, dropout_p, softmax_scale, window, cu_seqlens_q,
+                         cu_seqlens_k, max_seqlen_q, max_seqlen_k, drop_layout, seed, attn_mask)
+    check_grad_shapes(do, q, out, lse, c.packed is not None)
+    grads = integration_backward(c, do, q, k, v, out, lse, aux_grad=attn_mask_grad)
+    if not attn_mask_grad:
+        return grads
+    return (*grads[:3], grads[3].reshape(mask_in.shape).to(mask_in.dtype))
+
+
+def _describe(t):
+    return f"{t.dtype} tensor" if isinstance(t, torch.Tensor) else type(t).__name__
 
 
 def visible_mask(q_len, k_len, *, causal=True, window=None, chunk_size=None, device=None):

@@ -900,20 +900,50 @@ _varlen_paged_op = _define(
 # --------------------------------------------------------------------------------------------
 # Entry points for integrations that own their autograd formula (kernels.sdpa, distributed)
 # --------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class IntegrationCall:
+    """One ``forward_with_lse`` / ``backward`` call, resolved: its ``plan`` and ``mods`` (as
+    ``attention_plan`` returns them), ``packed`` (cu_seqlens and max lengths, or None), the
+    seed tensor and the ``mod_aux`` of its ``attn_mask`` (() without one)."""
+    plan: AttentionPlan
+    mods: object
+    packed: object
+    seed_t: torch.Tensor
+    mod_aux: tuple = ()
+
+    @property
+    def cu(self):
+        return (None, None) if self.packed is None else self.packed[:2]
+
+    @property
+    def max_seqlens(self):
+        return (-1, -1) if self.packed is None else self.packed[2:]
+
+
 def integration_plan(q, k, v, causal, dropout_p, softmax_scale, window, cu_seqlens_q,
-                     cu_seqlens_k, max_seqlen_q, max_seqlen_k, drop_layout, seed):
-    """(plan, mods, packed, seed tensor) of a ``forward_with_lse`` / ``backward`` call, as
-    ``attention_plan`` (``seed``: an int, or a one-element int64 tensor on the device)."""
-    options = (causal, dropout_p, softmax_scale, window, 0, None, None, None, None,
+                     cu_seqlens_k, max_seqlen_q, max_seqlen_k, drop_layout, seed,
+                     attn_mask=None) -> IntegrationCall:
+    """The ``IntegrationCall`` of a ``forward_with_lse`` / ``backward`` call, as
+    ``attention_plan`` (``seed``: an int, or a one-element int64 tensor on the device;
+    ``attn_mask``: ``attention``'s, dense calls only)."""
+    score_mod = mask_mod = None
+    mod_aux = ()
+    if attn_mask is not None:
+        if cu_seqlens_q is not None:
+            raise ValueError("attn_mask is for dense calls (batch, heads, seq, head_dim); "
+                             "packed sequences (cu_seqlens) take none")
+        score_mod, mask_mod, mod_aux = check_attn_mask(attn_mask, q, k, None, None, ())
+    options = (causal, dropout_p, softmax_scale, window, 0, None, None, score_mod, mask_mod,
                None if drop_layout is None else tuple(drop_layout))
     packed = None if cu_seqlens_q is None else _packed(cu_seqlens_q, cu_seqlens_k, q, k,
                                                          max_seqlen_q, max_seqlen_k)
-    plan, mods = attention_plan(q, k, v, options, packed=packed)
+    plan, mods = attention_plan(q, k, v, options, mod_aux=mod_aux, packed=packed)
     if plan.fp8:
         raise TypeError(f"FP8 (float8_e4m3fn) inputs are forward-only: they go through "
                         f"kernels.attention / attention_varlen; this entry point has a backward "
                         f"and takes float16, bfloat16 or float32, got q {q.dtype}")
-    return plan, mods, packed, seed_tensor(plan.dropout_p, seed, q.device)
+    return IntegrationCall(plan, mods, packed, seed_tensor(plan.dropout_p, seed, q.device),
+                           tuple(mod_aux))
 
 
 def check_grad_shapes(do, q, out, lse, packed):
@@ -924,24 +954,38 @@ def check_grad_shapes(do, q, out, lse, packed):
                          f"{tuple(out.shape)}, lse {tuple(lse.shape)}")
 
 
-def integration_forward(plan, mods, packed, seed_t, q, k, v):
-    cu = (None, None) if packed is None else packed[:2]
+def integration_forward(c: IntegrationCall, q, k, v):
+    """(out, lse) of the call ``c``, without autograd."""
     with torch.no_grad():
-        if mods is not None:
-            return _fwd_op(q, k, v, *cu, *(packed[2:] if packed else (-1, -1)), seed_t, None,
-                           None, [], call_spec(plan.call, plan.num_splits))
-        return plan.forward(q, k, v, seed_t, plan.call, *cu)
+        if c.mods is not None:
+            return _fwd_op(q, k, v, *c.cu, *c.max_seqlens, c.seed_t, None, None,
+                           list(c.mods.aux), call_spec(c.plan.call, c.plan.num_splits))
+        call = with_tensors(c.plan.call, None, None, c.mod_aux)
+        return c.plan.forward(q, k, v, c.seed_t, call, *c.cu)
 
 
-def integration_backward(plan, mods, packed, seed_t, do, q, k, v, out, lse):
-    cu = (None, None) if packed is None else packed[:2]
+def integration_backward(c: IntegrationCall, do, q, k, v, out, lse, aux_grad=False):
+    """(dq, dk, dv) of the call ``c``, without autograd; with ``aux_grad`` (an additive
+    ``attn_mask``'s gradient wanted) also the fp32 gradient of its float32 copy, ``mod_aux[0]``
+    (``tensor_mask.bias_aux``)."""
     lse = lse.float().contiguous()
+    aux = c.mod_aux if c.mods is None else c.mods.aux
+    score_mod = c.plan.call.mods.score_mod
+    wanted = [aux_grad and score_mod is not None and i in score_mod.grad_aux
+              for i in range(len(aux))]
     with torch.no_grad():
-        if mods is not None:
-            return tuple(_bwd_op(do, q, k, v, out, lse, *cu,
-                                 *(packed[2:] if packed else (-1, -1)), seed_t, None, None, [],
-                                 call_spec(plan.call, plan.num_splits), [], False))
-        return plan.backward(do, q, k, v, out, lse, seed_t, plan.call, *cu)
+        if c.mods is not None:
+            res = _bwd_op(do, q, k, v, out, lse, *c.cu, *c.max_seqlens, c.seed_t, None, None,
+                          list(aux), call_spec(c.plan.call, c.plan.num_splits), wanted, False)
+            grads, daux = tuple(res[:3]), res[3:]
+        else:
+            daux = aux_grad_buffers(score_mod, aux) if any(wanted) else None
+            grads = c.plan.backward(do, q, k, v, out, lse, c.seed_t,
+                                    with_tensors(c.plan.call, None, None, aux), *c.cu, daux=daux)
+    if not aux_grad:
+        return grads
+    assert any(wanted), "aux_grad asks for the gradient of an additive attn_mask"
+    return (*grads, daux[wanted.index(True)])
 
 
 __all__ = ["plans", "PlanCache"]

@@ -1,11 +1,12 @@
-"""Our kernel as PyTorch SDPA's flash-attention implementation (torch >= 2.10).
+"""Our kernel as PyTorch SDPA's flash-attention implementation (torch >= 2.10), and as its
+memory-efficient one (the calls with an ``attn_mask``).
 
 ::
 
     import kernels.sdpa, torch
     kernels.sdpa.register()                                            # once; activates nothing
     torch.nn.attention.activate_flash_attention_impl("triton_fused")   # opt in
-    ...  # F.scaled_dot_product_attention on CUDA, flash backend -> our kernel, fwd and bwd
+    ...  # F.scaled_dot_product_attention on CUDA, flash or efficient backend -> our kernel
     torch.nn.attention.restore_flash_attention_impl()                  # back to PyTorch's own
 
 Activation overrides the CUDA kernels of PyTorch's flash ops (as torch's own FA4 provider,
@@ -23,6 +24,19 @@ backward (what ``F.scaled_dot_product_attention`` calls), and ``aten::_flash_att
   regenerates the identical mask from it.
 * ``window_size_left = L``, ``window_size_right = 0`` (or ``is_causal``) is our causal
   ``window = L + 1``.
+* SDPA's memory-efficient op, ``aten::_scaled_dot_product_efficient_attention`` and its
+  backward, is overridden too: SDPA sends it the calls flash does not take, among them every
+  call with an ``attn_mask`` (which SDPA hands over as an additive bias, a bool mask turned
+  into 0 / -inf) and fp32 inputs. The bias is read through its strides (SDPA's broadcast view
+  costs no copy) and is differentiable: its gradient has the broadcast shape (B, H, L, S)
+  and the bias's dtype, as PyTorch's kernel returns it (summed by autograd afterwards; an
+  fp32 buffer of that shape while computed). ``is_causal`` with q_len != k_len is
+  top-left aligned in this op (query i sees keys j <= i), run as a bool mask. Every tile is
+  visited with a bias (its values are not read on the host); a row whose keys are all -inf
+  gives zeros where PyTorch gives NaN. The logsumexp is (B, H, L rounded up to 32), as
+  PyTorch's; the output is laid out (B, L, H, D) in memory, as the op's meta function says (a
+  copy when q is laid out (B, H, L, D)). ``aten::_efficient_attention_forward`` (the
+  xFormers-style op with its own mask types) keeps PyTorch's kernel.
 
 Anything else raises ``RuntimeError`` naming what is unsupported (once the CUDA kernel is
 overridden there is no public way back to PyTorch's for one call): ``return_debug_mask``,
@@ -31,6 +45,7 @@ ahead (``window_size_right > 0``) or bidirectional local windows. Rows that see 
 zeros with lse ``-inf`` (FlashAttention-2 reports ``+inf`` there; the lse only feeds our own
 backward).
 """
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -43,7 +58,9 @@ MIN_TORCH = (2, 10)
 # The ops we override, if this torch has them (their schemas grow between versions; extra
 # keyword arguments are accepted and checked below).
 _OPS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
-        "_flash_attention_forward", "_flash_attention_backward")
+        "_flash_attention_forward", "_flash_attention_backward",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_efficient_attention_backward")
 
 
 def _torch_version():
@@ -80,7 +97,9 @@ def _install() -> _Handle:
     impls = {"_scaled_dot_product_flash_attention": sdpa_flash_forward,
              "_scaled_dot_product_flash_attention_backward": sdpa_flash_backward,
              "_flash_attention_forward": flash_forward,
-             "_flash_attention_backward": flash_backward}
+             "_flash_attention_backward": flash_backward,
+             "_scaled_dot_product_efficient_attention": sdpa_efficient_forward,
+             "_scaled_dot_product_efficient_attention_backward": sdpa_efficient_backward}
     for op in _OPS:
         if hasattr(torch.ops.aten, op):
             lib.impl(op, impls[op], "CUDA")
@@ -223,3 +242,87 @@ def flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_s
                          max_seqlen_q=int(max_q) if packed else None,
                          max_seqlen_k=int(max_k) if packed else None)
     return grads if packed else _bshd(*grads)
+
+
+# --------------------------------------------------------------------------------------------
+# SDPA's memory-efficient op: calls with an attn_mask (and fp32, and SDPA's non-square causal)
+# --------------------------------------------------------------------------------------------
+# The efficient op's logsumexp is (B, H, L rounded up to this), as its CUDA kernel and meta
+# function allocate it (a compiled graph checks the size).
+_EFFICIENT_LSE_ALIGN = 32
+# Its bias gradient's last dim is padded to this in memory (the meta function's strides).
+_BIAS_GRAD_ALIGN = 16
+
+
+@functools.lru_cache(maxsize=16)
+def _top_left_causal(q_len, k_len, device):
+    """SDPA's ``is_causal`` when q_len != k_len: query i sees keys j <= i (top-left aligned;
+    our kernel's causal is bottom-right), as a bool mask. Cached: one tensor per shape, so its
+    tile bounds are computed once (``TensorMask.of``)."""
+    return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril()
+
+
+def _efficient_mask(query, key, attn_bias, is_causal):
+    """The efficient op's (attn_bias, is_causal) as our (causal, attn_mask). ``is_causal`` is
+    top-left aligned there: the same as ours when q_len == k_len, else a tril mask (not with
+    an attn_bias as well: SDPA never sends both)."""
+    q_len, k_len = query.shape[2], key.shape[2]
+    if not is_causal or q_len == k_len:
+        return bool(is_causal), attn_bias
+    if attn_bias is not None:
+        raise _unsupported_arg(f"is_causal=True with q_len {q_len} != k_len {k_len} (top-left "
+                               f"aligned) together with an attn_bias")
+    return False, _top_left_causal(q_len, k_len, query.device)
+
+
+def _bhsd_of_bshd(out):
+    """``out`` (B, H, L, D) with the memory layout of a (B, L, H, D) tensor, as the efficient
+    op's meta function allocates it (a compiled graph asserts the strides); a copy only where
+    it is not already so (q laid out (B, H, L, D))."""
+    t = out.transpose(1, 2)
+    return out if t.is_contiguous() else t.contiguous().transpose(1, 2)
+
+
+def sdpa_efficient_forward(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0,
+                           is_causal=False, *, scale=None):
+    """``aten::_scaled_dot_product_efficient_attention``: q (B, H, L, D), k/v (B, H_kv, S, D),
+    ``attn_bias`` None or broadcastable to (B, H, L, S): float added to the scaled scores (SDPA
+    converts a bool attn_mask to 0 / -inf before this op), or bool. Returns (out, logsumexp
+    (B, H, L rounded up to 32) fp32 or (B, H, 0) without ``compute_log_sumexp``, philox seed,
+    philox offset), the seed a 0-d int64 drawn as ``_new_seed`` does, the offset 0."""
+    causal, mask = _efficient_mask(query, key, attn_bias, is_causal)
+    seed = _new_seed(dropout_p, query.device)
+    out, lse = ops.forward_with_lse(query, key, value, causal=causal,
+                                    dropout_p=float(dropout_p), softmax_scale=scale, seed=seed,
+                                    attn_mask=mask)
+    b, h, q_len = lse.shape
+    if not compute_log_sumexp:
+        lse = lse.new_empty((b, h, 0))
+    elif q_len % _EFFICIENT_LSE_ALIGN:
+        lse = torch.nn.functional.pad(lse, (0, -q_len % _EFFICIENT_LSE_ALIGN))
+    seed_t = seed if isinstance(seed, torch.Tensor) else torch.zeros((), dtype=torch.int64)
+    return _bhsd_of_bshd(out), lse, seed_t, torch.zeros((), dtype=torch.int64)
+
+
+def sdpa_efficient_backward(grad_out, query, key, value, attn_bias, out, logsumexp,
+                            philox_seed, philox_offset, dropout_p, grad_input_mask,
+                            is_causal=False, *, scale=None):
+    """``aten::_scaled_dot_product_efficient_attention_backward``: (dq, dk, dv, d_attn_bias),
+    each laid out as the op's meta function allocates it (dq, dk, dv as (B, seq, H, D) in
+    memory; d_attn_bias attn_bias's shape and dtype, last dim padded to 16 in memory, each
+    element its own gradient: SDPA's broadcast view sums it afterwards), d_attn_bias None
+    unless ``grad_input_mask[3]`` asks for it."""
+    causal, mask = _efficient_mask(query, key, attn_bias, is_causal)
+    bias_grad = (bool(grad_input_mask[3]) and isinstance(attn_bias, torch.Tensor)
+                 and attn_bias.is_floating_point())
+    grads = ops.backward(grad_out, query, key, value, out,
+                         logsumexp[..., :query.shape[2]], causal=causal,
+                         dropout_p=float(dropout_p), softmax_scale=scale,
+                         seed=_seed_of(philox_seed), attn_mask=mask, attn_mask_grad=bias_grad)
+    dq, dk, dv = (_bhsd_of_bshd(g) for g in grads[:3])
+    if not bias_grad:
+        return dq, dk, dv, None
+    k_len = attn_bias.shape[-1]
+    d_bias = attn_bias.new_empty((*attn_bias.shape[:-1], -(-k_len // _BIAS_GRAD_ALIGN)
+                                  * _BIAS_GRAD_ALIGN))[..., :k_len]
+    return dq, dk, dv, d_bias.copy_(grads[3])

@@ -1,7 +1,8 @@
-"""kernels.sdpa: our kernel as PyTorch SDPA's flash implementation.
+"""kernels.sdpa: our kernel as PyTorch SDPA's flash implementation (and its efficient one).
 
 On CPU the registered implementation functions are called directly (the kernels run in Triton's
-interpreter) and compared with SDPA's math and the float64 oracle; the registry cycle is
+interpreter), or through ``torch.ops.aten`` with a CPU registration of ours (the efficient
+op's autograd and compiled contracts), and compared with SDPA's math and the float64 oracle; the registry cycle is
 checked through PyTorch's own API. On a GPU (marked tests) F.scaled_dot_product_attention is
 shown to run our kernel once the implementation is active.
 """
@@ -157,6 +158,125 @@ def test_flash_op_unsupported_raises(kwargs, match):
                            kw.pop("return_debug_mask"), **kw)
 
 
+# ------------------------------------------------------------------------------------------
+# SDPA's memory-efficient op (the calls with an attn_mask): through aten and its autograd
+# ------------------------------------------------------------------------------------------
+_EFFICIENT = "_scaled_dot_product_efficient_attention"
+
+
+@pytest.fixture
+def efficient_impl():
+    """Our efficient-op implementations registered for this test's device (on CPU, where
+    PyTorch has no kernel of its own for these ops; SDPA's CPU path never calls them), so that
+    ``torch.ops.aten`` calls, their autograd formula (derivatives.yaml: the broadcast bias's
+    gradient summed by autograd) and torch.compile (Inductor asserts the meta functions'
+    sizes and strides) run them as they would on a GPU once activated."""
+    key = "CUDA" if DEVICE == "cuda" else "CPU"
+    lib = torch.library.Library("aten", "IMPL", key)
+    lib.impl(_EFFICIENT, sdpa.sdpa_efficient_forward, key)
+    lib.impl(_EFFICIENT + "_backward", sdpa.sdpa_efficient_backward, key)
+    yield getattr(torch.ops.aten, _EFFICIENT)
+    lib._destroy()
+
+
+def _bias_case(kind, b, h, lq, lk, dtype):
+    """(bias or None as SDPA would pass it to the op, the leaf whose gradient is checked, the
+    SDPA attn_mask the oracle takes)."""
+    if kind == "broadcast":        # one (lq, lk) bias, expanded as SDPA's preprocess_mask does
+        leaf = randn(1, 1, lq, lk, dtype=dtype, requires_grad=True)
+        return leaf.expand(b, h, lq, lk), leaf, leaf
+    if kind == "per-head":         # (b, h, lq, lk) with a padded last dim (SDPA's alignment)
+        store = randn(b, h, lq, lk + 3, dtype=dtype)
+        leaf = store[..., :lk].detach().requires_grad_()
+        return leaf, leaf, leaf
+    if kind == "bool":             # a key-padding bool mask, turned into 0 / -inf by SDPA
+        keep = torch.ones(b, 1, 1, lk, dtype=torch.bool, device=DEVICE)
+        keep[0, ..., lk - 5:] = False
+        bias = torch.zeros(keep.shape, dtype=dtype, device=DEVICE).masked_fill(~keep,
+                                                                             float("-inf"))
+        return bias.expand(b, h, lq, lk), None, keep
+    return None, None, None
+
+
+@pytest.mark.parametrize("kind,lq,lk,causal,dtype", [
+    ("broadcast", 40, 40, False, F32),
+    ("per-head", 17, 33, False, BF16),
+    ("bool", 33, 33, True, F16),         # SDPA never sends mask + is_causal; the op takes both
+    ("none", 17, 40, True, F32),         # non-square is_causal: top-left in this op
+    ("none", 40, 17, True, BF16),
+], ids=["bias-broadcast", "bias-per-head", "bool-causal", "top-left-q<k", "top-left-q>k"])
+def test_efficient_op_through_aten_autograd(efficient_impl, kind, lq, lk, causal, dtype):
+    """out and every gradient (the bias's too) against SDPA's math in float64 and in the
+    input dtype (the parity rule); the op's own shapes (lse padded to 32)."""
+    b, h, d = 2, 3, 16
+    q, k, v = _qkv(b, h, h, lq, lk, d, dtype, requires_grad=True)
+    bias, leaf, mask = _bias_case(kind, b, h, lq, lk, dtype)
+    out, lse, _, _ = efficient_impl(q, k, v, bias, True, 0.0, causal)
+    assert lse.shape == (b, h, -(-lq // 32) * 32) and lse.dtype == F32
+    assert out.transpose(1, 2).is_contiguous(), "(B, L, H, D) in memory, as the meta says"
+    do = randn(*out.shape, dtype=dtype)
+    leaves = (q, k, v) + ((leaf,) if leaf is not None else ())
+    grads = torch.autograd.grad(out, leaves, do)
+    refs = []
+    for upcast in (True, False):
+        ins = [(t.detach().double() if upcast else t.detach()).requires_grad_() for t in leaves]
+        m = ins[3] if leaf is not None else mask
+        if causal and mask is None:
+            m = torch.ones(lq, lk, dtype=torch.bool, device=DEVICE).tril()   # top-left
+        elif causal:
+            m = m & torch.ones(lq, lk, dtype=torch.bool, device=DEVICE).tril()
+        o = F.scaled_dot_product_attention(*ins[:3], attn_mask=m)
+        refs.append((o, torch.autograd.grad(o, ins, do.to(o.dtype))))
+    (ref, ref_g), (low, low_g) = refs
+    assert_parity(out, ref, low)
+    for name, g, r, lp in zip(("dq", "dk", "dv", "dbias"), grads, ref_g, low_g):
+        assert g.shape == r.shape
+        assert_parity(g, r, lp, factor=GRAD_FACTOR, name=name,
+                      extra=4 * torch.finfo(g.dtype).eps * r.abs().max().item())
+
+
+def test_efficient_op_compiled(efficient_impl):
+    """Under torch.compile (fullgraph) Inductor checks the op's outputs against its meta
+    functions (sizes and strides, the backward's too) and gets the eager results."""
+    q, k, v = _qkv(2, 3, 3, 20, 20, 16, F32, requires_grad=True)
+    leaf = randn(1, 1, 20, 20, requires_grad=True)
+
+    def f(q, k, v, leaf):
+        out = efficient_impl(q, k, v, leaf.expand(2, 3, 20, 20), True, 0.0, False)[0]
+        return (out.transpose(1, 2).reshape(2, 20, 48) * 2).sum()
+
+    eager = torch.autograd.grad(f(q, k, v, leaf), (q, k, v, leaf))
+    compiled = torch.autograd.grad(torch.compile(f, fullgraph=True)(q, k, v, leaf),
+                                   (q, k, v, leaf))
+    for a, b in zip(eager, compiled):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_efficient_op_dropout_and_lse_contract(efficient_impl):
+    """The returned philox seed reproduces the forward's dropout mask in the backward
+    (reference.dropout_keep_mask of that seed); torch.manual_seed makes it reproducible;
+    without compute_log_sumexp the lse is (B, H, 0)."""
+    q, k, v = _qkv(1, 2, 2, 37, 37, 16, F16)
+    do = randn(*q.shape, dtype=F16)
+    torch.manual_seed(7)
+    out, lse, seed, offset = sdpa.sdpa_efficient_forward(q, k, v, None, True, 0.25, True)
+    torch.manual_seed(7)
+    assert torch.equal(out, sdpa.sdpa_efficient_forward(q, k, v, None, True, 0.25, True)[0])
+    assert seed.shape == offset.shape == () and seed.dtype == torch.int64
+    grads = sdpa.sdpa_efficient_backward(do, q, k, v, None, out, lse, seed, offset, 0.25,
+                                         [True, True, True, False], True)
+    assert grads[3] is None
+    keep = reference.dropout_keep_mask(int(seed), 1, 2, 37, 37, 0.25, device=q.device)
+    _check(out, grads[:3], q, k, v, do, causal=True, dropout_p=0.25, keep_mask=keep)
+    assert sdpa.sdpa_efficient_forward(q, k, v, None, False, 0.0, True)[1].shape == (1, 2, 0)
+
+
+def test_efficient_op_refuses_what_it_cannot_honour():
+    q, k, v = _qkv(1, 2, 2, 8, 12, 16, F32)
+    with pytest.raises(RuntimeError, match=f"{sdpa.NAME}.*q_len 8 != k_len 12.*attn_bias"):
+        sdpa.sdpa_efficient_forward(q, k, v, randn(8, 12), False, 0.0, True)
+
+
 @needs_registry
 def test_registry_cycle():
     """register() adds the name and activates nothing; activation gives the flash ops a CUDA
@@ -239,3 +359,38 @@ def test_sdpa_runs_our_kernel_gpu(active_impl, dropout_p, compiled):
         (again, grads2), _, _ = _ran_our_kernel(run)
         assert torch.equal(out, again) and all(torch.equal(a, b) for a, b in zip(grads, grads2))
     assert math.isfinite(out.float().sum().item())
+
+
+@pytest.mark.gpu
+@needs_registry
+def test_sdpa_with_a_mask_runs_our_kernel_gpu(active_impl):
+    """A masked SDPA call goes to the efficient op, which is ours once active: a bool
+    key-padding mask (SDPA turns it into an additive bias) and a float bias with a gradient."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    q, k, v = _qkv(2, 8, 8, 300, 300, 64, BF16, requires_grad=True)
+    keep = torch.ones(2, 1, 1, 300, dtype=torch.bool, device=DEVICE)
+    keep[1, ..., 250:] = False
+    leaf = randn(1, 8, 300, 300, dtype=BF16, requires_grad=True)
+    do = randn(*q.shape, dtype=BF16)
+    for mask in (keep, leaf):
+        def run():
+            with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+                leaves = (q, k, v) + ((leaf,) if mask is leaf else ())
+                return out, torch.autograd.grad(out, leaves, do)
+
+        (out, grads), fwd_ours, bwd_ours = _ran_our_kernel(run)
+        assert fwd_ours and bwd_ours
+        refs = []
+        for upcast in (True, False):
+            ins = [(t.detach().double() if upcast else t.detach()).requires_grad_()
+                   for t in (q, k, v) + ((leaf,) if mask is leaf else ())]
+            m = ins[3] if mask is leaf else keep
+            with sdpa_kernel(SDPBackend.MATH):
+                o = F.scaled_dot_product_attention(*ins[:3], attn_mask=m)
+            refs.append((o, torch.autograd.grad(o, ins, do.to(o.dtype))))
+        (ref, ref_g), (low, low_g) = refs
+        assert_parity(out, ref, low)
+        for g, r, lp in zip(grads, ref_g, low_g):
+            assert_parity(g, r, lp, factor=GRAD_FACTOR,
+                          extra=4 * torch.finfo(g.dtype).eps * r.abs().max().item())
