@@ -74,7 +74,8 @@ masking utilities) gets causal attention with its ``sliding_window``, as with
 
 Under ``torch.compile`` the hook reads nothing on the host while tracing (``_traced_padding``,
 ``_whole_mask``), so ``fullgraph=True`` compiles: plain causal or bidirectional masks with
-padding become one dense call with a key-padding mask mod; any other pattern, and static
+padding become one dense call with a (batch, 1, 1, k_len) key-padding ``attn_mask`` (tile
+bounds skip the padding at either end); any other pattern, and static
 caches, transformers' own boolean mask read by the kernels (exact for any pattern, at sdpa's
 cost of a (batch, q_len, k_len) mask).
 """
@@ -172,7 +173,7 @@ class MaskInfo:
         self.valid_q = None
         self.cu_sequences = None
         self.shift = None   # bidirectional windows: int32 (batch,), see _local_shift
-        self.key_padding = None   # under torch.compile: see _traced_padding
+        self.key_padding = None   # under torch.compile, a kernels.TensorMask: _traced_padding
         self.dense_mask = None    # transformers' whole mask, a kernels.TensorMask: _whole_mask
         self.whole_args = None    # _whole_mask's arguments (the hook's), for whole_mask()
         self.kept_from = None     # (parent MaskInfo, rows dropped): mask[:, :, -n:, :]
@@ -534,10 +535,12 @@ def _whole_mask(mu, batch_size, q_length, kv_length, q_offset, kv_offset, mask_f
 def _traced_padding(info, valid_k, valid_q):
     """Under torch.compile, where the packed layout's host read of the mask would break the
     graph (``fullgraph=True``: an error): one dense call over the keys [0, kv_used), the key
-    padding a mask mod (``KEY_PADDING``) reading the mask as int8 (batch, kv_used), and the
-    query rows at padding zeroed after it (causal layers; ``valid_q`` None: every row kept),
-    as the packed path returns them. More work than packing a padded batch; no host read."""
-    info.key_padding = valid_k[:, :info.kv_used].to(torch.int8).contiguous()
+    padding a bool ``attn_mask`` (batch, 1, 1, kv_used) read in place (its tile bounds, a few
+    reductions once per forward, skip the key tiles before a row's first kept key and after its
+    last), and the query rows at padding zeroed after it (causal layers; ``valid_q`` None:
+    every row kept), as the packed path returns them. More work than packing a padded batch
+    (holes inside a row are visited); no host read."""
+    info.key_padding = TensorMask(valid_k[:, None, None, :info.kv_used])
     info.valid_q = valid_q
     return info
 
@@ -752,22 +755,6 @@ LOCAL_WINDOW = MaskMod("hf.bidirectional_window", _local_fn, _local_torch,
                        kv_range=_local_keys, q_range=_local_queries)
 
 
-# Key padding read by the kernels (``_traced_padding``): key kv_idx of batch entry b is kept
-# iff aux[0][b, kv_idx] != 0, aux[0] int8 (batch, n) contiguous, n = aux[1][0]. The index is
-# clamped: the function runs on whole tiles, whose columns past n the kernels mask anyway.
-@triton.jit
-def _key_padding_fn(b, h, q_idx, kv_idx, aux):
-    n = tl.load(aux[1])
-    return tl.load(aux[0] + b * n + tl.minimum(tl.maximum(kv_idx, 0), n - 1)) != 0
-
-
-def _key_padding_torch(b, h, q_idx, kv_idx, aux):
-    return aux[0][b, kv_idx] != 0
-
-
-KEY_PADDING = MaskMod("hf.key_padding", _key_padding_fn, _key_padding_torch)
-
-
 def _biased(position_bias, mask):
     """A position bias (batch or 1, heads, q_len, k_len) as an additive mask over the boolean
     ``mask`` (batch or 1, 1, q_len, k_len): -inf where the mask hides (sdpa's
@@ -893,8 +880,7 @@ def attention_function(module, query, key, value, attention_mask, dropout=0.0, s
             k = key[:, :, info.kv_start:info.kv_used]
             v = value[:, :, info.kv_start:info.kv_used]
         if info.key_padding is not None:
-            options.update(mask_mod=KEY_PADDING, mod_aux=(
-                info.key_padding, aux_ints((info.key_padding.shape[1],), query.device)))
+            options["attn_mask"] = info.key_padding
         if position_bias is not None:    # the bias as an additive mask, the rest native
             options["attn_mask"] = position_bias[..., info.kv_start:info.kv_used]
         out = ops.attention(query, k, v, **options).transpose(1, 2)
