@@ -181,23 +181,26 @@ def grads_with_unused(out, inputs, do):
 
 
 def check_call(case, dtype=torch.float32, b=2, hq=4, hkv=2, q_len=19, k_len=23, d=16, dv=16,
-               seed=None, dropout_p=0.0, oracle_case=None, num_splits=0):
+               seed=None, dropout_p=0.0, oracle_case=None, num_splits=0, leaves=()):
     """Run ``kernels.attention(**case)`` and the oracle in float64 and in ``dtype``; assert the
     parity rule on out, lse and every gradient (sinks included: ``sinks="random"`` draws them).
     ``oracle_case``: the oracle's own arguments where they differ from the kernel's (a mask the
-    oracle takes as a mask). Returns (out, gradients)."""
+    oracle takes as a mask). ``leaves``: more tensors of ``case`` whose gradients are checked
+    too (an additive attn_mask); ``oracle_case`` is then a function of the oracle's copies of
+    them returning its arguments. Returns (out, gradients)."""
     import kernels
 
     case = dict(case)
-    oracle_case = dict(case if oracle_case is None else oracle_case)
-    oracle_case.pop("sinks", None)
+    make_oracle_case = oracle_case if callable(oracle_case) else (
+        lambda *_: dict(case if oracle_case is None else oracle_case))
     q = randn(b, hq, q_len, d, dtype=dtype, requires_grad=True)
     k = randn(b, hkv, k_len, d, dtype=dtype, requires_grad=True)
     v = randn(b, hkv, k_len, dv, dtype=dtype, requires_grad=True)
     sinks = case.pop("sinks", None)
     if sinks == "random":
         sinks = randn(hq, requires_grad=True)
-    inputs = [q, k, v] + ([sinks] if sinks is not None else [])
+    inputs = [q, k, v] + ([sinks] if sinks is not None else []) + list(leaves)
+    first_leaf = len(inputs) - len(leaves)
     keep = None
     if dropout_p:
         keep = reference.dropout_keep_mask(seed, b, hq, q_len, k_len, dropout_p, device=DEVICE)
@@ -211,15 +214,19 @@ def check_call(case, dtype=torch.float32, b=2, hq=4, hkv=2, q_len=19, k_len=23, 
     low_in = [t.detach().clone().requires_grad_() for t in inputs]
     refs = {}
     for name, ins, upcast in (("ref", ref_in, True), ("low", low_in, False)):
+        oracle = dict(make_oracle_case(*ins[first_leaf:]))
+        oracle.pop("sinks", None)
         o, l = reference.attention(*ins[:3], sinks=ins[3] if sinks is not None else None,
                                    dropout_p=dropout_p, keep_mask=keep, upcast=upcast,
-                                   return_lse=True, **oracle_kwargs(oracle_case))
+                                   return_lse=True, **oracle_kwargs(oracle))
         refs[name] = (o, l, grads_with_unused(o, ins, do.to(o.dtype)))
     (ro, rl, rg), (lo, ll, lg) = refs["ref"], refs["low"]
     assert_parity(out, ro, lo)
     finite = torch.isfinite(rl)
     assert torch.equal(torch.isfinite(lse), finite), "lse: -inf rows differ from the oracle"
     assert_parity(lse[finite], rl[finite].float(), ll[finite].float(), name="lse")
-    for name, g, r, l in zip(("dq", "dk", "dv", "dsinks"), grads, rg, lg):
+    names = ("dq", "dk", "dv") + (("dsinks",) if sinks is not None else ()) + tuple(
+        f"d(leaf {i})" for i in range(len(leaves)))
+    for name, g, r, l in zip(names, grads, rg, lg):
         assert_parity(g, r, l, factor=GRAD_FACTOR, name=name)
     return out, grads

@@ -8,9 +8,8 @@ import pytest
 import torch
 
 import kernels
-import reference
 from kernels.core import tensor_mask
-from tests.helpers import DEVICE, GRAD_FACTOR, assert_parity, check_call, randn
+from tests.helpers import DEVICE, assert_parity, check_call, randn
 
 B, HQ, HKV = 2, 4, 2
 
@@ -52,29 +51,13 @@ def _check_bias(bias, q_len, k_len, causal=False, dtype=torch.float32):
     """The parity rule on out, lse, dq / dk / dv and the bias's own gradient: the oracle adds
     the bias's finite entries by a score mod (differentiating it) and takes its -inf entries as
     its mask (a row left without keys gives zeros in both)."""
-    q = randn(B, HQ, q_len, 16, dtype=dtype, requires_grad=True)
-    k, v = (randn(B, HKV, k_len, 16, dtype=dtype, requires_grad=True) for _ in range(2))
-    out, lse = kernels.attention(q, k, v, causal=causal, attn_mask=bias, return_lse=True)
-    do = randn(*out.shape, dtype=dtype)
-    grads = torch.autograd.grad(out, (q, k, v, bias), do)
     seen = bias.detach() > float("-inf")
-    refs = []
-    for upcast in (True, False):
-        ins = [(t.detach().double() if upcast else t.detach().clone()).requires_grad_()
-               for t in (q, k, v, bias)]
-        o, l = reference.attention(
-            *ins[:3], causal=causal, upcast=upcast, return_lse=True, mod_aux=(ins[3],),
-            score_mod=lambda s, b, h, q_idx, kv_idx, aux: s + aux[0].masked_fill(
-                ~seen, 0.0).to(s.dtype),
-            mask_mod=lambda b, h, q_idx, kv_idx, aux: seen)
-        refs.append((o, l, torch.autograd.grad(o, ins, do.to(o.dtype))))
-    (ro, rl, rg), (lo, ll, lg) = refs
-    assert_parity(out, ro, lo)
-    finite = torch.isfinite(rl)
-    assert torch.equal(torch.isfinite(lse), finite), "lse: -inf rows differ from the oracle"
-    assert_parity(lse[finite], rl[finite], ll[finite].float(), name="lse")
-    for name, g, r, low in zip(("dq", "dk", "dv", "dbias"), grads, rg, lg):
-        assert_parity(g, r, low, factor=GRAD_FACTOR, name=name)
+    check_call(dict(attn_mask=bias, causal=causal), dtype, b=B, hq=HQ, hkv=HKV, q_len=q_len,
+               k_len=k_len, leaves=(bias,), oracle_case=lambda b: dict(
+                   causal=causal, mod_aux=(b,),
+                   score_mod=lambda s, b_, h, q_idx, kv_idx, aux: s + aux[0].masked_fill(
+                       ~seen, 0.0).to(s.dtype),
+                   mask_mod=lambda b_, h, q_idx, kv_idx, aux: seen))
 
 
 @pytest.mark.parametrize("q_len,k_len,shape", [
