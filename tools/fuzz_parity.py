@@ -15,7 +15,7 @@ packed sequences), head dims
 neither, softcap, ALiBi (per head or per batch entry), sinks (with their gradient), a user
 score mod (a bias table) and mask mod (per-row prefix or per-head stripes), on dense calls
 without a mod SDPA's ``attn_mask``, boolean or additive (every broadcast shape, a transposed
-one; drawn from a stream of its own), dropout, a custom softmax scale, transposed views. Case
+one; drawn from a stream of its own; the additive one's gradient checked as a leaf), dropout, a custom softmax scale, transposed views. Case
 ``i`` of seed ``S`` is drawn from ``random.Random(f"{S}:{i}")`` alone, so ``--seed S --only i`` replays it.
 
 What is checked: out (and lse where there is one, its -inf rows exactly) within the parity
@@ -197,16 +197,17 @@ PREFIX_OR_STRIPES = kernels.MaskMod("fuzz_parity.prefix_or_stripes", _prefix_or_
                                     _prefix_or_stripes_torch)
 
 
-def _twins(opts):
+def _twins(opts, bias=None):
     """The oracle's options: the mods' PyTorch twins in place of the mods, an attn_mask as
-    the oracle's mask mod."""
+    the oracle's mask mod; an additive one's finite part added by a score mod, from ``bias``
+    where given (the oracle's differentiable copy of it)."""
     twins = {k: getattr(v, "torch_fn", v) for k, v in opts.items() if k != "attn_mask"}
     mask = opts.get("attn_mask")
     if mask is not None and mask.dtype == torch.bool:
         twins["mask_mod"] = lambda b, h, q_idx, kv_idx, aux: mask
     elif mask is not None:      # a bias: its finite part added, its -inf entries a mask
         seen = mask.detach() > float("-inf")
-        finite = mask.detach().masked_fill(~seen, 0.0)
+        finite = (mask.detach() if bias is None else bias).masked_fill(~seen, 0.0)
         twins["score_mod"] = lambda s, b, h, q_idx, kv_idx, aux: s + finite.to(s.dtype)
         twins["mask_mod"] = lambda b, h, q_idx, kv_idx, aux: seen
     return twins
@@ -329,15 +330,17 @@ def _scale(c):
     return c["scale"] or 1 / math.sqrt(c["d"])
 
 
-def fa2_allowances(oracle, leaves, o_stored, do, scale, group, sinks_index=None):
+def fa2_allowances(oracle, leaves, o_stored, do, scale, group):
     """Per-leaf extra allowances of FlashAttention-2-style gradients (module docstring).
 
-    ``oracle(*leaves, v_override=None)`` returns (out, lse) in float64 for float64 leaves
-    (q, k, v[, sinks]) in the call's layout, with the dense (batch, heads, rows, dim) view of
-    q, k, v given by ``oracle.dense``. Returns a list of floats, one per leaf."""
+    ``oracle(q, k, v, **oracle.extras(leaves), v_override=None)`` returns (out, lse) in
+    float64 for float64 leaves (q, k, v[, sinks][, bias]) in the call's layout, with the dense
+    (batch, heads, rows, dim) view of q, k, v given by ``oracle.dense``. Returns a list of
+    floats, one per leaf."""
     leaves_in = leaves
     leaves = [t.detach().double().requires_grad_() for t in leaves]
-    out, lse = oracle(*leaves)
+    extras = oracle.extras(leaves)
+    out, lse = oracle(*leaves[:3], **extras)
     do64, o_st = do.double(), o_stored.detach().double()
     c = (do64 * out.detach()).sum(-1) - (do64 * o_st).sum(-1)      # delta_true - delta_stored
     c = oracle.lse_layout(c).masked_fill(~torch.isfinite(lse.detach()), 0.0)
@@ -352,7 +355,7 @@ def fa2_allowances(oracle, leaves, o_stored, do, scale, group, sinks_index=None)
     # matters where the true gradient is ~0 (one visible key: dS = P (dP - delta) = 0), so that
     # PyTorch's error and the floor are ~0 too.
     q, k, v, do_d, o_d = oracle.dense(*(t.detach() for t in leaves[:3]), do64, o_st)
-    p, lse_d, drop = oracle.weights(*leaves)
+    p, lse_d, drop = oracle.weights(*leaves[:3], **extras)
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     logp = torch.where(p > 0, p.clamp_min(1e-300).log(), torch.zeros_like(p))
     lse_f = lse_d.nan_to_num(0.0, neginf=0.0)[..., None]
@@ -369,15 +372,20 @@ def fa2_allowances(oracle, leaves, o_stored, do, scale, group, sinks_index=None)
         noise[i] = noise[i].view(b, h // group, group, n, dd).sum(2)
     for i, n in enumerate(noise):
         extra[i] += 2 * EPS32 * (n.max().item() if n.numel() else 0.0)
-    if sinks_index is not None:
+    if oracle.sinks_given:
         p_sink = (1.0 - p.sum(-1)).clamp_min(0.0)                   # the sink's weight
         size = (do_d.abs() * o_d.abs()).sum(-1)                     # |delta|'s terms
-        extra[sinks_index] += 2 * EPS32 * (p_sink * size).sum().item()
+        extra[3] += 2 * EPS32 * (p_sink * size).sum().item()
+    if oracle.bias_given:       # d(bias) is dS, summed over the dims the bias broadcasts
+        bias = leaves[-1]
+        shape = (1,) * (4 - bias.dim()) + tuple(bias.shape)
+        extra[-1] += 2 * EPS32 * ds_err.sum_to_size(shape).max().item() if ds_err.numel() \
+            else 0.0
     return extra
 
 
-def grads_check(out, leaves, ref_fn, low_fn, oracle, do, c, scale, names):
-    """dq, dk, dv[, dsinks] against the oracle's with the FA-2 allowances."""
+def grads_check(out, leaves, ref_fn, low_fn, oracle, do, c, scale):
+    """dq, dk, dv[, dsinks][, dbias] against the oracle's with the FA-2 allowances."""
     grads = torch.autograd.grad(out, leaves, do, allow_unused=True)
     ref_in = [t.detach().double().requires_grad_() for t in leaves]
     low_in = [t.detach().clone().requires_grad_() for t in leaves]
@@ -385,8 +393,10 @@ def grads_check(out, leaves, ref_fn, low_fn, oracle, do, c, scale, names):
     rg = torch.autograd.grad(ro, ref_in, do.double(), allow_unused=True)
     lo = low_fn(*low_in)
     lg = torch.autograd.grad(lo, low_in, do, allow_unused=True)
-    extra = fa2_allowances(oracle, leaves, out, do, scale, c["group"],
-                           sinks_index=3 if len(leaves) == 4 else None)
+    extra = fa2_allowances(oracle, leaves, out, do, scale, c["group"])
+    names = ("dq", "dk", "dv") + ("dsinks",) * oracle.sinks_given + (
+        "dbias",) * oracle.bias_given
+    assert len(names) == len(leaves)
     worst = (0.0, "")
     for name, g, r, lg_, e in zip(names, grads, rg, lg, extra):
         worst = max(worst, check(name, g, r, lg_, GRAD_FACTOR, e))
@@ -402,7 +412,7 @@ def _check_all(c, gen, outs, lses, q, k, leaves, ref_fn, oracle):
     if c["grad"]:
         do = _randn(gen, *out.shape, dtype=out.dtype)
         worst = max(worst, grads_check(out, leaves, ref_fn(True), ref_fn(False), oracle, do, c,
-                                       _scale(c), ("dq", "dk", "dv", "dsinks")))
+                                       _scale(c)))
     return worst
 
 
@@ -411,11 +421,21 @@ class DenseOracle:
     """reference.attention in float64 with the case's options; ``weights`` gives P by
     attending to the identity (one value column per key)."""
 
-    def __init__(self, kw, keep, sinks_given):
-        self.kw, self.keep, self.sinks_given = _twins(kw), keep, sinks_given
+    bias_given = False    # an additive attn_mask among the leaves (dense calls)
 
-    def __call__(self, q, k, v, sinks=None, v_override=None, keep=True):
-        kw = dict(self.kw)
+    def __init__(self, kw, keep, sinks_given):
+        self.opts, self.kw, self.keep, self.sinks_given = kw, _twins(kw), keep, sinks_given
+
+    def extras(self, leaves):
+        """The oracle's keyword arguments for the leaves after q, k, v."""
+        rest = list(leaves[3:])
+        extras = {"sinks": rest.pop(0)} if self.sinks_given else {}
+        if self.bias_given:
+            extras["bias"] = rest.pop(0)
+        return extras
+
+    def __call__(self, q, k, v, sinks=None, v_override=None, keep=True, bias=None):
+        kw = dict(self.kw if bias is None else _twins(self.opts, bias))
         if self.sinks_given:
             kw["sinks"] = sinks
         p = kw.pop("dropout_p")
@@ -431,11 +451,11 @@ class DenseOracle:
     def dense(*ts):
         return ts
 
-    def weights(self, q, k, v, sinks=None):
+    def weights(self, q, k, v, sinks=None, bias=None):
         b, hkv, n, _ = k.shape
         eye = torch.eye(n, dtype=torch.float64).expand(b, hkv, n, n)
         p, lse = self(q.detach(), k.detach(), eye, sinks.detach() if sinks is not None
-                      else None, keep=False)
+                      else None, keep=False, bias=None if bias is None else bias.detach())
         drop = (self.keep / (1 - self.kw["dropout_p"])).double() if self.keep is not None \
             else torch.ones_like(p)
         return p, lse, drop
@@ -443,12 +463,15 @@ class DenseOracle:
 
 def _trainable(c, gen, num, q, k, v):
     """The options of a differentiable route (dense, varlen), its sinks and the leaves its
-    gradients are checked for (q, k, v[, sinks]; requiring grad with ``c["grad"]``)."""
+    gradients are checked for (q, k, v[, sinks][, an additive attn_mask]; requiring grad with
+    ``c["grad"]``)."""
     mods = _mods(c, gen, num)
     sinks = mods.pop("sinks")
     opts = dict(causal=c["causal"], window=c["window"], chunk_size=c["chunk"],
                 softmax_scale=c["scale"], dropout_p=c["dropout"], **mods)
-    leaves = [q, k, v] + ([sinks] if sinks is not None else [])
+    bias = mods.get("attn_mask")
+    leaves = [q, k, v] + ([sinks] if sinks is not None else []) + (
+        [bias] if bias is not None and bias.is_floating_point() else [])
     if c["grad"]:
         for t in leaves:
             t.requires_grad_()
@@ -469,18 +492,21 @@ def run_dense(c, gen):
         keep = reference.dropout_keep_mask(c["dropout_seed"], b, hq, c["q_len"], c["k_len"],
                                            c["dropout"])
     oracle = DenseOracle(opts, keep, sinks is not None)
+    oracle.bias_given = len(leaves) > 3 + (sinks is not None)
 
     def ref_fn(upcast):
-        def fn(q, k, v, s=None):
-            return reference.attention(q, k, v, sinks=s, upcast=upcast, keep_mask=keep,
-                                       **_twins(opts))
+        def fn(q, k, v, *rest):
+            extras = oracle.extras((q, k, v, *rest))
+            return reference.attention(q, k, v, sinks=extras.get("sinks"), upcast=upcast,
+                                       keep_mask=keep, **_twins(opts, extras.get("bias")))
         return fn
 
     with torch.no_grad():
-        ins = [t.detach() for t in leaves]
-        ro, rl = oracle(*[t.double() for t in ins])
-        lo, ll = reference.attention(*ins[:3], sinks=ins[3] if sinks is not None else None,
-                                     upcast=False, keep_mask=keep, return_lse=True, **_twins(opts))
+        ins = [t.detach().double() for t in leaves]
+        ro, rl = oracle(*ins[:3], **oracle.extras(ins))
+        lo, ll = reference.attention(*(t.detach() for t in leaves[:3]), upcast=False,
+                                     sinks=None if sinks is None else sinks.detach(),
+                                     keep_mask=keep, return_lse=True, **_twins(opts))
     return _check_all(c, gen, (out, ro, lo), (lse, rl, ll), q, k, leaves, ref_fn, oracle)
 
 
