@@ -66,7 +66,7 @@ heads_k)) with ``torch.float8_e4m3fn`` q, k, v in ``flash_attn_func`` and
 FP8 q) in ``flash_attn_with_kvcache``: ``kernels.attention``'s FP8 path (docs/features.md).
 FlashAttention 3's paged varlen call: ``page_table`` (its name for ``block_table``, also in
 ``flash_attn_with_kvcache``) with ``seqused_k`` (key counts) in place of ``cu_seqlens_k``;
-without pages, ``seqused_k`` counts the keys each packed sequence uses (forward only).
+without pages, ``seqused_k`` counts the keys each packed sequence uses (differentiable).
 FlashAttention 3's scheduling hints (``scheduler_metadata``, ``sm_margin``, ``pack_gqa``,
 ``num_splits``) are accepted and change nothing. Not supported (``NotImplementedError`` naming
 the argument): FlashAttention 3's other arguments (``qv``, ``seqused_q``, ...). Errors
@@ -528,32 +528,39 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
 
 
 # ---------------------------------------------------------------------------- varlen
-def _row_pages(q, k, v, cu_seqlens_k, seqused_k, max_seqlen_k):
-    """Packed k, v (total_k, heads_k, d) with FlashAttention 3's ``seqused_k`` as a paged cache
-    of one-row pages: (k, v) viewed (total_k, 1, heads_k, d) (no copy) and the int32
-    (num_seqs, max_seqlen_k) table whose row s is cu_seqlens_k[s] + arange (clamped to the
-    last row: entries past a sequence's count are never read). Checks, outside torch.compile
-    tracing, that each count is within its sequence (a larger one would read the next
-    sequence's keys)."""
+def _used_keys(q, cu_seqlens_q, cu_seqlens_k, seqused_k):
+    """FlashAttention 3's packed keys with per-sequence counts (sequence s uses rows
+    cu_seqlens_k[s] : cu_seqlens_k[s] + seqused_k[s]) as a plain packed call: each sequence's
+    unused tail becomes a sequence of its own with no query rows, so k and v are read in place
+    (no copy) and nothing attends to the tails (their dK / dV are zeros). Returns (cu_seqlens_q,
+    cu_seqlens_k) of the 2 x num_seqs sequences (s at 2s, its tail at 2s + 1; ``_per_tail``
+    gives per-sequence tensors their rows). Checks, outside torch.compile tracing, that
+    each count is within its sequence (a larger one would read the next sequence's keys)."""
     if cu_seqlens_k is None:
         raise RuntimeError("seqused_k without a paged cache needs cu_seqlens_k (where each "
                            "sequence's keys start)")
-    for name, t in (("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 3:
-            raise RuntimeError(f"{name} must be (total, heads, head_dim), got "
-                               f"{tuple(getattr(t, 'shape', ()))}")
-    _index_tensor("cu_seqlens_k", cu_seqlens_k, q.device, (None,))
-    _index_tensor("seqused_k", seqused_k, q.device, (cu_seqlens_k.numel() - 1,))
+    _index_tensor("cu_seqlens_q", cu_seqlens_q, q.device, (None,))
+    _index_tensor("cu_seqlens_k", cu_seqlens_k, q.device, (cu_seqlens_q.numel(),))
+    _index_tensor("seqused_k", seqused_k, q.device, (cu_seqlens_q.numel() - 1,))
     lens = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
     if not torch.compiler.is_compiling():
         if bool((seqused_k < 0).any()) or bool((seqused_k > lens).any()):
             raise RuntimeError(f"seqused_k must be within each sequence's keys (0 <= "
                                f"seqused_k[s] <= cu_seqlens_k[s + 1] - cu_seqlens_k[s]), got "
                                f"{seqused_k.tolist()} for lengths {lens.tolist()}")
-    width = _longest(cu_seqlens_k, max_seqlen_k)
-    rows = cu_seqlens_k[:-1, None] + torch.arange(width, device=q.device, dtype=torch.int32)
-    table = rows.clamp(max=max(k.shape[0] - 1, 0)).to(torch.int32)
-    return k.unsqueeze(1), v.unsqueeze(1), table
+    starts_k = cu_seqlens_k[:-1]
+    cu_k = torch.cat([torch.stack([starts_k, starts_k + seqused_k], 1).flatten(),
+                      cu_seqlens_k[-1:]]).to(torch.int32)
+    cu_q = torch.cat([cu_seqlens_q[:-1].repeat_interleave(2) + torch.stack(
+        [torch.zeros_like(lens), cu_seqlens_q[1:] - cu_seqlens_q[:-1]], 1).flatten(),
+        cu_seqlens_q[-1:]]).to(torch.int32)
+    return cu_q, cu_k
+
+
+def _per_tail(t):
+    """A per-sequence (num_seqs, heads) tensor (ALiBi slopes, FP8 descales) for ``_used_keys``'
+    sequences: each row twice (the tail's is never used); other values as they are."""
+    return t.repeat_interleave(2, dim=0) if isinstance(t, torch.Tensor) and t.dim() == 2 else t
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None,
@@ -582,9 +589,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
         seqused_k: int32 (batch,): the key count of each sequence. With a paged cache
             (FlashAttention 3's and vLLM's paged call) cu_seqlens_k is then not needed;
             without one (FlashAttention 3's packed keys with counts), sequence s uses rows
-            cu_seqlens_k[s] : cu_seqlens_k[s] + seqused_k[s] of k and v, read in place as a
-            paged cache of one-row pages: forward only, no dropout, causal aligned by the
-            used count (as FlashAttention 3).
+            cu_seqlens_k[s] : cu_seqlens_k[s] + seqused_k[s] of k and v, read in place (one
+            packed call in which each sequence's unused tail is a sequence without queries),
+            causal aligned by the used count (as FlashAttention 3); differentiable (the
+            unused rows' dk, dv are zeros); no dropout.
         q_descale, k_descale, v_descale: FP8 descales, float32 (batch, heads_k), as in
             ``flash_attn_func``.
         attention_chunk, s_aux, learnable_sink: as in ``flash_attn_func`` (positions are
@@ -600,12 +608,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
     block_table = _page_table(block_table, page_table)
     paged = block_table is not None
     if seqused_k is not None and not paged:
-        # FlashAttention 3's packed keys with per-sequence counts: sequence s uses rows
-        # cu_seqlens_k[s] : cu_seqlens_k[s] + seqused_k[s]. Read in place as a paged cache of
-        # one-row pages (page j of sequence s is row cu_seqlens_k[s] + j): the paged path's
-        # kernel, counts and bottom-right alignment by the used length, forward only.
-        k, v, block_table = _row_pages(q, k, v, cu_seqlens_k, seqused_k, max_seqlen_k)
-        paged = True
+        # FlashAttention 3's packed keys with per-sequence counts: one packed call whose
+        # sequences are the used keys and, between them, the unused tails (no query rows).
+        if dropout_p:
+            raise RuntimeError("dropout is not supported with seqused_k (FlashAttention 3 has "
+                               "none)")
+        cu_seqlens_q, cu_seqlens_k = _used_keys(q, cu_seqlens_q, cu_seqlens_k, seqused_k)
+        alibi_slopes, q_descale, k_descale, v_descale = (
+            _per_tail(t) for t in (alibi_slopes, q_descale, k_descale, v_descale))
+        seqused_k = None
     if cu_seqlens_k is None and seqused_k is None:
         raise RuntimeError("cu_seqlens_k is required (it may be None only with a paged cache "
                            "and seqused_k)")

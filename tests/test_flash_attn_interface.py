@@ -856,25 +856,55 @@ def test_varlen_block_table():
 def test_varlen_seqused_k_without_pages():
     """FlashAttention 3's packed keys with per-sequence counts: sequence s uses rows
     cu_seqlens_k[s] : cu_seqlens_k[s] + seqused_k[s] (an empty count too), causal aligned by
-    the count; bit for bit the packed call over just those keys. Counts past a sequence, and
-    a backward, raise RuntimeError."""
+    the count; out and every gradient bit for bit the packed call's over just those keys (per
+    sequence ALiBi slopes too), zero dk / dv on the unused rows. Counts past a sequence, and
+    dropout, raise RuntimeError."""
     gen = torch.Generator().manual_seed(6)
     lens_q, lens_k, used = [1, 4, 3], [6, 9, 5], [4, 9, 0]
     q = torch.randn(sum(lens_q), 4, 16, generator=gen).to(DEVICE)
     k, v = (torch.randn(sum(lens_k), 2, 16, generator=gen).to(DEVICE) for _ in range(2))
-    starts = [0, 6, 15]
-    kept = [torch.cat([x[s:s + n] for s, n in zip(starts, used)]) for x in (k, v)]
+    do = torch.randn(q.shape, generator=gen).to(DEVICE)
+    slopes = torch.rand(3, 4, generator=gen).to(DEVICE)
+    rows = torch.cat([torch.arange(s, s + n) for s, n in zip([0, 6, 15], used)]).to(DEVICE)
     seqused = torch.tensor(used, dtype=torch.int32, device=DEVICE)
-    for causal in (False, True):
-        want = flash_attn_varlen_func(q, *kept, _cu(lens_q), _cu(used), 4, 9, causal=causal)
-        got = flash_attn_varlen_func(q, k, v, _cu(lens_q), _cu(lens_k), 4, 9, causal=causal,
-                                     seqused_k=seqused)
+    for causal, alibi in ((False, None), (True, slopes)):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        got = flash_attn_varlen_func(*leaves, _cu(lens_q), _cu(lens_k), 4, 9, causal=causal,
+                                     alibi_slopes=alibi, seqused_k=seqused)
+        grads = torch.autograd.grad(got, leaves, do)
+        kept = [t.clone().requires_grad_() for t in (q, k[rows], v[rows])]
+        want = flash_attn_varlen_func(*kept, _cu(lens_q), _cu(used), 4, 9, causal=causal,
+                                      alibi_slopes=alibi)
+        want_grads = torch.autograd.grad(want, kept, do)
         assert torch.equal(got, want), causal
+        assert torch.equal(grads[0], want_grads[0]), "dq"
+        for name, g, w in zip(("dk", "dv"), grads[1:], want_grads[1:]):
+            full = torch.zeros_like(g).index_copy(0, rows, w)
+            assert torch.equal(g, full), name
     with pytest.raises(RuntimeError, match="within each sequence"):
         flash_attn_varlen_func(q, k, v, _cu(lens_q), _cu(lens_k), seqused_k=seqused + 1)
     with pytest.raises(RuntimeError, match="needs cu_seqlens_k"):
         flash_attn_varlen_func(q, k, v, _cu(lens_q), seqused_k=seqused)
-    out = flash_attn_varlen_func(q, k, v.requires_grad_(), _cu(lens_q), _cu(lens_k),
-                                 seqused_k=seqused)
-    with pytest.raises(RuntimeError, match="forward-only"):
-        out.sum().backward()
+    with pytest.raises(RuntimeError, match="dropout is not supported with seqused_k"):
+        flash_attn_varlen_func(q, k, v, _cu(lens_q), _cu(lens_k), dropout_p=0.1,
+                               seqused_k=seqused)
+
+
+def test_varlen_seqused_k_compiles():
+    """The tails' cu_seqlens are built from tensors (no host read): fullgraph compiles and
+    gives the eager out and gradients."""
+    lens_q, lens_k = [1, 4, 3], [6, 9, 5]
+    q = randn(sum(lens_q), 4, 16, requires_grad=True)
+    k, v = (randn(sum(lens_k), 2, 16, requires_grad=True) for _ in range(2))
+    seqused = torch.tensor([4, 9, 0], dtype=torch.int32, device=DEVICE)
+
+    def f(q, k, v, cu_q, cu_k, used):
+        return flash_attn_varlen_func(q, k, v, cu_q, cu_k, 4, 9, causal=True, seqused_k=used)
+
+    args = (q, k, v, _cu(lens_q), _cu(lens_k), seqused)
+    eager = f(*args)
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")(*args)
+    assert torch.equal(eager, compiled)
+    for a, b in zip(torch.autograd.grad(eager.sum(), (q, k, v)),
+                    torch.autograd.grad(compiled.sum(), (q, k, v))):
+        assert torch.equal(a, b)
