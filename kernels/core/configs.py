@@ -557,6 +557,33 @@ def smem_bytes(config, block_d: int, elem_bytes: int) -> int:
     return (bm + 2 * max(config.num_stages, 1) * bn) * block_d * elem_bytes
 
 
+# What SDPA's attn_mask adds to a forward config's shared memory (sm_90, triton 3.6, bf16,
+# every forward config compiled at head_dim 64 and 128, against ``smem_bytes``): the additive
+# mask's fp32 (BLOCK_M, BLOCK_N) tile is a pipelined load, buffered num_stages - 1 times (128 x
+# 128 with 3 stages at head_dim 128: 360,504 bytes, over every GPU's block limit); the boolean
+# mask at most 32 bytes per query row (a layout conversion: 4,152 bytes at 128 x 128); each
+# with at most 64 bytes of barriers. Other mods load nothing per tile that is pipelined.
+_BIAS_ELEM_BYTES = 4
+_MASK_ROW_BYTES = 32
+_MOD_BARRIER_BYTES = 64
+
+
+def mods_smem_bytes(config, spec) -> int:
+    """Shared memory the tensor mods of ``spec`` (the launch's ``ScoreSpec``; None: no mods)
+    add to a forward config (above)."""
+    if spec is None:
+        return 0
+    from .tensor_mask import TENSOR_BIAS, TENSOR_MASK   # (tensor_mask imports mods only)
+    bm, bn = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
+    extra = 0
+    if any(m.fn is TENSOR_BIAS.fn for m in spec.mods):
+        extra += ((max(config.num_stages, 1) - 1) * bm * bn * _BIAS_ELEM_BYTES
+                  + _MOD_BARRIER_BYTES)
+    if spec.mask_mod is TENSOR_MASK.fn:
+        extra += bm * _MASK_ROW_BYTES + _MOD_BARRIER_BYTES
+    return extra
+
+
 def _bwd_smem_bytes(config, width, elem_bytes, dkdv):
     """Shared-memory estimate (an upper bound) of a backward config: the resident side's two
     tiles plus two streamed tiles per pipeline stage."""
@@ -735,7 +762,8 @@ def warp_spec_configs(configs, args, block_d, elem_bytes, family, budget):
         return []
     by_key = {_key(c)[:-1]: c for c in configs if c.kwargs.get("WARP_SPEC")}
     return [by_key[e] for e in family.fwd_warp_spec
-            if e in by_key and smem_bytes(by_key[e], block_d, elem_bytes) <= budget]
+            if e in by_key and smem_bytes(by_key[e], block_d, elem_bytes)
+            + mods_smem_bytes(by_key[e], args.get("SPEC")) <= budget]
 
 
 def _fwd_launch(named_args, kwargs):
@@ -767,9 +795,13 @@ def _prune_table(configs, args, block_d, elem_bytes, family, budget):
     dropout = bool(args.get("DROPOUT", False))
     candidates = _family_entries(configs, family, "fwd", block_d, dropout, elem_bytes,
                                  _fma_dots(args, elem_bytes))
-    lds = cdna_fwd_lds if family.wave64 else smem_bytes
-    fitting = [c for c in candidates if lds(c, block_d, elem_bytes) <= budget]
     spec = args.get("SPEC")
+    base = cdna_fwd_lds if family.wave64 else smem_bytes
+
+    def lds(c, block_d, elem_bytes):
+        return base(c, block_d, elem_bytes) + mods_smem_bytes(c, spec)
+
+    fitting = [c for c in candidates if lds(c, block_d, elem_bytes) <= budget]
     edge_regs = family.fwd_edge_regs if spec is not None and spec.edge else 0
     in_registers = [c for c in fitting if _stages_ok(c, args) and (
         not family.register_model or block_d >= WIDE_MIN_WIDTH

@@ -159,3 +159,33 @@ def test_launch_without_autotuning_skips_configs_that_do_not_compile():
     kernel = _FakeKernel({keys[0]}, ValueError("not a compile error"))
     with pytest.raises(ValueError):
         launch_first_compiling(kernel, grid, {}, configs)
+
+
+def test_attn_mask_shared_memory_drops_the_tiles_that_would_not_load():
+    """SDPA's attn_mask adds shared memory (configs.mods_smem_bytes, from the sm_90 compile
+    of every forward config): at head_dim 128 the 128 x 128 three-stage tile needs 360,504
+    bytes with an additive mask and 233,528 with a boolean one, over the H100's 232,448 a
+    block may use; pruning drops it there and keeps it without a mask."""
+    from kernels.core.call import ScoreSpec
+    from kernels.core.configs import HOPPER, mods_smem_bytes, smem_bytes
+    from kernels.core.mods import ModFns
+    from kernels.core.tensor_mask import TENSOR_BIAS, TENSOR_MASK
+    q = torch.empty(1, dtype=torch.bfloat16)
+    specs = {"none": None,
+             "bias": ScoreSpec(False, 0, (ModFns(TENSOR_BIAS.fn, TENSOR_BIAS.grad),), None, False),
+             "mask": ScoreSpec(False, 0, (), TENSOR_MASK.fn, False)}
+    measured = {"bias": 360504, "mask": 233528}    # sm_90, triton 3.6, 128 x 128, 8 warps, 3 st.
+
+    def kept(spec):
+        return {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages): c
+                for c in prune_configs(fwd_configs(), {"Q": q}, BLOCK_D=128, SPEC=spec)}
+
+    big = (128, 128, 8, 3)
+    assert big in kept(None)
+    cfg = kept(None)[big]
+    for name in ("bias", "mask"):
+        estimate = smem_bytes(cfg, 128, 2) + mods_smem_bytes(cfg, specs[name])
+        assert measured[name] <= estimate <= measured[name] + 1024, (name, estimate)
+        assert big not in kept(specs[name]) and kept(specs[name]), name
+        assert all(smem_bytes(c, 128, 2) + mods_smem_bytes(c, specs[name]) <= HOPPER.fwd_smem_cap
+                   for c in kept(specs[name]).values())

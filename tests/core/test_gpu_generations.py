@@ -15,7 +15,7 @@ import torch
 
 from kernels import ops
 from kernels.core import configs
-from kernels.core.call import Precision
+from kernels.core.call import Precision, ScoreSpec
 from kernels.core.common import block_d
 
 # (capability, shared memory per block in KiB, example card): NVIDIA's published limits.
@@ -160,7 +160,7 @@ def test_hopper_register_budgets_of_variants(gpu):
     (60-112 B); both stay the default of the plain launch."""
     gpu((9, 0), 227)
     q = torch.empty(1, dtype=torch.bfloat16)
-    edge = SimpleNamespace(edge=1)
+    edge = ScoreSpec(causal=True, edge=1, mods=(), mask_mod=None, sinks=False)   # a window
     for d, first in ((64, (128, 128, 8, 2)), (128, (128, 64, 8, 2))):
         kept = configs.prune_configs(configs.fwd_configs(), {}, Q=q, BLOCK_D=d, SPEC=edge)
         assert _key(kept[0]) == first, d
