@@ -535,13 +535,11 @@ def _used_keys(q, cu_seqlens_q, cu_seqlens_k, seqused_k):
     (no copy) and nothing attends to the tails (their dK / dV are zeros). Returns (cu_seqlens_q,
     cu_seqlens_k) of the 2 x num_seqs sequences (s at 2s, its tail at 2s + 1; ``_per_tail``
     gives per-sequence tensors their rows). Checks, outside torch.compile tracing, that
-    each count is within its sequence (a larger one would read the next sequence's keys)."""
+    each count is within its sequence (a larger one would read the next sequence's keys).
+    The three tensors' dtypes and shapes are the caller's checks."""
     if cu_seqlens_k is None:
         raise RuntimeError("seqused_k without a paged cache needs cu_seqlens_k (where each "
                            "sequence's keys start)")
-    _index_tensor("cu_seqlens_q", cu_seqlens_q, q.device, (None,))
-    _index_tensor("cu_seqlens_k", cu_seqlens_k, q.device, (cu_seqlens_q.numel(),))
-    _index_tensor("seqused_k", seqused_k, q.device, (cu_seqlens_q.numel() - 1,))
     lens = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
     if not torch.compiler.is_compiling():
         if bool((seqused_k < 0).any()) or bool((seqused_k > lens).any()):
@@ -607,16 +605,6 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
     _reject_fa3(fa3_kwargs)
     block_table = _page_table(block_table, page_table)
     paged = block_table is not None
-    if seqused_k is not None and not paged:
-        # FlashAttention 3's packed keys with per-sequence counts: one packed call whose
-        # sequences are the used keys and, between them, the unused tails (no query rows).
-        if dropout_p:
-            raise RuntimeError("dropout is not supported with seqused_k (FlashAttention 3 has "
-                               "none)")
-        cu_seqlens_q, cu_seqlens_k = _used_keys(q, cu_seqlens_q, cu_seqlens_k, seqused_k)
-        alibi_slopes, q_descale, k_descale, v_descale = (
-            _per_tail(t) for t in (alibi_slopes, q_descale, k_descale, v_descale))
-        seqused_k = None
     if cu_seqlens_k is None and seqused_k is None:
         raise RuntimeError("cu_seqlens_k is required (it may be None only with a paged cache "
                            "and seqused_k)")
@@ -635,6 +623,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
         _index_tensor("cu_seqlens_k", cu_seqlens_k, q.device, (cu_seqlens_q.numel(),))
     if seqused_k is not None:
         _index_tensor("seqused_k", seqused_k, q.device, (cu_seqlens_q.numel() - 1,))
+    if seqused_k is not None and not paged:
+        # FlashAttention 3's packed keys with per-sequence counts: one packed call whose
+        # sequences are the used keys and, between them, the unused tails (no query rows).
+        if dropout_p:
+            raise RuntimeError("dropout is not supported with seqused_k (FlashAttention 3 has "
+                               "none)")
+        cu_seqlens_q, cu_seqlens_k = _used_keys(q, cu_seqlens_q, cu_seqlens_k, seqused_k)
+        alibi_slopes, q_descale, k_descale, v_descale = (
+            _per_tail(t) for t in (alibi_slopes, q_descale, k_descale, v_descale))
+        seqused_k = None
     chunk, sinks = _fa3_kw(attention_chunk, s_aux, learnable_sink)
     kw = dict(softmax_scale=softmax_scale, softcap=_softcap(softcap), alibi_slopes=alibi_slopes,
               sinks=sinks, **_mask_kw(window_size, causal, q.device, chunk=chunk),
