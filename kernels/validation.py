@@ -323,16 +323,17 @@ def check_attn_mask(attn_mask, q, k, score_mod, mask_mod, mod_aux):
     if not (isinstance(q, torch.Tensor) and q.dim() == 4 and isinstance(k, torch.Tensor)
             and k.dim() == 4):
         # validate_attention says what is wrong with q / k
-        return (TENSOR_BIAS, None, ()) if bias else (None, TENSOR_MASK, ())
+        return (TENSOR_BIAS, mask_mod, ()) if bias else (score_mod, TENSOR_MASK, ())
     if device != q.device:
         raise ValueError(f"attn_mask must be on q's device {q.device}, got {device}")
     target = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     if any(m not in (1, t) for m, t in zip(shape, target)):
         raise ValueError(f"attn_mask of shape {shape} does not broadcast to (batch, heads_q, "
                          f"q_len, k_len) = {target}")
+    # The other place keeps the caller's mod (one without aux: refused above).
     if bias:
-        return TENSOR_BIAS, None, bias_aux(attn_mask, target)
-    return None, TENSOR_MASK, mask.aux(*target)
+        return TENSOR_BIAS, mask_mod, bias_aux(attn_mask, target)
+    return score_mod, TENSOR_MASK, mask.aux(*target)
 
 
 def check_num_splits(num_splits):

@@ -6,6 +6,8 @@ with causal and GQA, on both routes; the tile bounds equal a loop's and skip the
 hides (NaN there never reaches the result); bad masks are clear errors."""
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import kernels
 from kernels.core import tensor_mask
@@ -47,17 +49,22 @@ def test_attn_mask_matches_the_oracle(q_len, k_len, shape, route):
     check_call(kernel, b=B, hq=HQ, hkv=HKV, q_len=q_len, k_len=k_len, oracle_case=oracle)
 
 
-def _check_bias(bias, q_len, k_len, causal=False, dtype=torch.float32):
+def _check_bias(bias, q_len, k_len, causal=False, dtype=torch.float32, mask_mod=None):
     """The parity rule on out, lse, dq / dk / dv and the bias's own gradient: the oracle adds
     the bias's finite entries by a score mod (differentiating it) and takes its -inf entries as
-    its mask (a row left without keys gives zeros in both)."""
+    its mask (a row left without keys gives zeros in both); ``mask_mod``: the call's own, on
+    top."""
     seen = bias.detach() > float("-inf")
-    check_call(dict(attn_mask=bias, causal=causal), dtype, b=B, hq=HQ, hkv=HKV, q_len=q_len,
-               k_len=k_len, leaves=(bias,), oracle_case=lambda b: dict(
+
+    def oracle_mask(b_, h, q_idx, kv_idx, aux):
+        return seen if mask_mod is None else seen & mask_mod.torch_fn(b_, h, q_idx, kv_idx, aux)
+
+    check_call(dict(attn_mask=bias, causal=causal, mask_mod=mask_mod), dtype, b=B, hq=HQ,
+               hkv=HKV, q_len=q_len, k_len=k_len, leaves=(bias,), oracle_case=lambda b: dict(
                    causal=causal, mod_aux=(b,),
                    score_mod=lambda s, b_, h, q_idx, kv_idx, aux: s + aux[0].masked_fill(
                        ~seen, 0.0).to(s.dtype),
-                   mask_mod=lambda b_, h, q_idx, kv_idx, aux: seen))
+                   mask_mod=oracle_mask))
 
 
 @pytest.mark.parametrize("q_len,k_len,shape", [
@@ -83,6 +90,39 @@ def test_additive_mask_with_causal_in_low_precision():
     bias = (randn(1, HQ, k_len, q_len) * 2).to(torch.bfloat16).transpose(-1, -2)
     _check_bias(bias.detach().requires_grad_(), q_len, k_len, causal=True,
                 dtype=torch.bfloat16)
+
+
+@triton.jit
+def _even_keys_fn(b, h, q_idx, kv_idx, aux):
+    return (kv_idx % 2) == 0
+
+
+def _even_keys_torch(b, h, q_idx, kv_idx, aux):
+    return (kv_idx % 2) == 0
+
+
+@triton.jit
+def _distance_fn(s, b, h, q_idx, kv_idx, aux):
+    return s - 0.05 * tl.abs(q_idx - kv_idx).to(tl.float32)
+
+
+def _distance_torch(s, b, h, q_idx, kv_idx, aux):
+    return s - 0.05 * (q_idx - kv_idx).abs().to(s.dtype)
+
+
+EVEN_KEYS = kernels.MaskMod("test_attn_mask.even_keys", _even_keys_fn, _even_keys_torch)
+DISTANCE = kernels.ScoreMod("test_attn_mask.distance", _distance_fn, _distance_torch)
+
+
+def test_attn_mask_keeps_the_other_mod():
+    """A boolean attn_mask takes the mask mod's place and keeps the call's score mod; an
+    additive one takes the score mod's place and keeps its mask mod (both had been dropped
+    without a word: max error 1.66 with an even-keys mask mod under a zero bias)."""
+    mask = _mask((B, 1, 19, 23), seed=11)
+    kernel, oracle = _case(mask, causal=False, score_mod=DISTANCE)
+    check_call(kernel, b=B, hq=HQ, hkv=HKV, q_len=19, k_len=23, oracle_case=oracle)
+    bias = (randn(B, 1, 19, 23) * 2).requires_grad_()
+    _check_bias(bias, 19, 23, causal=True, mask_mod=EVEN_KEYS)
 
 
 def test_attn_mask_with_causal_and_odd_layouts():
