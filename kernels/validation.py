@@ -12,7 +12,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .core.call import FP8_DTYPE   # FP8 attention (forward only) takes OCP e4m3 alone
 from .core.common import MAX_HEAD_DIM
 from .core.mods import CallMods, MaskMod, ScoreMod
-from .core.tensor_mask import TENSOR_BIAS, TENSOR_MASK, TensorMask, as_4d, bias_aux
+from .core import tensor_mask
+from .core.tensor_mask import (BIAS_BOUNDS, TENSOR_BIAS, TENSOR_MASK, TensorMask, as_4d,
+                               bias_aux)
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _OTHER_FP8 = tuple(getattr(torch, n) for n in ("float8_e5m2", "float8_e4m3fnuz",
@@ -303,8 +305,10 @@ def check_mods(q, causal, window, softcap, sinks, chunk_size, alibi_slopes, scor
 def check_attn_mask(attn_mask, q, k, score_mod, mask_mod, mod_aux):
     """``attention``'s ``attn_mask`` as the call's mods: (score_mod, mask_mod, mod_aux). A
     boolean mask (a bool tensor or a ``TensorMask``) takes the mask mod's place (TENSOR_MASK),
-    an additive float one the score mod's (TENSOR_BIAS); neither is combined with a mod in
-    that place nor with ``mod_aux`` (whose indices the mods read)."""
+    an additive float one the score mod's (TENSOR_BIAS), and, without a mask mod, for calls of
+    at least ``tensor_mask.BIAS_BOUNDS_MIN_PAIRS`` pairs per head, the mask mod's as well
+    (BIAS_BOUNDS: the tile bounds of its entries above -inf); neither is combined with a mod
+    in its place nor with ``mod_aux`` (whose indices the mods read)."""
     bias = isinstance(attn_mask, torch.Tensor) and attn_mask.is_floating_point()
     taken = score_mod if bias else mask_mod
     if taken is not None or mod_aux:
@@ -330,9 +334,12 @@ def check_attn_mask(attn_mask, q, k, score_mod, mask_mod, mod_aux):
     if any(m not in (1, t) for m, t in zip(shape, target)):
         raise ValueError(f"attn_mask of shape {shape} does not broadcast to (batch, heads_q, "
                          f"q_len, k_len) = {target}")
-    # The other place keeps the caller's mod (one without aux: refused above).
+    # The other place keeps the caller's mod (one without aux: refused above); an additive
+    # mask takes the free mask mod place for its tile bounds, where they can pay.
     if bias:
-        return TENSOR_BIAS, mask_mod, bias_aux(attn_mask, target)
+        bounded = mask_mod is None and target[2] * target[3] >= tensor_mask.BIAS_BOUNDS_MIN_PAIRS
+        return (TENSOR_BIAS, BIAS_BOUNDS if bounded else mask_mod,
+                bias_aux(attn_mask, target, bounds=bounded))
     return score_mod, TENSOR_MASK, mask.aux(*target)
 
 

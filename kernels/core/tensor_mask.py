@@ -5,7 +5,11 @@
   tiles it shows (below);
 * additive (float): a bias added to the scaled scores by a score mod (TENSOR_BIAS), -inf
   entries hiding their pairs, differentiable (its gradient accumulated in the dQ kernel, as
-  any learned aux: kernels/core/mods.py); no tile is skipped (``bias_aux``).
+  any learned aux: kernels/core/mods.py). With ``bounds`` (``bias_aux``: calls of at least
+  BIAS_BOUNDS_MIN_PAIRS score entries per head without a mask mod of their own) the pairs
+  above -inf get the boolean mask's tile bounds (a mask mod of ranges only, BIAS_BOUNDS): a
+  causal or padded bias, such as SDPA's boolean mask turned into 0 / -inf, skips the tiles it
+  hides; else every tile is visited.
 
 Either has any shape that broadcasts to (batch, heads_q, q_len, k_len) (2-D (q_len, k_len) for
 every batch entry and head, (batch, 1, 1, k_len) key padding, (batch, 1, q_len, k_len) per
@@ -14,7 +18,8 @@ copy (a boolean mask is read in place; a bias not float32, or whose keys are not
 is converted once per call).
 
 The bias mod's ``aux`` (``bias_aux``): aux[0] the bias, float32, in its own shape made 4-D
-(broadcast dims of size 1); aux[1] as the mask's below, without the bounds' strides. Its
+(broadcast dims of size 1); aux[1] as the mask's below (the bounds' strides only with bounds);
+with bounds aux[2], aux[3] as the mask's, of the entries above -inf. Its
 gradient (``aux_grad``) adds ds at each pair's offset: a broadcast dim sums into its one entry.
 
 The boolean mask's ``aux`` (``TensorMask.aux``):
@@ -160,6 +165,24 @@ TENSOR_BIAS = ScoreMod("kernels.attn_bias", _bias_fn, _bias_torch, aux_grad=_bia
                        grad_aux=(0,))
 
 
+@triton.jit
+def _everything_fn(b, h, q_idx, kv_idx, aux):
+    # The bias's -inf entries hide their pairs themselves: this mod only bounds the tiles.
+    return (q_idx == q_idx) & (kv_idx == kv_idx)
+
+
+def _everything_torch(b, h, q_idx, kv_idx, aux):
+    return (q_idx == q_idx) & (kv_idx == kv_idx)
+
+
+BIAS_BOUNDS = MaskMod("kernels.attn_bias_bounds", _everything_fn, _everything_torch,
+                      kv_range=_mask_keys, q_range=_mask_queries)
+# An additive mask gets tile bounds (BIAS_BOUNDS) from this many (query, key) pairs per head
+# on: below, the few reductions that find them cost more host time than the tiles they can
+# skip save (not measured on a GPU; 512 x 512 is 16 tiles of 128 x 128).
+BIAS_BOUNDS_MIN_PAIRS = 512 * 512
+
+
 def as_4d(t):
     """``t`` (2 to 4 dims) viewed as 4-D, 1s prepended."""
     return t.reshape((1,) * (4 - t.dim()) + tuple(t.shape)) if t.dim() < 4 else t
@@ -184,23 +207,55 @@ def _read_once(t, dims):
     return t
 
 
-def bias_aux(bias, target):
+def bias_aux(bias, target, bounds=False):
     """TENSOR_BIAS's ``mod_aux`` for a float ``bias`` broadcastable to ``target`` (batch,
     heads_q, q_len, k_len) (checked by the caller): the bias as float32 in its own (not
-    broadcast) shape, keys unit-stride (copied where it is not), and its offsets. A bias that
-    requires grad gets it through this conversion."""
+    broadcast) shape, keys unit-stride (copied where it is not), and its offsets; with
+    ``bounds`` also the tile bounds of its entries above -inf (for BIAS_BOUNDS; computed here,
+    on the device: the bias is not read on the host). A bias that requires grad gets it
+    through this conversion."""
     b4 = _read_once(as_4d(bias), range(4))
     if b4.stride(-1) != 1 and b4.shape[-1] > 1 or bias.requires_grad:
         b4 = b4.contiguous()
     b4 = b4.float()
     _, ints, dtype = _offset_ints(b4, target)
-    return (b4, aux_ints(ints, b4.device, dtype))
+    if not bounds:
+        return (b4, aux_ints(ints, b4.device, dtype))
+    cache = _bounds_of(bias)    # one bias shared by a model's layers: found once
+    key_bounds, query_bounds = cache.get(tuple(target[2:])) or _seen(b4, cache).bounds(
+        *target[2:])
+    return (b4, aux_ints((*ints, *_bounds_strides(key_bounds, query_bounds)), b4.device, dtype),
+            key_bounds, query_bounds)
 
 
-# bool mask tensor -> (its version counter, its bounds per (q_len, k_len)): the layers of a
-# model that pass one mask tensor compute its bounds once (``TensorMask.of``). Only the bounds
-# are held, never the mask, so the key stays collectable.
+def _seen(b4, cache):
+    """The ``TensorMask`` of a bias's entries above -inf, its bounds kept in ``cache``."""
+    seen = TensorMask(b4.detach() > float("-inf"))
+    seen._bounds = cache
+    return seen
+
+
+def _bounds_strides(key_bounds, query_bounds):
+    """The bounds' batch strides in aux[1] (0 where one entry serves every batch entry)."""
+    return (key_bounds.stride(0) if key_bounds.shape[0] > 1 else 0,
+            query_bounds.stride(0) if query_bounds.shape[0] > 1 else 0)
+
+
+# mask (or bias) tensor -> (its version counter, its bounds per (q_len, k_len)): the layers of
+# a model that pass one mask tensor compute its bounds once (``TensorMask.of``, ``bias_aux``).
+# Only the bounds are held, never the mask, so the key stays collectable.
 _BOUNDS = WeakIdKeyDictionary()
+
+
+def _bounds_of(tensor) -> dict:
+    """The bounds per (q_len, k_len) of ``tensor`` at its current version, shared by every
+    call on it (a fresh dict while tracing under torch.compile: the graph computes them)."""
+    if torch.compiler.is_compiling():
+        return {}
+    hit = _BOUNDS.get(tensor)
+    if hit is None or hit[0] != tensor._version:
+        hit = _BOUNDS[tensor] = (tensor._version, {})
+    return hit[1]
 
 
 class TensorMask:
@@ -235,11 +290,7 @@ class TensorMask:
         every earlier call on the same tensor at the same version (an in-place change makes
         new ones); while tracing under torch.compile a fresh one (the graph computes them)."""
         prepared = cls(mask)
-        if not torch.compiler.is_compiling():
-            hit = _BOUNDS.get(mask)
-            if hit is None or hit[0] != mask._version:
-                hit = _BOUNDS[mask] = (mask._version, {})
-            prepared._bounds = hit[1]
+        prepared._bounds = _bounds_of(mask)
         return prepared
 
     @property
@@ -266,9 +317,7 @@ class TensorMask:
             self._int8 = self._int8.contiguous()   # the kernels read unit-stride keys
         m, ints, dtype = _offset_ints(self._int8, (batch, heads_q, q_len, k_len))
         key_bounds, query_bounds = self.bounds(q_len, k_len)
-        ints = aux_ints((*ints, key_bounds.stride(0) if key_bounds.shape[0] > 1 else 0,
-                         query_bounds.stride(0) if query_bounds.shape[0] > 1 else 0),
-                        m.device, dtype)
+        ints = aux_ints((*ints, *_bounds_strides(key_bounds, query_bounds)), m.device, dtype)
         return (m, ints, key_bounds, query_bounds)
 
     def __repr__(self):

@@ -31,8 +31,10 @@ backward (what ``F.scaled_dot_product_attention`` calls), and ``aten::_flash_att
   costs no copy) and is differentiable: its gradient has the broadcast shape (B, H, L, S)
   and the bias's dtype, as PyTorch's kernel returns it (summed by autograd afterwards; an
   fp32 buffer of that shape while computed). ``is_causal`` with q_len != k_len is
-  top-left aligned in this op (query i sees keys j <= i), run as a bool mask. Every tile is
-  visited with a bias (its values are not read on the host); a row whose keys are all -inf
+  top-left aligned in this op (query i sees keys j <= i), run as a bool mask. A bias gets
+  tile bounds from its entries above -inf (``attention``'s, from 512 x 512 pairs per head on:
+  a causal or padding mask turned into a bias skips the tiles it hides; found on the device,
+  the bias is not read on the host); a row whose keys are all -inf
   gives zeros where PyTorch gives NaN. The logsumexp is (B, H, L rounded up to 32), as
   PyTorch's; the output is laid out (B, L, H, D) in memory, as the op's meta function says (a
   copy when q is laid out (B, H, L, D)). ``aten::_efficient_attention_forward`` (the

@@ -204,6 +204,55 @@ def test_attn_mask_skips_the_tiles_it_hides():
     assert torch.isnan(blind[:, :, block:]).any()
 
 
+def _block_diagonal(n, block):
+    pos = torch.arange(n, device=DEVICE)
+    return (pos[:, None] // block) == (pos[None, :] // block)
+
+
+@pytest.mark.parametrize("shape", [(B, 1, 40, 40), (1, HQ, 33, 50)])
+def test_additive_mask_with_tile_bounds_matches_the_oracle(shape, route, monkeypatch):
+    """From BIAS_BOUNDS_MIN_PAIRS pairs on (lowered here to reach it at small sizes) an
+    additive mask also takes the mask mod's place for its tile bounds: the same results, the
+    bias's gradient included, causal or not, -inf rows included; both routes."""
+    if route.device != DEVICE:
+        pytest.skip(f"the fallback route runs on {route.device}; this test's tensors are on "
+                    f"{DEVICE}")
+    monkeypatch.setattr(tensor_mask, "BIAS_BOUNDS_MIN_PAIRS", 0)
+    q_len, k_len = shape[2:]
+    seen = _mask(shape, seed=q_len + 7 * k_len)
+    bias = (randn(*shape) * 2).masked_fill(~seen, float("-inf")).requires_grad_()
+    for causal in (False, True):
+        _check_bias(bias, q_len, k_len, causal=causal)
+
+
+def test_additive_mask_skips_the_tiles_it_hides(monkeypatch):
+    """A block-diagonal bias (0 in blocks of 128 positions, -inf elsewhere) over 144, with
+    bounds: NaN values of keys 0..127 leave the second block's rows as they were, NaN queries
+    0..127 its keys' dK / dV. Below BIAS_BOUNDS_MIN_PAIRS (no bounds) every tile is visited and
+    NaN reaches them."""
+    block, n = 128, 144
+    bias = torch.zeros(n, n, device=DEVICE).masked_fill(~_block_diagonal(n, block),
+                                                        float("-inf"))
+    q, k, v = (randn(1, 2, n, 16, requires_grad=True) for _ in range(3))
+    pv, pq = v.detach().clone(), q.detach().clone()
+    pv[:, :, :block], pq[:, :, :block] = float("nan"), float("nan")
+
+    def run(q, k, v):
+        out = kernels.attention(q, k, v, causal=False, attn_mask=bias)
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        return out.detach(), dk, dv
+
+    assert n * n < tensor_mask.BIAS_BOUNDS_MIN_PAIRS
+    assert torch.isnan(run(q, k, pv.requires_grad_())[0][:, :, block:]).any()
+    monkeypatch.setattr(tensor_mask, "BIAS_BOUNDS_MIN_PAIRS", n * n)
+    out, dk, dv = run(q, k, v)
+    poisoned = run(q, k, pv.requires_grad_())[0]
+    _, dk_q, dv_q = run(pq.requires_grad_(), k, v)
+    assert torch.equal(poisoned[:, :, block:], out[:, :, block:])
+    assert torch.equal(dk_q[:, :, block:], dk[:, :, block:])
+    assert torch.equal(dv_q[:, :, block:], dv[:, :, block:])
+
+
 def test_bad_masks_are_clear_errors():
     q, k, v = (randn(B, HQ, 8, 16) for _ in range(3))
     good = torch.ones(8, 8, dtype=torch.bool, device=DEVICE)
@@ -227,10 +276,10 @@ def test_bad_masks_are_clear_errors():
         kernels.attention(q[0], k, v, attn_mask=good)
 
 
-def test_attn_mask_under_torch_compile():
+def test_attn_mask_under_torch_compile(monkeypatch):
     """``torch.compile(fullgraph=True)`` traces the mask's bounds and its call, with the mask
-    as a graph input or prepared outside, and a bias with its gradient; the same results and
-    gradients as eager."""
+    as a graph input or prepared outside, and a bias with its gradient, with and without its
+    tile bounds; the same results and gradients as eager."""
     q, k, v = (randn(B, HQ, 33, 16, requires_grad=True) for _ in range(3))
     mask = _mask((B, 1, 33, 33), seed=7)
     prepared = kernels.TensorMask(mask)
@@ -246,7 +295,10 @@ def test_attn_mask_under_torch_compile():
         return kernels.attention(q, k, v, causal=False, attn_mask=given)
 
     try:
-        for given in (mask, prepared, bias):
+        for given, min_pairs in ((mask, None), (prepared, None), (bias, None), (bias, 0)):
+            if min_pairs is not None:   # the bias's bounds at this small size
+                monkeypatch.setattr(tensor_mask, "BIAS_BOUNDS_MIN_PAIRS", min_pairs)
+                torch._dynamo.reset()
             eager = run(call, given)
             got = run(torch.compile(call, fullgraph=True, backend="aot_eager"), given)
             assert all(torch.equal(a, b) for a, b in zip(got[:4], eager[:4]))
@@ -271,5 +323,24 @@ def test_a_mask_tensor_gets_its_bounds_once(monkeypatch):
     assert len(counted) == 2
     mask[..., :16, :] = False                         # rows 0..15 now see nothing
     changed = kernels.attention(q, k, v, causal=False, attn_mask=mask)
+    assert len(counted) == 4
+    assert (changed[:, :, :16] == 0).all() and torch.equal(changed[:, :, 16:], first[:, :, 16:])
+
+
+def test_a_bias_tensor_gets_its_bounds_once(monkeypatch):
+    """The same for an additive mask with tile bounds (T5's position bias, passed to every
+    layer): found once per tensor and version, anew after an in-place change."""
+    monkeypatch.setattr(tensor_mask, "BIAS_BOUNDS_MIN_PAIRS", 0)
+    counted = []
+    spans = tensor_mask._spans
+    monkeypatch.setattr(tensor_mask, "_spans", lambda g: counted.append(1) or spans(g))
+    q, k, v = (randn(1, 2, 20, 16) for _ in range(3))
+    bias = randn(1, 2, 20, 20).masked_fill(~_mask((1, 2, 20, 20), seed=10), float("-inf"))
+    first = kernels.attention(q, k, v, causal=False, attn_mask=bias)
+    assert len(counted) == 2
+    assert torch.equal(kernels.attention(q, k, v, causal=False, attn_mask=bias), first)
+    assert len(counted) == 2
+    bias[..., :16, :] = float("-inf")                 # rows 0..15 now see nothing
+    changed = kernels.attention(q, k, v, causal=False, attn_mask=bias)
     assert len(counted) == 4
     assert (changed[:, :, :16] == 0).all() and torch.equal(changed[:, :, 16:], first[:, :, 16:])
