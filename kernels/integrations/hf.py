@@ -178,6 +178,7 @@ class MaskInfo:
         self.whole_args = None    # _whole_mask's arguments (the hook's), for whole_mask()
         self.kept_from = None     # (parent MaskInfo, rows dropped): mask[:, :, -n:, :]
         self._whole = None        # whole_mask(), once computed
+        self._biased = None       # (position bias, its additive mask): biased()
 
     def contiguous(self):
         return self
@@ -197,6 +198,13 @@ class MaskInfo:
                                        "by our hook from a padding mask)")
             self._whole = _whole_mask(**self.whole_args).dense_mask.mask
         return self._whole
+
+    def biased(self, position_bias, mask):
+        """``_biased(position_bias, mask)``, built once per position bias tensor: T5 passes one
+        to every layer, which then share one additive mask (and its tile bounds)."""
+        if self._biased is None or self._biased[0] is not position_bias:
+            self._biased = (position_bias, _biased(position_bias, mask))
+        return self._biased[1]
 
     def __getitem__(self, key):
         """``mask[:, :, -n:, :]``: the mask of the last ``n`` query rows only (Gemma 4 keeps the
@@ -832,7 +840,7 @@ def attention_function(module, query, key, value, attention_mask, dropout=0.0, s
                                        f"mask of shape {info.dense_mask.shape}")
             if info.dense_mask.device != query.device:
                 info.dense_mask = TensorMask(info.dense_mask.mask.to(query.device))
-            mask = info.dense_mask if position_bias is None else _biased(
+            mask = info.dense_mask if position_bias is None else info.biased(
                 position_bias, info.dense_mask.mask)
             out = ops.attention(query, key, value, causal=False, dropout_p=dropout_p,
                                 softmax_scale=scaling, softcap=softcap, sinks=sinks,
@@ -870,7 +878,7 @@ def attention_function(module, query, key, value, attention_mask, dropout=0.0, s
         # boolean mask with the bias (sdpa's way), its -inf entries hiding what it hides.
         mask = info.whole_mask().to(query.device)
         options.update(causal=False, window=None, chunk_size=None, mask_mod=None, mod_aux=())
-        out = ops.attention(query, key, value, attn_mask=_biased(position_bias, mask),
+        out = ops.attention(query, key, value, attn_mask=info.biased(position_bias, mask),
                             **options)
         return out.transpose(1, 2), None
 

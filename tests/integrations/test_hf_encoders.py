@@ -29,6 +29,7 @@ from transformers import masking_utils as mu  # noqa: E402
 
 import kernels  # noqa: E402
 from kernels import hf  # noqa: E402
+from kernels.integrations import hf as hf_integration  # noqa: E402
 
 skip_module_unless_registered()
 
@@ -283,7 +284,7 @@ def _t5_config():
 
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padding-with-holes"])
 @pytest.mark.usefixtures("model_route")
-def test_t5_position_bias_logits_generate_and_gradients_match_eager(padded):
+def test_t5_position_bias_logits_generate_and_gradients_match_eager(padded, monkeypatch):
     """T5's learned relative position bias (passed to every layer as ``position_bias``):
     without padding an additive ``attn_mask`` on the native causal / bidirectional call; over
     padding (a hole in a source) added to transformers' boolean mask, as sdpa does. Logits
@@ -295,6 +296,16 @@ def test_t5_position_bias_logits_generate_and_gradients_match_eager(padded):
     if padded:
         src_mask[0, 2] = 0
     _assert_seq2seq((ours, eager, oracle), src, src_mask, tgt, tgt_mask, "T5")
+    if padded:   # one additive mask per position bias and forward, shared by its layers
+        built, biased = [], hf_integration._biased
+        monkeypatch.setattr(hf_integration, "_biased",
+                            lambda *a: built.append(1) or biased(*a))
+        with torch.no_grad():
+            ours(src, attention_mask=src_mask, decoder_input_ids=tgt,
+                 decoder_attention_mask=tgt_mask)
+        # the encoder's self-attention, the decoder's and its cross-attention (one per
+        # stack's two layers; was one per layer: 6)
+        assert len(built) == 3, built
     labels = tgt.masked_fill(tgt_mask == 0, -100)
     for m in (ours, eager, oracle):
         m.train()
