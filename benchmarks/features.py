@@ -408,8 +408,10 @@ def _mla_specs(sh, device, dtype, sdpa_names):
 
 def _mask_specs(sh, device, dtype, sdpa_names):
     """A sliding window given as a boolean ``attn_mask`` (L, L) to a non-causal call (the
-    tensor mask's tile bounds decide which tiles run), vs the same window native, and SDPA's
-    backends that take a mask."""
+    tensor mask's tile bounds decide which tiles run), the same as an additive 0 / -inf mask
+    (``kernels_bias``: what SDPA hands its efficient op, ours under kernels.sdpa; bounds from
+    its -inf entries at this size), vs the same window native, and SDPA's backends that take
+    a mask."""
     B, H, L, D, W = sh["batch"], sh["heads"], sh["seq_len"], sh["head_dim"], sh["window"]
     g = torch.Generator(device=device).manual_seed(L)
     q, k, v, do = (_randn(g, (B, H, L, D), device, dtype) for _ in range(4))
@@ -424,8 +426,17 @@ def _mask_specs(sh, device, dtype, sdpa_names):
         leaves = tuple(_leaf(x) for x in (q, k, v))
         return (lambda: [kernels.attention(*leaves, causal=False, attn_mask=band)]), leaves
 
+    bias = torch.zeros(L, L, device=device, dtype=dtype).masked_fill(~band, float("-inf"))
+
+    def bias_build():
+        import kernels
+
+        leaves = tuple(_leaf(x) for x in (q, k, v))
+        return (lambda: [kernels.attention(*leaves, causal=False, attn_mask=bias)]), leaves
+
     extra = dict(heads_kv=H, window=W)
     specs = [_Spec("kernels", masked_build, [do], extra=extra),
+             _Spec("kernels_bias", bias_build, [do], extra=extra),
              _Spec("kernels_window", _ours(q, k, v, window=W), [do],
                    extra=dict(extra, causal=True))]
     specs += [_sdpa_spec(n, case, (q, k, v), [do], extra, attn_mask=band) for n in sdpa_names]
@@ -544,6 +555,10 @@ def _compare(feature, rows, device, sh):
                                                         sh["chunk_size"])
             mine["speedup_vs_batched"] = ratio(by.get(("kernels_chunks_batched", mode)), mine,
                                                "ms")
+        elif feature == "mask":
+            bias = by.get(("kernels_bias", mode))
+            if bias is not None:   # the additive form of the same mask, same comparison
+                bias["speedup_vs_native"] = ratio(by.get(("kernels_window", mode)), bias, "ms")
         elif feature == "fp8":
             cache = by.get(("kernels_cache_fp8", mode))
             if cache is not None:   # its own target (FP8_CACHE_TARGET)

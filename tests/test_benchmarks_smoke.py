@@ -371,6 +371,12 @@ def _check_feature_rows(rows, csv_path):
         assert mla["target_met"] is None and "padded" in mla["target"]
         flash = by["mla", "sdpa_flash", mode]["status"]
         assert flash.startswith("unsupported: ") and "last dim" in flash, flash
+        # A window as a bool and as an additive mask, each against the native window.
+        native = by["mask", "kernels_window", mode]
+        for name in ("kernels", "kernels_bias"):
+            masked = by["mask", name, mode]
+            assert masked["status"] == native["status"] == "ok", name
+            assert masked["speedup_vs_native"] == pytest.approx(native["ms"] / masked["ms"])
     with open(csv_path, newline="") as f:
         table = [t for t in csv.DictReader(f) if t["bench"] == "varlen"]
     assert table and json.loads(table[0]["seqlens"]) == lens
@@ -684,7 +690,8 @@ def test_feature_rows_respect_the_time_budget():
     assert {r["provider"] for r in rows if r["status"] == "skipped: time budget"} >= {
         "kernels", "kernels_mha", "kernels_causal", "kernels_chunks_batched", "kernels_varlen",
         "kernels_dense_each", "kernels_dense_padded", "kernels_padded", "kernels_unsplit",
-        "kernels_dense", "kernels_fp8", "kernels_cache", "kernels_cache_fp8", "kernels_window"}
+        "kernels_dense", "kernels_fp8", "kernels_cache", "kernels_cache_fp8", "kernels_window",
+        "kernels_bias"}
     assert all(r.get("target_met") is None for r in rows)
     assert "features (shape:" in format_features(rows)
     # decode, then the integration rows last: every point written
