@@ -132,9 +132,9 @@ def attention(q, k, v, *, causal=True, dropout_p=0.0, softmax_scale=None, seed=N
               its last bits vary run to run). Converted to float32 once per call if it is not.
               Takes the score mod's place (not with score_mod / mod_aux). Without a mask_mod,
               from 512 x 512 pairs per head on, it also gets the boolean mask's tile bounds
-              from its entries above -inf (computed per call: a few reductions over the
-              bias), so a causal or padded bias skips the tiles it hides; else every tile is
-              visited.
+              from its entries above -inf (a few reductions over the bias, once per bias
+              tensor and version, as a bool mask's), so a causal or padded bias skips the
+              tiles it hides; else every tile is visited.
 
     Returns:
         out: (batch, heads_q, q_len, head_dim_v) in q's dtype. It has q's memory layout when q

@@ -173,14 +173,18 @@ def test_tile_bounds_are_the_spans(q_len, k_len):
 
 
 @pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning")
+def _block_diagonal(n, block):
+    pos = torch.arange(n, device=DEVICE)
+    return (pos[:, None] // block) == (pos[None, :] // block)
+
+
 def test_attn_mask_skips_the_tiles_it_hides():
     """A block-diagonal mask of blocks of 128 positions (whole tiles of every width up to 128)
     over 144: NaN values of keys 0..127 leave the second block's rows as they were, NaN queries
     0..127 leave its keys' dK / dV. Without the bounds (the same mask as a mask mod without
     ranges) every tile is visited and NaN reaches them."""
     block, n = 128, 144
-    pos = torch.arange(n, device=DEVICE)
-    mask = (pos[:, None] // block) == (pos[None, :] // block)
+    mask = _block_diagonal(n, block)
     q, k, v = (randn(1, 2, n, 16, requires_grad=True) for _ in range(3))
 
     def run(q, k, v, **kw):
@@ -202,11 +206,6 @@ def test_attn_mask_skips_the_tiles_it_hides():
     blind = kernels.attention(q.detach(), k.detach(), pv, causal=False, mask_mod=unbounded,
                               mod_aux=aux)
     assert torch.isnan(blind[:, :, block:]).any()
-
-
-def _block_diagonal(n, block):
-    pos = torch.arange(n, device=DEVICE)
-    return (pos[:, None] // block) == (pos[None, :] // block)
 
 
 @pytest.mark.parametrize("shape", [(B, 1, 40, 40), (1, HQ, 33, 50)])

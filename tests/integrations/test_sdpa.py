@@ -198,6 +198,24 @@ def _bias_case(kind, b, h, lq, lk, dtype):
     return None, None, None
 
 
+def _check_against_sdpa_math(out, grads, leaves, do, mask_of):
+    """The parity rule on ``out`` and ``grads`` (of ``leaves``: q, k, v[, a bias]) against SDPA's
+    math in float64 and in the input dtype, its attn_mask ``mask_of(oracle's leaf copies)``."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    refs = []
+    for upcast in (True, False):
+        ins = [(t.detach().double() if upcast else t.detach()).requires_grad_() for t in leaves]
+        with sdpa_kernel(SDPBackend.MATH):
+            o = F.scaled_dot_product_attention(*ins[:3], attn_mask=mask_of(ins))
+        refs.append((o, torch.autograd.grad(o, ins, do.to(o.dtype))))
+    (ref, ref_g), (low, low_g) = refs
+    assert_parity(out, ref, low)
+    for name, g, r, lp in zip(("dq", "dk", "dv", "dbias"), grads, ref_g, low_g):
+        assert g.shape == r.shape
+        assert_parity(g, r, lp, factor=GRAD_FACTOR, name=name,
+                      extra=4 * torch.finfo(g.dtype).eps * r.abs().max().item())
+
+
 @pytest.mark.parametrize("kind,lq,lk,causal,dtype", [
     ("broadcast", 40, 40, False, F32),
     ("per-head", 17, 33, False, BF16),
@@ -217,22 +235,15 @@ def test_efficient_op_through_aten_autograd(efficient_impl, kind, lq, lk, causal
     do = randn(*out.shape, dtype=dtype)
     leaves = (q, k, v) + ((leaf,) if leaf is not None else ())
     grads = torch.autograd.grad(out, leaves, do)
-    refs = []
-    for upcast in (True, False):
-        ins = [(t.detach().double() if upcast else t.detach()).requires_grad_() for t in leaves]
+    tril = torch.ones(lq, lk, dtype=torch.bool, device=DEVICE).tril()   # top-left causal
+
+    def mask_of(ins):
         m = ins[3] if leaf is not None else mask
-        if causal and mask is None:
-            m = torch.ones(lq, lk, dtype=torch.bool, device=DEVICE).tril()   # top-left
-        elif causal:
-            m = m & torch.ones(lq, lk, dtype=torch.bool, device=DEVICE).tril()
-        o = F.scaled_dot_product_attention(*ins[:3], attn_mask=m)
-        refs.append((o, torch.autograd.grad(o, ins, do.to(o.dtype))))
-    (ref, ref_g), (low, low_g) = refs
-    assert_parity(out, ref, low)
-    for name, g, r, lp in zip(("dq", "dk", "dv", "dbias"), grads, ref_g, low_g):
-        assert g.shape == r.shape
-        assert_parity(g, r, lp, factor=GRAD_FACTOR, name=name,
-                      extra=4 * torch.finfo(g.dtype).eps * r.abs().max().item())
+        if causal:
+            m = tril if m is None else m & tril
+        return m
+
+    _check_against_sdpa_math(out, grads, leaves, do, mask_of)
 
 
 def test_efficient_op_compiled(efficient_impl):
@@ -381,16 +392,5 @@ def test_sdpa_with_a_mask_runs_our_kernel_gpu(active_impl):
 
         (out, grads), fwd_ours, bwd_ours = _ran_our_kernel(run)
         assert fwd_ours and bwd_ours
-        refs = []
-        for upcast in (True, False):
-            ins = [(t.detach().double() if upcast else t.detach()).requires_grad_()
-                   for t in (q, k, v) + ((leaf,) if mask is leaf else ())]
-            m = ins[3] if mask is leaf else keep
-            with sdpa_kernel(SDPBackend.MATH):
-                o = F.scaled_dot_product_attention(*ins[:3], attn_mask=m)
-            refs.append((o, torch.autograd.grad(o, ins, do.to(o.dtype))))
-        (ref, ref_g), (low, low_g) = refs
-        assert_parity(out, ref, low)
-        for g, r, lp in zip(grads, ref_g, low_g):
-            assert_parity(g, r, lp, factor=GRAD_FACTOR,
-                          extra=4 * torch.finfo(g.dtype).eps * r.abs().max().item())
+        _check_against_sdpa_math(out, grads, (q, k, v) + ((leaf,) if mask is leaf else ()), do,
+                                 lambda ins: ins[3] if mask is leaf else keep)
