@@ -117,14 +117,63 @@ def _quiet_stderr():
         os.close(saved)
 
 
+# PyTorch's attention ops, as torch.profiler names them: the one a call ran says what was
+# timed. On CPU ours at dropout 0 hands the work to the first (kernels/core/fallback.py), the op
+# SDPA's flash backend runs too: such rows time the same code, and their ratio says nothing.
+ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu",
+                 "aten::_scaled_dot_product_attention_math",
+                 "aten::_scaled_dot_product_flash_attention",
+                 "aten::_scaled_dot_product_efficient_attention",
+                 "aten::_scaled_dot_product_cudnn_attention")
+
+
+def attention_op(op_names):
+    """The first of ATTENTION_OPS among ``op_names`` (the ops a call ran), or None: the call
+    computed attention with other ops (matmul, softmax: the book's code, our fallback's own
+    path)."""
+    return next((op for op in ATTENTION_OPS if op in op_names), None)
+
+
+def ops_run(fn):
+    """The names of the ops ``fn()`` runs on CPU (torch.profiler), for :func:`attention_op`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with _quiet_stderr():
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn()
+    return {e.name() for e in prof.profiler.kineto_results.events()}
+
+
+def ratio_spread(num, den):
+    """``num`` ms / ``den`` ms (two ok rows, or dicts with ``ms``, ``ms_p20``, ``ms_p80``) with
+    its spread: (ratio, low, high, noise), low = num p20 / den p80, high = num p80 / den p20;
+    ``noise`` when 1 lies in [low, high], i.e. the two p20-p80 ranges overlap: the run cannot
+    tell the two apart. Without percentiles: (ratio, None, None, None)."""
+    ratio = num["ms"] / den["ms"]
+    if None in (num.get("ms_p20"), num.get("ms_p80"), den.get("ms_p20"), den.get("ms_p80")):
+        return ratio, None, None, None
+    low, high = num["ms_p20"] / den["ms_p80"], num["ms_p80"] / den["ms_p20"]
+    return ratio, low, high, bool(low <= 1.0 <= high)
+
+
+def format_ratio(ratio, low, high, noise):
+    """``1.23x [1.10-1.35]``, ``NOISE`` appended when the ranges overlap (:func:`ratio_spread`)."""
+    text = f"{ratio:.3g}x"
+    if low is not None:
+        text += f" [{low:.3g}-{high:.3g}]" + (" NOISE" if noise else "")
+    return text
+
+
 class CpuPeakMemory:
     """Context manager: peak bytes held by PyTorch's CPU allocator inside the block above what
-    it held on entry (``extra_bytes``; tensors only), from torch.profiler's memory records. The
+    it held on entry (``extra_bytes``; tensors only), from torch.profiler's memory records, and
+    the names of the ops the block ran (``ops``: what was timed, :func:`attention_op`). The
     block runs on one PyTorch thread: the profiler does not see other threads' records (the
     fallback's workers), and the sizes do not depend on the thread count."""
 
     def __init__(self):
         self.extra_bytes = None
+        self.ops = set()
 
     def __enter__(self):
         from torch.profiler import ProfilerActivity, profile
@@ -143,8 +192,9 @@ class CpuPeakMemory:
         finally:
             torch.set_num_threads(self._threads)
         if exc[0] is None:
-            events = sorted((e.start_ns(), e.nbytes())
-                            for e in self._prof.profiler.kineto_results.events()
+            all_events = list(self._prof.profiler.kineto_results.events())
+            self.ops = {e.name() for e in all_events}
+            events = sorted((e.start_ns(), e.nbytes()) for e in all_events
                             if e.name() == "[memory]")
             held = peak = 0
             for _, nbytes in events:
@@ -184,7 +234,8 @@ def time_interleaved(fns, *, min_rounds=1, min_s=0.0, max_s=float("inf"), inner=
             return times
 
 
-MEASURE_KEYS = ("status", "ms", "ms_p20", "ms_p80", "peak_mem_bytes", "first_call_s")
+# ``runs``: on CPU, the PyTorch attention op the warm-up call ran (ATTENTION_OPS), else None.
+MEASURE_KEYS = ("status", "ms", "ms_p20", "ms_p80", "peak_mem_bytes", "first_call_s", "runs")
 
 
 def mode_maker(forward, mode, dout, grads):
@@ -262,6 +313,7 @@ def measure(make, device, *, grads=(), warmup_ms=25, rep_ms=100, cpu_reps=3, cpu
             result["first_call_s"] = round(time.perf_counter() - t0, 3)
             if cpu_mem is not None:
                 result["peak_mem_bytes"] = cpu_mem.extra_bytes
+                result["runs"] = attention_op(cpu_mem.ops)
         if status is None and cuda and gpu_wall_reps:
             def synced():
                 clear_grads()

@@ -12,8 +12,8 @@ import time
 import torch
 
 from .flops import gpt_step_flops, mha_flops, tflops
-from .measure import (MEASURE_KEYS, classify_failure, free_memory, measure, mode_maker,
-                      time_interleaved)
+from .measure import (MEASURE_KEYS, attention_op, classify_failure, format_ratio, free_memory,
+                      measure, mode_maker, ops_run, quantiles, ratio_spread, time_interleaved)
 from .providers import Case
 from .sweep import new_row
 
@@ -31,6 +31,43 @@ GPT_OVERRIDES = {
 }
 GPT_BATCH = {"cuda": 8, "cpu": 2, "cpu_quick": 1}
 CPU_BACKEND = "pytorch_fallback"  # what ours runs on CPU in these rows (providers.FALLBACK)
+# Each row's name in tables (``label``): the class it times, and whose it is.
+LABELS = {"module_reference": "MultiHeadAttention (book)",
+          "module_kernels": "FusedMultiHeadAttention (ours)",
+          "module_reference_wrapper": "MultiHeadAttentionWrapper (book)",
+          "gpt_step_reference": "GPTModel (book)",
+          "gpt_step_kernels": "GPTModel + fuse_attention (ours)"}
+# The book's rows and ours they are compared with (add_book_ratios).
+BOOK_VS_FUSED = {"module_reference": "module_kernels",
+                 "module_reference_wrapper": "module_kernels",
+                 "gpt_step_reference": "gpt_step_kernels"}
+# What a CPU row ran when the profiler saw none of PyTorch's attention ops.
+OWN_OPS = {"module_kernels": "kernels' PyTorch fallback, its own ops",
+           "gpt_step_kernels": "kernels' PyTorch fallback, its own ops"}
+BOOK_OPS = "the book's code: matmul, softmax, dropout"
+
+
+def add_book_ratios(rows):
+    """On each ok book row (BOOK_VS_FUSED) whose fused row at the same mode and dropout is ok:
+    ``book_over_fused`` = book ms / fused ms (above 1: ours is faster), its spread
+    ``book_over_fused_low`` / ``_high`` (from p20 / p80) and ``book_over_fused_noise`` (the two
+    p20-p80 ranges overlap). Returns ``rows``."""
+    ok = {(r["provider"], r["mode"], r["dropout_p"]): r for r in rows if r["status"] == "ok"}
+    for (name, mode, p), r in ok.items():
+        fused = ok.get((BOOK_VS_FUSED.get(name), mode, p))
+        if fused is not None:
+            ratio, low, high, noise = ratio_spread(r, fused)
+            r.update(book_over_fused=ratio, book_over_fused_low=low, book_over_fused_high=high,
+                     book_over_fused_noise=noise)
+    return rows
+
+
+def _label(row, cpu):
+    """Name the row's class; on CPU fill ``runs`` where no PyTorch attention op ran."""
+    row["label"] = LABELS[row["provider"]]
+    if cpu and row["status"] == "ok" and row.get("runs") is None:
+        row["runs"] = OWN_OPS.get(row["provider"], BOOK_OPS)
+    return row
 
 
 def _profile(device, quick):
@@ -85,10 +122,10 @@ def module_rows(device, dtype, dropouts, opts, deadline=float("inf"), progress=N
                     if row["status"] == "ok":
                         row["tflops"] = tflops(mha_flops(batch, seq, emb, emb, heads, mode=mode),
                                                row["ms"])
-                rows.append(row)
+                rows.append(_label(row, cpu))
         modules = None
         free_memory(device)
-    return rows
+    return add_book_ratios(rows)
 
 
 def _measure_module(module, case, mode, emb, device, opts):
@@ -189,8 +226,8 @@ def gpt_rows(device, dtype, opts, deadline=float("inf"), progress=None, quick=Fa
             model = step = None
             models.pop(name, None)
             free_memory(device)
-        rows.append(row)
-    return rows
+        rows.append(_label(row, kind == "cpu"))
+    return add_book_ratios(rows)
 
 
 # --------------------------------------------------------------------------------------------
@@ -203,12 +240,41 @@ CPU_RATIO_SIZES = ((8, 64, 128), (4, 256, 256), (2, 512, 256), (2, 1024, 768))
 CPU_RATIO_DROPOUTS = (0.0, 0.1)
 
 
+# The modules command's table: one line per row, printed as it is measured.
+RATIO_HEADER = (f"{'batch x tokens x d_model':<25} {'heads':>5} {'p':>4} {'mode':<8} "
+                f"{'book ms [p20-p80]':>22} {'fused ms [p20-p80]':>22}  "
+                f"{'book / fused [range]':<27}  fused runs")
+RATIO_LEGEND = ("book = reference.MultiHeadAttention (the book's class), fused = "
+                "kernels.FusedMultiHeadAttention (ours), same weights; book / fused above 1: "
+                "ours is faster; [range] = p20-p80 of the per-round ratios (each round times "
+                "both under the same load), NOISE = it holds 1 (no difference measured); fused "
+                "runs = the PyTorch attention op the fused module's call ran (profiled), or its "
+                "own ops")
+
+
+def format_ratio_row(r):
+    """One line of the modules command's table (RATIO_HEADER)."""
+    size = f"{r['batch']} x {r['seq_len']} x {r['emb_dim']}"
+    ratio = format_ratio(r["speedup"], r["speedup_low"], r["speedup_high"], r["noise"])
+    return (f"{size:<25} {r['heads']:>5} {r['dropout_p']:>4} {r['mode']:<8} "
+            f"{_ms_range(r['book_ms'], r['book_p20'], r['book_p80']):>22} "
+            f"{_ms_range(r['fused_ms'], r['fused_p20'], r['fused_p80']):>22}  {ratio:<27}  "
+            f"{r['fused_runs']}")
+
+
+def _ms_range(ms, p20, p80):
+    return f"{ms:.3f} [{p20:.3g}-{p80:.3g}]"
+
+
 def cpu_ratio_rows(sizes=CPU_RATIO_SIZES, dropouts=CPU_RATIO_DROPOUTS, reps=15, max_s=20.0,
-                   threads=1, min_s=1.0):
+                   threads=1, min_s=1.0, echo=print):
     """Rows ``bench="module_cpu_ratio"``: the book's ``MultiHeadAttention`` and ours with the
     same weights, training mode, fp32 CPU tensors (ours = the PyTorch fallback), ``fwd`` and
     ``fwd_bwd`` (``.sum().backward()``); medians and p20/p80 of interleaved runs, ``speedup`` =
-    book ms / fused ms."""
+    book ms / fused ms with ``speedup_low`` / ``speedup_high`` (p20 / p80 of the per-round
+    ratios) and ``noise`` (that range holds 1), ``fused_runs`` = what ours ran (profiled: PyTorch's
+    attention op, or the fallback's own ops). ``echo``: called with the
+    table's header and each row's line as it is measured."""
     import statistics
 
     import kernels
@@ -218,6 +284,7 @@ def cpu_ratio_rows(sizes=CPU_RATIO_SIZES, dropouts=CPU_RATIO_DROPOUTS, reps=15, 
         raise RuntimeError("TRITON_INTERPRET=1: the fused module would run Triton's "
                            "interpreter, not the CPU fallback; unset it")
     torch.set_num_threads(threads)
+    echo(RATIO_HEADER)
     rows = []
     for batch, seq, emb in sizes:
         heads = max(1, emb // 64)
@@ -232,6 +299,10 @@ def cpu_ratio_rows(sizes=CPU_RATIO_SIZES, dropouts=CPU_RATIO_DROPOUTS, reps=15, 
                     y = m(x)
                     if mode == "fwd_bwd":
                         y.sum().backward()
+                # What ours runs decides what the ratio means: at dropout 0 the fallback hands
+                # the core to PyTorch's CPU flash op (the book's class runs matmul + softmax).
+                fused_runs = attention_op(ops_run(lambda: call(fused))) or OWN_OPS[
+                    "module_kernels"]
                 # min_s gives short rows (a few ms a round) hundreds of rounds: with 15, the
                 # 8 x 64 x 128 forward read 1.02x, 3.21x, 1.04x and 0.97x in four runs of one
                 # commit on a loaded 2-core machine.
@@ -242,17 +313,22 @@ def cpu_ratio_rows(sizes=CPU_RATIO_SIZES, dropouts=CPU_RATIO_DROPOUTS, reps=15, 
                 med = {k: statistics.median(v) for k, v in times.items()}
                 q = {k: statistics.quantiles(v, n=5) if len(v) > 1 else [v[0]] * 4
                      for k, v in times.items()}
-                rows.append(dict(bench="module_cpu_ratio", batch=batch, seq_len=seq,
-                                 emb_dim=emb, heads=heads, dropout_p=p, mode=mode,
-                                 threads=threads, reps=len(times["book"]),
-                                 book_ms=round(med["book"], 3), fused_ms=round(med["fused"], 3),
-                                 book_p20=round(q["book"][0], 3), book_p80=round(q["book"][3], 3),
-                                 fused_p20=round(q["fused"][0], 3),
-                                 fused_p80=round(q["fused"][3], 3),
-                                 speedup=round(med["book"] / med["fused"], 3)))
-                print(f"{batch}x{seq}x{emb} heads {heads} p={p} {mode:7s}: book "
-                      f"{med['book']:8.2f} ms  fused {med['fused']:8.2f} ms  "
-                      f"{med['book'] / med['fused']:.2f}x", flush=True)
+                # The spread of the ratio itself: one book / fused ratio per round, both of
+                # whose calls saw the same load (tighter than the two ranges apart).
+                _, low, high = quantiles([b / f for b, f in zip(times["book"],
+                                                                times["fused"])])
+                ratio, noise = med["book"] / med["fused"], bool(low <= 1.0 <= high)
+                row = dict(bench="module_cpu_ratio", batch=batch, seq_len=seq, emb_dim=emb,
+                           heads=heads, dropout_p=p, mode=mode, threads=threads,
+                           reps=len(times["book"]), book_ms=round(med["book"], 3),
+                           fused_ms=round(med["fused"], 3), book_p20=round(q["book"][0], 3),
+                           book_p80=round(q["book"][3], 3), fused_p20=round(q["fused"][0], 3),
+                           fused_p80=round(q["fused"][3], 3), speedup=round(ratio, 3),
+                           speedup_low=round(low, 3), speedup_high=round(high, 3),
+                           noise=noise, fused_runs=fused_runs)
+                rows.append(row)
+                echo(format_ratio_row(row))
+    echo(RATIO_LEGEND)
     return rows
 
 
@@ -284,7 +360,10 @@ def main(argv=None):
     meta = collect_meta("cpu", vars(args), REPO_DIR, interpreter=False)
     meta.update(loadavg_before=load_before, loadavg_after=os.getloadavg(),
                 cpu_count=os.cpu_count(),
-                timing="wall clock, book and fused interleaved, medians (p20/p80 beside)")
+                book="reference.MultiHeadAttention (the book's class)",
+                fused="kernels.FusedMultiHeadAttention (ours: the PyTorch fallback on CPU)",
+                timing="wall clock, book and fused interleaved, medians (p20/p80 beside); "
+                       "speedup = book / fused, noise = the p20-p80 ranges overlap")
     os.makedirs(args.out_dir, exist_ok=True)
     stem = os.path.join(args.out_dir, f"{meta['date'][:10]}-modules-cpu")
     write_results(stem, meta, rows)

@@ -111,11 +111,16 @@ class Provider:
         """Entered around everything measured for ``case`` (forward and backward)."""
         return contextlib.nullcontext()
 
+    # What a CPU row of this provider runs when the profiler saw none of PyTorch's attention
+    # ops (measure.ATTENTION_OPS) in its call: the row's ``runs``.
+    own_ops = None
+
 
 class KernelsProvider(Provider):
     """Ours: ``kernels.attention`` (on CPU tensors: the PyTorch fallback)."""
 
     name = "kernels"
+    own_ops = "kernels' PyTorch fallback, its own ops (matmul, softmax, Philox dropout)"
 
     def forward(self, case):
         import kernels
@@ -139,6 +144,7 @@ class ReferenceProvider(Provider):
     """``reference.attention(upcast=False)`` in eager PyTorch."""
 
     name = "reference"
+    own_ops = "reference.attention: eager matmul, softmax, dropout (the book's math)"
 
     def forward(self, case):
         return lambda q, k, v: _reference_lowp(q, k, v, case.causal, case.dropout_p)
@@ -184,6 +190,7 @@ class ReferenceCompiledProvider(Provider):
     """``reference.attention(upcast=False)`` under ``torch.compile`` (one graph per shape)."""
 
     name = "reference_compiled"
+    own_ops = "reference.attention under torch.compile (inductor's code)"
 
     def forward(self, case):
         fn = _compiled("reference", _reference_lowp)
@@ -253,6 +260,7 @@ class FlexProvider(Provider):
     """FlexAttention (compiled) with a causal BlockMask built once per shape."""
 
     name = "flex"
+    own_ops = "FlexAttention under torch.compile"
 
     def static_reason(self, case):
         if importlib.util.find_spec("torch.nn.attention.flex_attention") is None:

@@ -178,9 +178,12 @@ def format_tables(rows, metric="tflops", memory=False):
                == (mode, dtype, hd, p)]
         for what, cell_unit in [(metric, unit)] + ([("mem", "peak MiB")] if memory else []):
             out.append(f"\n{mode}  {dtype}  head_dim={hd}  dropout={p}  causal  [{cell_unit}]")
+            if what != "mem":
+                out += _runs_lines(sel, providers)
             head = f"{'seq':>6} {'BxH':>6} " + " ".join(f"{SHORT_NAMES.get(n, n)[:8]:>8}"
                                                          for n in providers)
-            out.append(head + ("  best_sdpa_ms_over_ours" if what != "mem" else ""))
+            out.append(head + ("  best_sdpa_ms_over_ours [p20-p80 range]" if what != "mem"
+                               else ""))
             for seq in dict.fromkeys(r["seq_len"] for r in sel):
                 cells = {r["provider"]: r for r in sel if r["seq_len"] == seq}
                 any_row = next(iter(cells.values()))
@@ -188,34 +191,83 @@ def format_tables(rows, metric="tflops", memory=False):
                 line += " ".join(f"{_cell(cells[n], what) if n in cells else '':>8}"
                                  for n in providers)
                 k = cells.get("kernels")
-                if what != "mem" and k and k.get("best_sdpa_ms_over_ours"):
-                    line += (f"  {k['best_sdpa_ms_over_ours']:.3g}x "
-                             f"({SHORT_NAMES[k['best_sdpa']]})")
+                if what != "mem" and k:
+                    line += _ratio_note(k)
                 out.append(line)
-    other = [r for r in rows if r["bench"] in ("module", "gpt_step")]
-    if other:
-        out.append(f"\n{'module / model':<28} {'mode':<10} {'dtype':<9} {'p':>4} {'shape':>16} "
-                   f"{'ms':>9} {'TFLOP/s':>8} {'peak MiB':>9}  status")
-        for r in other:
-            shape = f"{r['batch']}x{r['seq_len']}x{r.get('emb_dim', '')}"
-            ms = f"{r['ms']:.3f}" if r["ms"] is not None else ""
-            tf = f"{r['tflops']:.3g}" if r["tflops"] is not None else ""
-            mem = (f"{r['peak_mem_bytes'] / 2**20:.0f}" if r["peak_mem_bytes"] is not None
-                   else "")
-            name = r["provider"] + (" (fallback)" if r.get("backend") == "pytorch_fallback"
-                                    else "")
-            out.append(f"{name:<28} {r['mode']:<10} {r['dtype']:<9} "
-                       f"{r['dropout_p']:>4} {shape:>16} {ms:>9} {tf:>8} {mem:>9}  "
-                       f"{r['status'][:60]}")
+    out += _module_lines([r for r in rows if r["bench"] in ("module", "gpt_step")])
     short = {SHORT_NAMES[n]: n for n in providers if SHORT_NAMES.get(n, n) != n}
     if short:
         out.append("\ncolumns: " + ", ".join(f"{k} = {v}" for k, v in short.items()))
     out.append("best_sdpa_ms_over_ours = the fastest SDPA backend's ms / ours (above 1: ours is "
-               "faster; the backend in brackets)")
+               "faster; the backend in brackets) among those that run other code than ours; "
+               "[low-high] = its p20 / our p80 to its p80 / our p20; NOISE = the range holds 1 "
+               "(the two rows' p20-p80 ranges overlap: no difference measured); 'same op as X, "
+               "not compared' = ours ran the very op X ran (runs:), so PyTorch was timed "
+               "against itself")
     out.append("cells: number = ok; oom; n/a = unsupported; '-' = skipped (quadratic limit, "
                "earlier OOM, compile provider on CPU); time = time budget ran out; ERR = error "
                "(see status in the JSON)")
     return "\n".join(out)
+
+
+def _ratio_note(row):
+    """The ratio column of ours' sweep row: the ratio, its range and NOISE mark, then which
+    providers ran the same op (left out of the comparison)."""
+    note = ""
+    if row.get("best_sdpa_ms_over_ours"):
+        from .measure import format_ratio
+
+        text = format_ratio(row["best_sdpa_ms_over_ours"], row.get("best_sdpa_ratio_low"),
+                            row.get("best_sdpa_ratio_high"), row.get("best_sdpa_noise"))
+        ratio, _, spread = text.partition(" ")
+        note = f"  {ratio} ({SHORT_NAMES.get(row['best_sdpa'], row['best_sdpa'])})" + (
+            f" {spread}" if spread else "")
+    same = row.get("same_code_as") or ()
+    if same:
+        note += ("; " if note else "  ") + "same op as " + ", ".join(
+            SHORT_NAMES.get(n, n) for n in same) + ", not compared"
+    return note
+
+
+def _runs_lines(sel, providers):
+    """``runs:`` lines of a CPU table: what each provider's rows ran (measure.attention_op or
+    the provider's own ops), so that a column is read as the code it timed."""
+    lines = []
+    for n in providers:
+        runs = list(dict.fromkeys(r["runs"] for r in sel if r["provider"] == n and r.get("runs")))
+        if runs:
+            lines.append(f"  runs: {SHORT_NAMES.get(n, n)} = {' / '.join(runs)}")
+    return lines
+
+
+def _module_lines(rows):
+    """The module / GPT-step table: each row named by its class (``label``), and on the book's
+    rows "book / fused" = their ms / ours' ms with its range and NOISE mark
+    (modules.add_book_ratios)."""
+    if not rows:
+        return []
+    from .measure import format_ratio
+
+    out = [f"\n{'module / model':<36} {'mode':<10} {'dtype':<9} {'p':>4} {'shape':>12} "
+           f"{'ms':>9} {'TFLOP/s':>8} {'peak MiB':>8}  {'book / fused [p20-p80 range]':<30}"
+           "  status"]
+    for r in rows:
+        shape = f"{r['batch']}x{r['seq_len']}x{r.get('emb_dim', '')}"
+        ms = f"{r['ms']:.3f}" if r["ms"] is not None else ""
+        tf = f"{r['tflops']:.3g}" if r["tflops"] is not None else ""
+        mem = (f"{r['peak_mem_bytes'] / 2**20:.0f}" if r["peak_mem_bytes"] is not None
+               else "")
+        ratio = (format_ratio(r["book_over_fused"], r.get("book_over_fused_low"),
+                              r.get("book_over_fused_high"), r.get("book_over_fused_noise"))
+                 if r.get("book_over_fused") else "")
+        name = r.get("label") or r["provider"]
+        out.append(f"{name:<36} {r['mode']:<10} {r['dtype']:<9} "
+                   f"{r['dropout_p']:>4} {shape:>12} {ms:>9} {tf:>8} {mem:>8}  {ratio:<30}"
+                   f"  {r['status'][:40]}")
+    out.append("book / fused = the book's row's ms / ours' ms at the same mode and dropout "
+               "(above 1: ours is faster); [low-high] from the two rows' p20 / p80; NOISE = the "
+               "range holds 1")
+    return out
 
 
 FEATURE_BENCHES = ("gqa", "window", "chunk", "varlen", "mla", "fp8", "mask", "hf")

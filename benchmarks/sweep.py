@@ -14,13 +14,15 @@ from dataclasses import dataclass, field
 import torch
 
 from .flops import attention_flops, tflops
-from .measure import MEASURE_KEYS, classify_failure, free_memory, measure, mode_maker
+from .measure import (MEASURE_KEYS, classify_failure, free_memory, measure, mode_maker,
+                      ratio_spread)
 from .providers import (COMPILED, FALLBACK, QUADRATIC, Case, configure_dynamo, get_provider,
                         reset_compiled)
 
 ROW_KEYS = ("bench", "provider", "mode", "dtype", "causal", "dropout_p", "batch", "heads",
             "seq_len", "head_dim", "ms", "ms_p20", "ms_p80", "tflops", "peak_mem_bytes",
-            "status", "first_call_s", "best_sdpa_ms_over_ours", "best_sdpa")
+            "status", "first_call_s", "runs", "same_code_as", "best_sdpa_ms_over_ours",
+            "best_sdpa", "best_sdpa_ratio_low", "best_sdpa_ratio_high", "best_sdpa_noise")
 
 
 @dataclass
@@ -196,10 +198,14 @@ def _measure_provider(cfg, provider, case, mode, q, k, v, do):
         q, k, v = q.detach(), k.detach(), v.detach()
     make = mode_maker(lambda: forward(q, k, v), mode, do, (q, k, v))
     with provider.context(case):  # forward and backward (on CPU: which `kernels` runs)
-        return extra | measure(make, cfg.device, grads=(q, k, v) if mode != "fwd" else (),
-                               warmup_ms=cfg.warmup_ms, rep_ms=cfg.rep_ms,
-                               cpu_reps=cfg.cpu_reps, cpu_max_s=cfg.cpu_max_s,
-                               unsupported_reason=provider.unsupported_reason)
+        result = extra | measure(make, cfg.device, grads=(q, k, v) if mode != "fwd" else (),
+                                 warmup_ms=cfg.warmup_ms, rep_ms=cfg.rep_ms,
+                                 cpu_reps=cfg.cpu_reps, cpu_max_s=cfg.cpu_max_s,
+                                 unsupported_reason=provider.unsupported_reason)
+    if (result["status"] == "ok" and result["runs"] is None
+            and torch.device(cfg.device).type == "cpu"):
+        result["runs"] = provider.own_ops   # profiled: none of PyTorch's attention ops ran
+    return result
 
 
 def point_key(row):
@@ -209,16 +215,33 @@ def point_key(row):
 
 
 def add_speedups(rows):
-    """On each ok ``kernels`` row: speed-up over the fastest SDPA backend that ran that point."""
-    best = {}
+    """Per point: ``same_code_as`` on each ok row that ran one of PyTorch's attention ops (on
+    CPU, ``runs``): the other providers whose rows ran that same op (timing PyTorch against
+    itself). On each ok ``kernels`` row: the speed-up over the fastest SDPA backend that ran
+    that point with other code, with its spread (``best_sdpa_ratio_low`` / ``_high`` from the
+    two rows' p20 / p80) and ``best_sdpa_noise`` (the ranges overlap: not a difference)."""
+    from .measure import ATTENTION_OPS
+
+    points = {}
     for r in rows:
-        if r["provider"].startswith("sdpa_") and r["status"] == "ok":
-            k = point_key(r)
-            if k not in best or r["ms"] < best[k][0]:
-                best[k] = (r["ms"], r["provider"])
-    for r in rows:
-        if r["provider"] == "kernels" and r["status"] == "ok" and point_key(r) in best:
-            ms, name = best[point_key(r)]
-            r["best_sdpa_ms_over_ours"] = ms / r["ms"]
-            r["best_sdpa"] = name
+        if r["status"] == "ok":
+            points.setdefault(point_key(r), []).append(r)
+    for point in points.values():
+        for r in point:
+            if r.get("runs") in ATTENTION_OPS:
+                r["same_code_as"] = [o["provider"] for o in point
+                                     if o is not r and o.get("runs") == r["runs"]]
+    for point in points.values():
+        for r in point:
+            if r["provider"] != "kernels":
+                continue
+            same = r.get("same_code_as") or ()
+            sdpa = [o for o in point if o["provider"].startswith("sdpa_")
+                    and o["provider"] not in same]
+            if not sdpa:
+                continue
+            best = min(sdpa, key=lambda o: o["ms"])
+            ratio, low, high, noise = ratio_spread(best, r)
+            r.update(best_sdpa_ms_over_ours=ratio, best_sdpa=best["provider"],
+                     best_sdpa_ratio_low=low, best_sdpa_ratio_high=high, best_sdpa_noise=noise)
     return rows

@@ -161,6 +161,62 @@ def test_cli_quick_cpu(tmp_path):
     assert gpt["fused_modules"] >= 1
     # The feature rows run our kernel in Triton's interpreter: not in the CPU default.
     assert {r["bench"] for r in rows} == {"attention", "module", "gpt_step"}
+    _check_cpu_labels(rows, proc.stdout)
+
+
+FLASH_CPU = "aten::_scaled_dot_product_flash_attention_for_cpu"
+
+
+def _check_cpu_labels(rows, stdout):
+    """What each CPU row ran (``runs``, profiled), which comparisons time the same code, the
+    spread and NOISE mark of each ratio, and the module table's "book / fused" column."""
+    attn = [r for r in rows if r["bench"] == "attention" and r["status"] == "ok"]
+    assert all(r["runs"] for r in attn)
+    by = {(r["provider"], r["mode"], r["dropout_p"], r["seq_len"]): r for r in attn}
+    for r in attn:
+        if r["provider"] != "kernels":
+            continue
+        flash = by.get(("sdpa_flash", r["mode"], r["dropout_p"], r["seq_len"]))
+        if r["dropout_p"] == 0:
+            # The fallback hands a dense causal fp32 call to PyTorch's CPU flash op, the op
+            # SDPA's flash backend runs: marked, and left out of the speed-up.
+            assert r["runs"] == FLASH_CPU == flash["runs"], (r, flash)
+            assert r["same_code_as"] == ["sdpa_flash"] and flash["same_code_as"] == ["kernels"]
+            assert r["best_sdpa"] == "sdpa_math"
+        else:   # its own dropout path: no PyTorch attention op
+            assert r["runs"].startswith("kernels' PyTorch fallback"), r
+            assert not r["same_code_as"]
+        low, ratio, high = (r["best_sdpa_ratio_low"], r["best_sdpa_ms_over_ours"],
+                            r["best_sdpa_ratio_high"])
+        assert low <= ratio <= high
+        assert r["best_sdpa_noise"] is (low <= 1 <= high)
+        best = by[(r["best_sdpa"], r["mode"], r["dropout_p"], r["seq_len"])]
+        assert math.isclose(low, best["ms_p20"] / r["ms_p80"], rel_tol=1e-9)
+        assert math.isclose(high, best["ms_p80"] / r["ms_p20"], rel_tol=1e-9)
+    assert all(r["runs"] == "aten::_scaled_dot_product_attention_math"
+               for r in attn if r["provider"] == "sdpa_math")
+    assert f"runs: kernels = {FLASH_CPU}" in stdout
+    assert "same op as flash, not compared" in stdout
+    assert any(r.get("best_sdpa_noise") for r in attn) == (" NOISE" in stdout.split(
+        "module / model")[0])
+    # The module table: the classes' names, and "book / fused" on the book's rows.
+    mods = [r for r in rows if r["bench"] in ("module", "gpt_step")]
+    table = stdout[stdout.index("module / model"):]
+    assert "book / fused" in table and "module_reference" not in table
+    for r in mods:
+        assert r["label"] in table
+        fused = {"module_reference": "module_kernels", "module_reference_wrapper":
+                 "module_kernels", "gpt_step_reference": "gpt_step_kernels"}.get(r["provider"])
+        if fused is None:
+            assert r.get("book_over_fused") is None
+            continue
+        [ours] = [o for o in mods if (o["provider"], o["mode"], o["dropout_p"])
+                  == (fused, r["mode"], r["dropout_p"])]
+        assert math.isclose(r["book_over_fused"], r["ms"] / ours["ms"], rel_tol=1e-9)
+        assert r["book_over_fused_noise"] is (r["book_over_fused_low"] <= 1
+                                              <= r["book_over_fused_high"])
+    module_fused = [r for r in mods if r["provider"] == "module_kernels"]
+    assert {r["runs"] for r in module_fused if r["dropout_p"] == 0} == {FLASH_CPU}
 
 
 def test_cli_interpreter_cpu(tmp_path):
@@ -782,8 +838,86 @@ def test_speedup_and_table():
             dict(base, provider="reference", ms=None, tflops=None, status="oom")]
     add_speedups(rows)
     assert rows[0]["best_sdpa_ms_over_ours"] == 1.5 and rows[0]["best_sdpa"] == "sdpa_flash"
+    assert rows[0]["best_sdpa_noise"] is None   # no percentiles: no spread to judge
     text = format_tables(rows)
     assert "1.5x (flash)" in text and "oom" in text and "n/a" in text
+
+
+def _point(**providers):
+    """Rows of one sweep point: ``name=(ms, p20, p80, runs)`` per provider."""
+    base = dict(bench="attention", mode="fwd", dtype="float32", causal=True, dropout_p=0.0,
+                batch=1, heads=2, seq_len=128, head_dim=64, tflops=1.0, peak_mem_bytes=None,
+                first_call_s=None, status="ok")
+    return [dict(base, provider=name, ms=ms, ms_p20=p20, ms_p80=p80, runs=runs)
+            for name, (ms, p20, p80, runs) in providers.items()]
+
+
+def test_same_code_is_not_compared_and_noise_is_marked():
+    """A point where ours ran the op SDPA's flash ran: that pair is marked and left out, the
+    speed-up is against the next backend; its range comes from the p20s / p80s, and NOISE marks
+    a range holding 1 (and only such a range)."""
+    flash, math_op = "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::math"
+    rows = _point(kernels=(1.0, 0.9, 1.1, flash), sdpa_flash=(0.5, 0.45, 0.55, flash),
+                  sdpa_math=(1.05, 0.95, 1.2, math_op), reference=(3.0, 2.9, 3.1, "eager"))
+    add_speedups(rows)
+    ours = rows[0]
+    assert ours["same_code_as"] == ["sdpa_flash"] and rows[1]["same_code_as"] == ["kernels"]
+    assert rows[3].get("same_code_as") is None   # no PyTorch attention op: nothing to match
+    assert ours["best_sdpa"] == "sdpa_math" and math.isclose(ours["best_sdpa_ms_over_ours"], 1.05)
+    assert math.isclose(ours["best_sdpa_ratio_low"], 0.95 / 1.1)
+    assert math.isclose(ours["best_sdpa_ratio_high"], 1.2 / 0.9)
+    assert ours["best_sdpa_noise"] is True
+    text = format_tables(rows)
+    assert "1.05x (math) [0.864-1.33] NOISE; same op as flash, not compared" in text
+    assert f"runs: kernels = {flash}" in text and "runs: ref = eager" in text
+    # Apart: no NOISE. Ours' own code: nothing left out, the fastest backend counts.
+    rows = _point(kernels=(1.0, 0.9, 1.1, "own"), sdpa_flash=(2.0, 1.9, 2.1, flash),
+                  sdpa_math=(3.0, 2.8, 3.2, math_op))
+    add_speedups(rows)
+    assert rows[0]["best_sdpa"] == "sdpa_flash" and rows[0]["best_sdpa_noise"] is False
+    assert not rows[0].get("same_code_as")
+    [line] = [x for x in format_tables(rows).splitlines() if x.lstrip().startswith("128 ")]
+    assert line.endswith("  2x (flash) [1.73-2.33]"), line
+
+
+@pytest.mark.parametrize("num, den, noise", [
+    ((1.0, 0.9, 1.1), (1.05, 1.0, 1.2), True),    # overlapping ranges
+    ((2.0, 1.9, 2.2), (1.0, 0.9, 1.1), False),    # apart
+    ((1.0, 1.0, 1.0), (1.0, 1.0, 1.0), True),     # identical
+])
+def test_ratio_spread(num, den, noise):
+    from benchmarks.measure import ratio_spread
+
+    def row(t):
+        return dict(ms=t[0], ms_p20=t[1], ms_p80=t[2])
+    ratio, low, high, got = ratio_spread(row(num), row(den))
+    assert low <= ratio <= high and got is noise
+    assert math.isclose(low, num[1] / den[2]) and math.isclose(high, num[2] / den[1])
+
+
+def test_module_table_names_classes_and_gives_book_over_fused():
+    """The module rows' table: each row named by its class, "book / fused" on the book's rows
+    (from the medians, with its range and NOISE mark), none on ours."""
+    from benchmarks.modules import add_book_ratios, _label
+
+    base = dict(bench="module", mode="fwd", dtype="float32", dropout_p=0.0, batch=2,
+                seq_len=512, emb_dim=256, tflops=1.0, peak_mem_bytes=None, status="ok")
+    rows = [_label(dict(base, provider="module_reference", ms=3.0, ms_p20=2.9, ms_p80=3.2,
+                        runs=None), cpu=True),
+            _label(dict(base, provider="module_kernels", ms=2.0, ms_p20=1.9, ms_p80=2.1,
+                        runs="aten::x"), cpu=True),
+            _label(dict(base, provider="module_reference_wrapper", ms=2.05, ms_p20=1.8,
+                        ms_p80=2.3, runs=None), cpu=True)]
+    add_book_ratios(rows)
+    assert rows[0]["book_over_fused"] == 1.5 and rows[0]["book_over_fused_noise"] is False
+    assert rows[2]["book_over_fused_noise"] is True and "book_over_fused" not in rows[1]
+    assert rows[0]["runs"].startswith("the book's code") and rows[1]["runs"] == "aten::x"
+    text = format_tables(rows)
+    assert "book / fused" in text and "module_" not in text
+    lines = {line.split("  ")[0]: line for line in text.splitlines()}
+    assert "1.5x [1.38-1.68]" in lines["MultiHeadAttention (book)"]
+    assert "NOISE" in lines["MultiHeadAttentionWrapper (book)"]
+    assert "x [" not in lines["FusedMultiHeadAttention (ours)"]
 
 
 def test_time_budget_cuts_rows_not_started():
@@ -936,6 +1070,14 @@ def test_cpu_module_ratio_rows(tmp_path):
     for r in rows:
         assert r["heads"] == r["emb_dim"] // 64 and r["reps"] >= 1
         assert math.isclose(r["speedup"], r["book_ms"] / r["fused_ms"], rel_tol=1e-2)
+        # The range: p20-p80 of the per-round ratios; NOISE exactly when it holds 1.
+        assert 0 < r["speedup_low"] <= r["speedup_high"]
+        assert r["noise"] is (r["speedup_low"] <= 1 <= r["speedup_high"])
+        # At dropout 0 the fused module's core is PyTorch's CPU flash op; with dropout ours.
+        assert (r["fused_runs"] == "aten::_scaled_dot_product_flash_attention_for_cpu") is (
+            r["dropout_p"] == 0), r
+    assert "book / fused" in proc.stdout and "reference.MultiHeadAttention" in proc.stdout
+    assert (" NOISE" in proc.stdout) is any(r["noise"] for r in rows)
     with open(json_path.with_suffix(".csv")) as f:
         assert len(list(csv.DictReader(f))) == len(rows)
     bad = subprocess.run([sys.executable, "-m", "benchmarks", "modules", "--sizes", "8x0x128"],
