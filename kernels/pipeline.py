@@ -25,14 +25,15 @@ import warnings
 import torch
 
 from .core import call as _call_module
-from .core.backend import AttentionPlan, KVCacheRunner, PagedVarlenRunner
+from .core.backend import AttentionPlan, KVCacheRunner, PagedVarlenRunner, SlotWriter
 from .core.call import (AttentionCall, call_spec, default_softmax_scale, lse_shape, new_like,
-                        new_out, parse_spec, with_tensors, without_tensors)
+                        new_out, out_dtype_of, parse_spec, with_tensors, without_tensors)
 from .core.mods import Descale, aux_grad_buffers, aux_grad_mask, sinks_grad
 from .validation import (FP8_DTYPE, SEED_LIMIT, check_attn_mask, check_cache_lengths,
                          check_cu_seqlens, check_drop_layout, check_fp8, check_kvcache, check_mods,
-                         check_num_splits, check_paged_varlen, check_seed, expand_scale,
-                         validate_attention)
+                         check_num_splits, check_out, check_paged_varlen, check_seed,
+                         check_slot_write,
+                         expand_scale, host_readable, validate_attention)
 
 PACKED_LAYOUT = "(total_rows, heads, head_dim) (packed sequences)"
 # Options of an attention call, in the order the public functions pass them.
@@ -274,6 +275,29 @@ def seed_tensor(dropout_p, seed, device):
 # --------------------------------------------------------------------------------------------
 # Run: the eager route and the custom ops, one backward
 # --------------------------------------------------------------------------------------------
+def _distinct(*args):
+    """``args`` with each repeat of a tensor object (also inside a list: ``mod_aux``) replaced
+    by a view of it (``view_as``). Passing one tensor twice is ordinary -- one cu_seqlens for
+    queries and keys (packed self-attention), ``attention(x, x, x)``, one table as sinks and
+    mod_aux -- but Dynamo refuses an ``autograd.Function`` given one tensor at two inputs
+    ("duplicate tensor input"); a view reads the same memory and sends its gradient to the
+    same tensor. Every ``.apply`` and custom-op call that torch.compile can trace takes its
+    tensors through here; nothing is allocated when no tensor repeats. (``_PlannedAttention``,
+    the eager route, is never traced -- keyable calls only -- and skips the ~9 us this costs.)"""
+    seen = []
+
+    def one(a):
+        if isinstance(a, list):
+            return [one(x) for x in a]
+        if isinstance(a, torch.Tensor):
+            if any(a is b for b in seen):
+                return a.view_as(a)
+            seen.append(a)
+        return a
+
+    return tuple(one(a) for a in args)
+
+
 def run_attention(plan, mods, q, k, v, seed, sinks, alibi_slopes, mod_aux, packed=None,
                   need_lse=True, descale=None):
     """(out, lse) of a planned call (``attention_plan``'s): eager (``mods`` None: a cached
@@ -291,11 +315,9 @@ def run_attention(plan, mods, q, k, v, seed, sinks, alibi_slopes, mod_aux, packe
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                            for t in (q, k, v, mods.sinks, *mods.aux)):
             aux_grad = aux_grad_mask(mods.score_mod, mods.aux) if mods.aux else ()
-            if k is q or v is q or v is k:   # Dynamo refuses a Function given one tensor twice
-                args = (q, k.view_as(k), v.view_as(v), *args[3:])
-            return _OpAttention.apply(*args, spec, aux_grad, *mods.aux)
-        return _fwd_op(*args, list(mods.aux), spec)   # (Dynamo cannot trace the Function
-        #                                               under no_grad)
+            return _OpAttention.apply(*_distinct(*args, spec, aux_grad, *mods.aux))
+        return _fwd_op(*_distinct(*args, list(mods.aux), spec))   # (Dynamo cannot trace the
+        #                                                           Function under no_grad)
     call = with_tensors(plan.call, sinks, alibi_slopes, mod_aux)
     if torch.is_grad_enabled() and (
             q.requires_grad or k.requires_grad or v.requires_grad
@@ -317,9 +339,10 @@ def _run_fp8(plan, mods, q, k, v, sinks, alibi_slopes, mod_aux, packed, descale)
     cu = (None, None) if packed is None else packed[:2]
     if mods is not None:
         descale = mods.descale or (None, None, None)
-        return _fwd_fp8_op(q, k, v, *cu, *((-1, -1) if packed is None else packed[2:]),
-                           _NO_SEED, mods.alibi_slopes, mods.sinks, list(mods.aux),
-                           call_spec(plan.call, plan.num_splits), *descale)
+        return _fwd_fp8_op(*_distinct(q, k, v, *cu,
+                                      *((-1, -1) if packed is None else packed[2:]), _NO_SEED,
+                                      mods.alibi_slopes, mods.sinks, list(mods.aux),
+                                      call_spec(plan.call, plan.num_splits), *descale))
     call = with_tensors(plan.call, sinks, alibi_slopes, mod_aux, descale=descale)
     return plan.forward(q, k, v, _NO_SEED, call, *cu)
 
@@ -356,7 +379,7 @@ def _gradients(run_backward, do, q, k, v, out, lse, sinks, packed, want_sinks):
         with torch.no_grad():     # when one is asked for later
             grads, dsinks, daux = _gradients(run_backward, do, q, k, v, out, lse, sinks,
                                              packed, want_sinks)
-        return _NoDoubleBackward.apply(tuple(grads), q, k, v, do), dsinks, daux
+        return _NoDoubleBackward.apply(tuple(grads), *_distinct(q, k, v, do)), dsinks, daux
     grads, daux = run_backward(do)
     dsinks = None
     if sinks is not None and want_sinks:
@@ -550,8 +573,8 @@ class _OpAttention(torch.autograd.Function):
     @staticmethod
     def forward(q, k, v, cu_q, cu_k, max_q, max_k, seed, alibi_slopes, sinks, spec, aux_grad,
                 *aux):
-        return _fwd_op(q, k, v, cu_q, cu_k, max_q, max_k, seed, alibi_slopes, sinks,
-                       list(aux), spec)
+        return _fwd_op(*_distinct(q, k, v, cu_q, cu_k, max_q, max_k, seed, alibi_slopes,
+                                  sinks, list(aux), spec))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -569,8 +592,9 @@ class _OpAttention(torch.autograd.Function):
         q, k, v, out, lse, seed, cu_q, cu_k, alibi_slopes, sinks, *aux = ctx.saved_tensors
 
         def run_backward(do):
-            res = _bwd_op(do, q, k, v, out, lse, cu_q, cu_k, *ctx.max_seqlens, seed,
-                          alibi_slopes, sinks, aux, ctx.spec, list(ctx.aux_grad), True)
+            res = _bwd_op(*_distinct(do, q, k, v, out, lse, cu_q, cu_k, *ctx.max_seqlens,
+                                     seed, alibi_slopes, sinks, aux, ctx.spec,
+                                     list(ctx.aux_grad), True))
             return res[:3], [d if g else None for d, g in zip(res[3:], ctx.aux_grad)]
 
         grads, dsinks, daux = _gradients(run_backward, do, q, k, v, out, lse, sinks,
@@ -731,9 +755,9 @@ def run_kvcache(runner, mods, q, k_cache, v_cache, cache_seqlens, k, v, block_ta
             *(mods.descale or (None, None, None)))
     if needs_grad:
         with torch.no_grad():
-            out, lse = _kvcache_op(*args)
-        return _ForwardOnly.apply(out, lse, *inputs)
-    return _kvcache_op(*args)
+            out, lse = _kvcache_op(*_distinct(*args))
+        return _ForwardOnly.apply(*_distinct(out, lse, *inputs))
+    return _kvcache_op(*_distinct(*args))
 
 
 def _kvcache_impl(q, k_cache, v_cache, cache_seqlens, k, v, block_table, alibi_slopes, sinks,
@@ -807,26 +831,50 @@ class _ForwardOnly(torch.autograd.Function):
 # --------------------------------------------------------------------------------------------
 # Packed queries over a paged cache (forward only)
 # --------------------------------------------------------------------------------------------
+def grid_rows(longest, total_q):
+    """The query-row bound a paged plan's grid is built for: the longest query sequence
+    rounded up to a power of two, at most the packed rows. Batches whose longest sequence
+    changes (a serving engine's steps) then share a few plans instead of one per length; the
+    grid covers a few more rows, whose programs return at once."""
+    return max(1, min(1 << max(int(longest) - 1, 0).bit_length(), int(total_q)))
+
+
+def _trusted_bound(cu_seqlens_q, max_seqlen_q):
+    """max_seqlen_q, for cu_seqlens_q off the host (a GPU's: reading it would sync); None
+    where the values are read instead (on the host, free; or no bound given)."""
+    if (isinstance(max_seqlen_q, int) and not isinstance(max_seqlen_q, bool)
+            and max_seqlen_q >= 0 and not host_readable(cu_seqlens_q)):
+        return max_seqlen_q
+    return None
+
+
 def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
                  max_seqlen_q, options, sinks, alibi_slopes, mod_aux, descale=None,
-                 out_dtype=None):
-    """(out, lse) of ``attention_varlen(..., block_table=)``: resolved once per signature
-    (the key holds the longest query sequence, read on the host once per cu_seqlens_q
-    tensor), the key counts checked per call where they are on the host."""
+                 out_dtype=None, out=None):
+    """(out, lse) of ``attention_varlen(..., block_table=)``: resolved once per signature.
+
+    The key holds ``grid_rows`` of the longest query sequence: ``max_seqlen_q`` as given for
+    tensors on a GPU (no host read: a serving step neither syncs nor breaks CUDA-graph
+    capture), else read on the host (free on the CPU; once per cu_seqlens_q tensor and version
+    on a GPU without a bound). ``out``: written in place (its strides in the key)."""
     (causal, dropout_p, softmax_scale, window, num_splits, softcap, chunk_size, score_mod,
      mask_mod, _) = options
-    tensors = (q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)
+    tensors = (q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out)
     key = None
     if _keyable(*tensors):
         try:
-            max_q = check_cu_seqlens(cu_seqlens_q, cu_seqlens_q, q, q, max_seqlen_q, None)[0]
-            key = ("paged-varlen", *(_opt_sig(t) for t in tensors), max_q,
+            bound = _trusted_bound(cu_seqlens_q, max_seqlen_q)
+            if bound is None:
+                bound = check_cu_seqlens(cu_seqlens_q, cu_seqlens_q, q, q, max_seqlen_q,
+                                         None)[0]
+            key = ("paged-varlen", *(_opt_sig(t) for t in tensors),
+                   grid_rows(bound, q.shape[0]),
                    *_options_key(options, sinks, alibi_slopes, mod_aux),
                    *_fp8_key(descale, out_dtype))
         except (TypeError, AttributeError, RuntimeError, ValueError, IndexError):
             key = None   # the checks below say what is wrong
     runner = None if key is None else plans.get(key)
-    if runner is None:   # (a miss reads cu_seqlens_q's host values again: cached per tensor)
+    if runner is None:
         causal, max_q, _ = check_paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k,
                                               seqused_k, block_table, max_seqlen_q, causal,
                                               dropout_p, softmax_scale, window)
@@ -837,12 +885,17 @@ def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, seqused_k, blo
                                        cu_seqlens_q.numel() - 1, k_cache.shape[2], q.device)
         mods = _with_fp8(mods, checked)
         check_num_splits(num_splits)
+        if out is not None:
+            check_out(out, (*q.shape[:2], v_cache.shape[-1]), out_dtype_of(q.dtype, out_dtype),
+                      q.device)
         if softmax_scale is None:
             softmax_scale = default_softmax_scale(q.shape[-1])
         call = AttentionCall(causal, float(softmax_scale), 0.0, 0,
                              int(window) if window is not None else None, None, chunk_size,
                              mods, out_dtype=out_dtype)
-        runner = PagedVarlenRunner(without_tensors(call), num_splits, max_q,
+        # (max_q is -1 under tracing without a bound: the op reads it at run time)
+        runner = PagedVarlenRunner(without_tensors(call), num_splits,
+                                   grid_rows(max_q, q.shape[0]) if max_q >= 0 else max_q,
                                    fp8=k_cache.dtype == FP8_DTYPE)
         if key is not None:
             plans.put(key, runner)
@@ -857,16 +910,49 @@ def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, seqused_k, blo
     if runner.fp8 and q.dtype == FP8_DTYPE:
         _refuse_fp8_grad(*inputs)
     if key is not None and not needs_grad:
-        return runner(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, call)
+        return runner(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, call, out=out)
     mods = call.mods
     args = (q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, runner.max_seqlen_q,
             mods.alibi_slopes, mods.sinks, list(mods.aux),
             call_spec(runner.call, runner.num_splits), *(mods.descale or (None, None, None)))
     if needs_grad:
         with torch.no_grad():
-            out, lse = _varlen_paged_op(*args)
-        return _ForwardOnly.apply(out, lse, *inputs)
-    return _varlen_paged_op(*args)
+            res, lse = _varlen_paged_op(*_distinct(*args))
+        res, lse = _ForwardOnly.apply(*_distinct(res, lse, *inputs))
+    else:
+        res, lse = _varlen_paged_op(*_distinct(*args))
+    if out is None:
+        return res, lse
+    out.copy_(res)   # (the op returns a new tensor: a custom op cannot alias its output)
+    return out, lse
+
+
+def write_kv_cache(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale):
+    """``kernels.write_kv_cache``: validated once per signature (``check_slot_write``), then
+    the cached ``SlotWriter`` runs."""
+    tensors = (k_cache, v_cache, k, v, slot_mapping)
+    key = None
+    if _keyable(*tensors) and not (host_readable(slot_mapping) and k.shape[0]):
+        # (slots on the host are checked per call: cheap, and they change every call)
+        key = ("slot-write", *map(_opt_sig, tensors), type(k_scale), type(v_scale))
+    writer = None if key is None else plans.get(key)
+    if writer is None:
+        check_slot_write(k_cache, v_cache, k, v, slot_mapping)
+        writer = SlotWriter(fp8=k_cache.dtype == FP8_DTYPE)
+        if key is not None:
+            plans.put(key, writer)
+    descale = None
+    if k_cache.dtype == FP8_DTYPE and k.dtype != FP8_DTYPE:
+        rows = (k.shape[0], k.shape[1])
+        # (expand_scale of a 3-D k and no cache: a (1, 1) view, then one per row and head)
+        descale = Descale(None, *(expand_scale(name, scale, None, k, None, None)
+                                  .expand(rows) if scale is not None else None
+                                  for name, scale in (("k_scale", k_scale),
+                                                      ("v_scale", v_scale))))
+    elif k_scale is not None or v_scale is not None:
+        raise ValueError(f"k_scale / v_scale quantize rows into a float8_e4m3fn cache; the "
+                         f"cache is {k_cache.dtype} and the rows {k.dtype}")
+    writer(k_cache, v_cache, k, v, slot_mapping, descale)
 
 
 def _varlen_paged_impl(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table,
@@ -958,8 +1044,9 @@ def integration_forward(c: IntegrationCall, q, k, v):
     """(out, lse) of the call ``c``, without autograd."""
     with torch.no_grad():
         if c.mods is not None:
-            return _fwd_op(q, k, v, *c.cu, *c.max_seqlens, c.seed_t, None, None,
-                           list(c.mods.aux), call_spec(c.plan.call, c.plan.num_splits))
+            return _fwd_op(*_distinct(q, k, v, *c.cu, *c.max_seqlens, c.seed_t, None, None,
+                                      list(c.mods.aux),
+                                      call_spec(c.plan.call, c.plan.num_splits)))
         call = with_tensors(c.plan.call, None, None, c.mod_aux)
         return c.plan.forward(q, k, v, c.seed_t, call, *c.cu)
 
@@ -975,8 +1062,9 @@ def integration_backward(c: IntegrationCall, do, q, k, v, out, lse, aux_grad=Fal
               for i in range(len(aux))]
     with torch.no_grad():
         if c.mods is not None:
-            res = _bwd_op(do, q, k, v, out, lse, *c.cu, *c.max_seqlens, c.seed_t, None, None,
-                          list(aux), call_spec(c.plan.call, c.plan.num_splits), wanted, False)
+            res = _bwd_op(*_distinct(do, q, k, v, out, lse, *c.cu, *c.max_seqlens, c.seed_t,
+                                     None, None, list(aux),
+                                     call_spec(c.plan.call, c.plan.num_splits), wanted, False))
             grads, daux = tuple(res[:3]), res[3:]
         else:
             daux = aux_grad_buffers(score_mod, aux) if any(wanted) else None

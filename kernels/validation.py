@@ -36,8 +36,8 @@ def check_tensor(name, t, dims, layout):
                          f"{tuple(t.shape)}")
     if t.dtype not in _DTYPES and t.dtype != FP8_DTYPE:
         if t.dtype in _OTHER_FP8:
-            raise TypeError(f"{name}: FP8 attention takes torch.float8_e4m3fn (OCP e4m3, "
-                            f"FlashAttention-3's format), got {t.dtype}")
+            raise TypeError(f"{name}: FP8 inputs and caches must be torch.float8_e4m3fn (OCP "
+                            f"e4m3, FlashAttention-3's format), got {t.dtype}")
         raise TypeError(f"{name} must be float16, bfloat16, float32 or float8_e4m3fn, got "
                         f"{t.dtype}")
     if t.device.type not in ("cuda", "cpu"):
@@ -343,6 +343,22 @@ def check_attn_mask(attn_mask, q, k, score_mod, mask_mod, mod_aux):
     return score_mod, TENSOR_MASK, mask.aux(*target)
 
 
+def check_out(out, shape, dtype, device):
+    """``out=``: a tensor the call writes its result into, of the result's shape, dtype and
+    device, with a unit stride in head_dim (any other strides: it is written in place)."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != device:
+        raise ValueError(f"out must be {tuple(shape)} {dtype} on {device} (the result's "
+                         f"shape, dtype and device), got {tuple(out.shape)} {out.dtype} on "
+                         f"{out.device}")
+    if out.numel() and out.stride(-1) != 1:
+        raise ValueError(f"out must have a unit stride in head_dim (it is written in place), "
+                         f"got strides {out.stride()}")
+    if out.requires_grad and torch.is_grad_enabled():
+        raise RuntimeError("out= is for forward-only calls (serving); it cannot require grad")
+
+
 def check_num_splits(num_splits):
     if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
         raise TypeError(f"num_splits must be an int >= 0 (0 = heuristic), got "
@@ -350,6 +366,12 @@ def check_num_splits(num_splits):
     if num_splits < 0:
         raise ValueError(f"num_splits must be >= 0 (0 = heuristic, 1 = no split), got "
                          f"{num_splits}")
+
+
+def host_readable(t) -> bool:
+    """Whether reading ``t``'s values on the host costs no device sync (a CPU tensor). Index
+    tensors on a GPU are read only where the caller gives no bound (``check_cu_seqlens``)."""
+    return t.device.type == "cpu"
 
 
 # cu_seqlens tensor -> (its version counter, its values): what ``check_cu_seqlens`` read.
@@ -368,9 +390,12 @@ def _host_values(cu):
     return values
 
 
-def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k):
+def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k,
+                     trust_hints=False):
     """Checks of the packed layout; returns the (max_seqlen_q, max_seqlen_k) to launch with,
-    -1 where the op must compute it (under torch.compile, where values are not read here)."""
+    -1 where the op must compute it (under torch.compile, where values are not read here).
+    ``trust_hints``: cu_seqlens off the host with both hints given are not read (no sync:
+    FlashAttention's contract, what a serving engine's step needs); on the host they are."""
     for name, cu, x in (("cu_seqlens_q", cu_seqlens_q, q), ("cu_seqlens_k", cu_seqlens_k, k)):
         if not isinstance(cu, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
@@ -396,8 +421,11 @@ def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_
                                  or hint < 0):
             raise TypeError(f"{name} must be a non-negative int or None, got {hint!r}")
         hints.append(-1 if hint is None else int(hint))
-    if torch.compiler.is_compiling():
-        # No host sync while tracing: the values are the caller's contract (see the docstring).
+    if torch.compiler.is_compiling() or (
+            trust_hints and min(hints) >= 0 and not (host_readable(cu_seqlens_q)
+                                                     and host_readable(cu_seqlens_k))):
+        # No host sync while tracing, nor for a caller who gave its bounds for tensors on a
+        # GPU: the values are the caller's contract (see the docstring).
         return tuple(hints)
     maxima = []
     for name, cu, x, hint, hint_name in (
@@ -449,6 +477,56 @@ def check_block_table(block_table, q, k_cache, rows=None, rows_name="batch"):
                          f"(dim 2), got k_cache {tuple(k_cache.shape)} (a dense (batch, "
                          f"heads_kv, max_len, head_dim) cache takes no block_table)")
     return rows, heads_kv, block_table.shape[1] * page_size, D
+
+
+_SLOT_LAYOUT = "(num_tokens, heads_kv, head_dim) (one row per new token)"
+
+
+def check_slot_write(k_cache, v_cache, k, v, slot_mapping):
+    """Validation of ``write_kv_cache``: paged caches (num_blocks, page_size, heads_kv, D / Dv)
+    written in place (unit stride in head_dim), new rows k (num_tokens, heads_kv, D) and v
+    (num_tokens, heads_kv, Dv) in the caches' dtype (or fp16 / bf16 / fp32 into an e4m3 cache:
+    quantized), integer slot_mapping (num_tokens,) on their device. Slot values are the
+    caller's contract on a GPU; on the CPU they are checked."""
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_tensor(name, t, 4, _PAGED_LAYOUT)
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a unit stride in head_dim (it is written in "
+                             f"place), got strides {t.stride()}")
+    for name, t in (("k", k), ("v", v)):
+        check_tensor(name, t, 3, _SLOT_LAYOUT)
+    if k_cache.shape[:-1] != v_cache.shape[:-1] or k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache and v_cache must have one dtype and one shape but for "
+                         f"head_dim, got {k_cache.dtype} {tuple(k_cache.shape)} and "
+                         f"{v_cache.dtype} {tuple(v_cache.shape)}")
+    _, _, heads_kv, _ = k_cache.shape
+    want_k = (k.shape[0], heads_kv, k_cache.shape[-1])
+    want_v = (k.shape[0], heads_kv, v_cache.shape[-1])
+    if tuple(k.shape) != want_k or tuple(v.shape) != want_v:
+        raise ValueError(f"k and v must be {want_k} and {want_v} for caches "
+                         f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)} {_SLOT_LAYOUT}, "
+                         f"got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.dtype != v.dtype or (k.dtype != k_cache.dtype and k_cache.dtype != FP8_DTYPE):
+        raise TypeError(f"k and v must have the caches' dtype {k_cache.dtype} (or fp16 / bf16 "
+                        f"/ fp32 into a float8_e4m3fn cache), got {k.dtype} and {v.dtype}")
+    devices = {t.device for t in (k_cache, v_cache, k, v)}
+    if not isinstance(slot_mapping, torch.Tensor):
+        raise TypeError(f"slot_mapping must be a torch.Tensor, got "
+                        f"{type(slot_mapping).__name__}")
+    if slot_mapping.dtype not in (torch.int32, torch.int64) or \
+            tuple(slot_mapping.shape) != (k.shape[0],):
+        raise ValueError(f"slot_mapping must be int32 or int64 ({k.shape[0]},) (one slot per "
+                         f"new token), got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+    devices.add(slot_mapping.device)
+    if len(devices) != 1:
+        raise ValueError(f"k_cache, v_cache, k, v and slot_mapping must be on one device, got "
+                         f"{sorted(map(str, devices))}")
+    if host_readable(slot_mapping) and not torch.compiler.is_compiling() and k.shape[0]:
+        capacity = k_cache.shape[0] * k_cache.shape[1]
+        top = int(slot_mapping.max())
+        if top >= capacity:
+            raise ValueError(f"slot_mapping values must be < num_blocks * page_size = "
+                             f"{capacity} (or < 0 to skip a token), got {top}")
 
 
 def check_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, window,
@@ -518,7 +596,7 @@ def check_cache_lengths(cache_seqlens, new, max_len, block_table=None, num_block
     no device sync: lengths on the host; on a GPU they are the caller's contract. ``new``: the
     positions the call appends."""
     paged = block_table is not None
-    if cache_seqlens.device.type == "cpu" and not torch.compiler.is_compiling():
+    if host_readable(cache_seqlens) and not torch.compiler.is_compiling():
         # Lengths on the host: check them (no device sync needed).
         lens = cache_seqlens.tolist()
         if any(n < 0 for n in lens):
@@ -528,7 +606,7 @@ def check_cache_lengths(cache_seqlens, new, max_len, block_table=None, num_block
                      if paged else f"the cache (max_len {max_len})")
             raise ValueError(f"cache_seqlens + {new} new positions must fit {where}, got "
                              f"cache_seqlens {lens}")
-        if paged and block_table.device.type == "cpu":
+        if paged and host_readable(block_table):
             # The pages each row reads or writes must exist (the others are never read).
             for b, n in enumerate(lens):
                 used = block_table[b, :-(-(n + new) // page_size)]
@@ -583,8 +661,10 @@ def check_paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, seqused_
         raise TypeError(f"cu_seqlens_q must be a torch.Tensor, got "
                         f"{type(cu_seqlens_q).__name__}")
     num_seqs = cu_seqlens_q.numel() - 1
-    # cu_seqlens_q checked as the packed layout checks it (against itself for the keys).
-    max_q, _ = check_cu_seqlens(cu_seqlens_q, cu_seqlens_q, q, q, max_seqlen_q, None)
+    # cu_seqlens_q checked as the packed layout checks it (against itself for the keys); a
+    # given max_seqlen_q is trusted for a tensor on a GPU (no sync).
+    max_q, _ = check_cu_seqlens(cu_seqlens_q, cu_seqlens_q, q, q, max_seqlen_q,
+                                max_seqlen_q, trust_hints=True)
     if seqused_k is None:
         if cu_seqlens_k is None:
             raise ValueError("attention_varlen with block_table needs the key counts: "

@@ -27,7 +27,7 @@ from .call import lse_shape, new_like, new_out
 from .common import check_interpreter_setting, interpreter_active
 from .configs import fp8_unsupported_reason, unsupported_gpu_reason
 from .forward import ForwardPlan
-from .kvcache import KVCachePlan, VarlenPagedPlan
+from .kvcache import KVCachePlan, SlotWritePlan, VarlenPagedPlan
 
 
 class FallbackNotice(UserWarning):
@@ -313,11 +313,13 @@ class PagedVarlenRunner:
         self.fp8 = fp8   # an FP8 cache: the backend's FP8 rule
         self.unfit = False   # its launch had no config that loads: the fallback from then on
 
-    def __call__(self, q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, call):
+    def __call__(self, q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table, call,
+                 out=None):
         """(out (total_q, heads_q, Dv), lse (heads_q, total_q)); ``call``: the runner's with
-        this call's mods' tensors."""
+        this call's mods' tensors; ``out``: written in place when given (the same strides at
+        every call of a runner: its signature is in the plan key)."""
         if q.shape[1] == 0:
-            return (new_out(q, v_cache.shape[-1], call.out_dtype),
+            return (new_out(q, v_cache.shape[-1], call.out_dtype) if out is None else out,
                     q.new_empty(lse_shape(q, True), dtype=torch.float32))
         if not (self.unfit or _route_fallback(q, self.fp8)):
             q = unit_last(q)
@@ -327,11 +329,32 @@ class PagedVarlenRunner:
                         q, k_cache, v_cache, call, cu_seqlens_q=cu_seqlens_q,
                         max_seqlen_q=_longest(cu_seqlens_q, self.max_seqlen_q),
                         seqused_k=seqused_k, block_table=block_table,
-                        num_splits=self.num_splits)
+                        num_splits=self.num_splits, out=out)
                 return self.plan(q, k_cache, v_cache, call, cu_seqlens_q=cu_seqlens_q,
-                                 seqused_k=seqused_k, block_table=block_table)
+                                 seqused_k=seqused_k, block_table=block_table, out=out)
             except OutOfResources as err:
                 self.unfit, self.plan = True, None
                 _unfit_notice(err, q.device, "paged forward")
         return fallback.varlen_paged_forward(q, k_cache, v_cache, cu_seqlens_q, seqused_k,
-                                             block_table, call)
+                                             block_table, call, out)
+
+
+class SlotWriter:
+    """How one validated signature of ``write_kv_cache`` runs: the append kernel
+    (``kvcache.SlotWritePlan``, built at the first launch) or, where the kernels do not run,
+    the fallback's indexed writes."""
+
+    def __init__(self, fp8=False):
+        self.fp8 = fp8   # an FP8 cache: the backend's FP8 rule
+        self.plan = None
+
+    def __call__(self, k_cache, v_cache, k, v, slot_mapping, descale=None):
+        if k.numel() == 0:
+            return
+        if _route_fallback(k, self.fp8):
+            fallback.write_slots(k_cache, v_cache, k, v, slot_mapping, descale)
+            return
+        k, v = unit_last(k), unit_last(v)
+        if self.plan is None:
+            self.plan = SlotWritePlan(k_cache, v_cache, k, v)
+        self.plan(k_cache, v_cache, k, v, slot_mapping, descale)

@@ -469,9 +469,46 @@ def _sdpa_forward(q, k, v, causal, softmax_scale, o):
     k32, v32 = _expand_kv(q32, k32, v32)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q32, k32, v32, 0.0, causal, scale=softmax_scale)
+    if out.grad_fn is not None:   # recorded (``forward_recorded``): a second derivative says ours
+        out.grad_fn.register_hook(_no_double_backward)
     if o is None and out.dtype != q.dtype:
         out = out.to(q.dtype)
     return _result(o, out, q), lse.float().contiguous()
+
+
+# The interpreter / GPU route's double-backward error (kernels/pipeline.py, _NoDoubleBackward),
+# word for word: the core cannot import the pipeline, so tests/test_error_convention.py checks
+# that the two routes say the same.
+NO_DOUBLE_BACKWARD = (
+    "double backward (a gradient of a gradient) of kernels.attention is not supported: its "
+    "backward is a fused kernel with no derivative of its own. Use reference.attention (plain "
+    "PyTorch) or torch.nn.functional.scaled_dot_product_attention where second derivatives are "
+    "needed.")
+
+
+class _NoDoubleBackward(torch.autograd.Function):
+    """The first-order gradients passed through, with a backward that raises
+    ``NO_DOUBLE_BACKWARD``: without it, a second derivative through the aten CPU flash op gives
+    PyTorch's "derivative for aten::_scaled_dot_product_flash_attention_for_cpu_backward is not
+    implemented", which names neither our function nor what to use instead."""
+
+    @staticmethod
+    def forward(ctx, *grads):
+        return tuple(g.view_as(g) for g in grads)
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError(NO_DOUBLE_BACKWARD)
+
+
+def _no_double_backward(grad_inputs, grad_outputs):
+    """Hook of the recorded aten CPU flash op's autograd node: with create_graph=True (grad
+    mode on in the backward) its gradients go through ``_NoDoubleBackward``; else unchanged."""
+    if not torch.is_grad_enabled():
+        return None
+    present = [g for g in grad_inputs if g is not None]
+    guarded = iter(_NoDoubleBackward.apply(*present))
+    return tuple(None if g is None else next(guarded) for g in grad_inputs)
 
 
 def _result(o, out, q):
@@ -1155,6 +1192,22 @@ def _cache_rows(cache, k, v, call):
         return k, v
     descale = call.mods.descale or (None, None, None)
     return quantize_e4m3_torch(k, descale[1]), quantize_e4m3_torch(v, descale[2])
+
+
+def write_slots(k_cache, v_cache, k, v, slot_mapping, descale=None):
+    """``kvcache.SlotWritePlan`` for CPU tensors: token t's rows k[t], v[t] (heads_kv, D) go
+    to row slot % page_size of page slot // page_size of the paged caches, quantized into an
+    e4m3 cache as the kernel does (``descale``: a ``mods.Descale`` with (tokens, heads_kv) k,
+    v or None); slots < 0 are skipped (selected with a boolean index: a sync on a GPU)."""
+    page_size = k_cache.shape[1]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    pages, rows = slots // page_size, slots % page_size
+    for cache, new, scale in ((k_cache, k, None if descale is None else descale.k),
+                              (v_cache, v, None if descale is None else descale.v)):
+        if cache.dtype == FP8_DTYPE and new.dtype != FP8_DTYPE:
+            new = quantize_e4m3_torch(new.unsqueeze(2), scale).squeeze(2)
+        cache[pages, rows] = new[keep]
 
 
 def paged_kvcache_forward(q, k_cache, v_cache, cache_seqlens, k, v, call, o, block_table):

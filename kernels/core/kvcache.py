@@ -6,6 +6,7 @@ append is new work: new keys/values are written into each row's cache at its own
 Paged caches (kernels/core/paged.py) go through the same two kernels with PAGED: the append
 writes each new row into its page, the forward reads K/V tiles page by page.
 """
+import torch
 import triton
 import triton.language as tl
 
@@ -87,6 +88,34 @@ def append_kv(k_cache, v_cache, cache_seqlens, k, v, block_table=None, descale=N
     if step is not None:
         _run_append(step, k_cache, v_cache, cache_seqlens, k, v, block_table, descale,
                     _append_one(k_cache, k))
+
+
+class SlotWritePlan:
+    """Writes of new rows at given slots of a paged cache (vLLM's ``reshape_and_cache``):
+    token t's k, v go to row slot[t] % page_size of page slot[t] // page_size; slots < 0
+    (padding) are skipped. The append kernel with one batch row per token: a one-column block
+    table holds each token's page and its "cache length" the row in that page (-1 for a
+    skipped slot: the kernel stores no row outside [0, page_size)). Built once per signature;
+    per call three small device ops, no host read."""
+
+    def __init__(self, k_cache, v_cache, k, v):
+        page_size = k_cache.shape[1]
+        self.page_size = page_size
+        self.one = _append_one(k_cache, k)
+        # The block table the step is specialised on: (tokens, 1), unit column stride.
+        table = k.new_empty((k.shape[0], 1), dtype=torch.int32)
+        self.step = _append_step(k_cache, v_cache, k.unsqueeze(2), v.unsqueeze(2), table)
+
+    def __call__(self, k_cache, v_cache, k, v, slot_mapping, descale=None):
+        """``descale``: a ``mods.Descale`` whose k, v are (tokens, heads_kv) (None = 1)."""
+        if self.step is None:
+            return
+        slots = slot_mapping.to(torch.int64)
+        table = slots.div(self.page_size, rounding_mode="floor").clamp_(min=0)
+        table = table.to(torch.int32).unsqueeze(1)
+        rows = torch.where(slots >= 0, slots % self.page_size, -1).to(torch.int32)
+        _run_append(self.step, k_cache, v_cache, rows, k.unsqueeze(2), v.unsqueeze(2), table,
+                    descale, self.one)
 
 
 def _quantizes(cache, new) -> bool:
