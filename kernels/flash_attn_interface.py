@@ -53,12 +53,10 @@ return values) in plain PyTorch, to pack a padded batch for the varlen functions
 The index tensors (``cu_seqlens_*``, ``cache_seqlens``, ``cache_batch_idx``,
 ``cache_leftpad``, ``block_table``) are checked as FlashAttention checks them, by one helper:
 int32, on q's device, of the expected shape, else ``RuntimeError`` naming the argument
-(``cache_seqlens`` may also be an int). A list instead of a tensor raises what FlashAttention
-raises there: ``RuntimeError`` in the varlen functions (its custom op's argument check),
-``TypeError`` in ``flash_attn_with_kvcache`` (its binding's). A paged cache whose
-``cache_seqlens`` (+ the new keys) overflow the pages of ``block_table`` raises
-``RuntimeError`` naming ``block_table``, as FlashAttention's guard does (a device-to-host read
-of the lengths on a GPU, as there).
+(``cache_seqlens`` may also be an int; a list instead of a tensor: ``RuntimeError`` too). A
+paged cache whose ``cache_seqlens`` (+ the new keys) overflow the pages of ``block_table``
+raises ``RuntimeError`` naming ``block_table``, as FlashAttention's guard does (a
+device-to-host read of the lengths on a GPU, as there).
 
 FP8: FlashAttention 3's ``q_descale``, ``k_descale``, ``v_descale`` (float32 (batch,
 heads_k)) with ``torch.float8_e4m3fn`` q, k, v in ``flash_attn_func`` and
@@ -69,15 +67,23 @@ FlashAttention 3's paged varlen call: ``page_table`` (its name for ``block_table
 without pages, ``seqused_k`` counts the keys each packed sequence uses (differentiable).
 FlashAttention 3's scheduling hints (``scheduler_metadata``, ``sm_margin``, ``pack_gqa``,
 ``num_splits``) are accepted and change nothing. Not supported (``NotImplementedError`` naming
-the argument): FlashAttention 3's other arguments (``qv``, ``seqused_q``, ...). Errors
-FlashAttention raises (a dtype other
-than fp16 / bf16 -- fp32 is accepted here --, q, k, v dtypes or head dims that differ, heads_q
-not a multiple of heads_k, wrong ranks) are raised as the same type, RuntimeError, with our
-own message. Where FlashAttention is stricter than our
+the argument): FlashAttention 3's other arguments (``qv``, ``seqused_q``, ...).
+
+Errors: one exception type, FlashAttention's ``RuntimeError`` (its TORCH_CHECKs), for every
+bad argument, with our message (expected vs given): this module's own checks (a dtype other
+than fp16 / bf16 -- fp32 is accepted here --, an FP8 format other than float8_e4m3fn, q, k,
+v dtypes or head dims that differ, heads_q not a multiple of heads_k -- the message names the
+shapes and the layout (batch, seqlen, heads, head_dim), as a q in SDPA's layout is the usual
+cause --, wrong ranks, the index tensors) and those of ``kernels.attention`` & co. underneath, whose
+``TypeError`` / ``ValueError`` (the native API's convention) come out as ``RuntimeError`` with
+the same message (``_flash_attn_errors``). ``NotImplementedError`` (FlashAttention 3's
+arguments we lack) is a ``RuntimeError``; an unknown keyword argument is Python's
+``TypeError``, as for any function. Where FlashAttention is stricter than our
 kernels (head_dim > 256, softcap with dropout, batch 0, any paged block size), we accept.
 A row that sees no key has lse -inf here (FlashAttention writes +inf); docs/flash_attn.md
 lists every difference.
 """
+import functools
 import inspect
 import numbers
 
@@ -106,6 +112,30 @@ _FP8 = torch.float8_e4m3fn
 _PROBS_KEYS = 512
 # Window edges beyond this are unbounded (and keep kv_range / q_range arithmetic in int32).
 _WINDOW_CAP = 1 << 30
+
+
+# ---------------------------------------------------------------------------- error convention
+# One exception type per API: kernels' own functions raise Python's TypeError / ValueError for
+# a bad argument; FlashAttention raises RuntimeError (its TORCH_CHECKs), and so does this
+# module, for its own checks and for those the native functions make underneath. The native
+# functions are called only through these wrappers, so no TypeError / ValueError of theirs
+# reaches a FlashAttention caller, whatever check raised it. NotImplementedError (what we do
+# not support) is a RuntimeError already and passes as it is.
+def _flash_attn_errors(fn):
+    """``fn`` (a public function of kernels) with its TypeError / ValueError raised as
+    RuntimeError with the same message (the original chained as its cause)."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (TypeError, ValueError) as err:
+            raise RuntimeError(str(err)) from err
+    return call
+
+
+_attention = _flash_attn_errors(attention)
+_attention_varlen = _flash_attn_errors(attention_varlen)
+_attention_with_kvcache = _flash_attn_errors(attention_with_kvcache)
 
 
 # ---------------------------------------------------------------------------- window mask mods
@@ -247,8 +277,8 @@ def _mask_kw(window_size, causal, device, leftpad=None, chunk=0):
     try:
         left, right = (int(x) for x in window_size)
     except (TypeError, ValueError):
-        raise ValueError(f"window_size must be a pair (left, right) of ints (-1: unbounded), "
-                         f"got {window_size!r}") from None
+        raise RuntimeError(f"window_size must be a pair (left, right) of ints (-1: unbounded), "
+                           f"got {window_size!r}") from None
     left = _WINDOW_CAP if left < 0 else min(left, _WINDOW_CAP)
     right = _WINDOW_CAP if right < 0 else min(right, _WINDOW_CAP)
     kw = dict(causal=False)
@@ -311,40 +341,51 @@ def _page_table(block_table, page_table):
     return page_table if page_table is not None else block_table
 
 
-def _check(q, k, v, dims, layout, fp8_cache=False):
+def _check(q, k, v, dims, layout, fp8_cache=False, names=("q", "k", "v")):
     """FlashAttention's checks, its exception type (RuntimeError), our messages.
-    ``fp8_cache``: k, v may be an FP8 cache read by q of another dtype."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
+    ``fp8_cache``: k, v may be an FP8 cache read by q of another dtype. ``names``: the three
+    arguments' names in the caller's signature (the messages name them)."""
+    for name, t in zip(names, (q, k, v)):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            raise RuntimeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != dims:
             raise RuntimeError(f"{name} must be {dims}-D {layout}, got shape {tuple(t.shape)}")
+        if str(t.dtype).startswith("torch.float8") and t.dtype != _FP8:
+            # Another FP8 format (e5m2, the fnuz ones): say which one FP8 takes, not that
+            # the dtypes differ.
+            raise RuntimeError(f"{name}: FP8 inputs and caches must be torch.float8_e4m3fn "
+                               f"(OCP e4m3, FlashAttention-3's format), got {t.dtype}")
     if q.dtype not in _DTYPES:
-        raise RuntimeError(f"q must be float16 or bfloat16 (float32 and float8_e4m3fn are "
-                           f"accepted too), got {q.dtype}")
-    for name, t in (("k", k), ("v", v)):
+        raise RuntimeError(f"{names[0]} must be float16 or bfloat16 (float32 and float8_e4m3fn "
+                           f"are accepted too), got {q.dtype}")
+    shapes = (f"got {names[0]} {tuple(q.shape)}, {names[1]} {tuple(k.shape)}, {names[2]} "
+              f"{tuple(v.shape)}")
+    for name, t in zip(names[1:], (k, v)):
         if t.dtype != q.dtype and not (fp8_cache and t.dtype == _FP8):
-            raise RuntimeError(f"q and {name} must have the same dtype, got {q.dtype} and "
-                               f"{t.dtype}")
+            raise RuntimeError(f"{names[0]} and {name} must have the same dtype, got "
+                               f"{q.dtype} and {t.dtype}")
         if t.shape[-1] != q.shape[-1]:
-            raise RuntimeError(f"q and {name} must have the same head dim, got {q.shape[-1]} "
-                               f"and {t.shape[-1]}")
+            raise RuntimeError(f"{names[0]} and {name} must have the same head dim (last dim "
+                               f"of {layout}), {shapes}")
     if k.shape[-2] != v.shape[-2]:
-        raise RuntimeError(f"k and v must have the same number of heads, got {k.shape[-2]} "
-                           f"and {v.shape[-2]}")
+        raise RuntimeError(f"{names[1]} and {names[2]} must have the same number of heads "
+                           f"(dim -2 of {layout}), {shapes}")
     if k.shape[-2] == 0 or q.shape[-2] % k.shape[-2] != 0:
+        # The likeliest cause: tensors in SDPA's layout (batch, heads, seqlen, head_dim).
+        hint = (" (a tensor in SDPA's layout (batch, heads, seqlen, head_dim) takes "
+                ".transpose(1, 2))" if dims == 4 else "")
         raise RuntimeError(f"the number of query heads must be a multiple of the number of "
-                           f"key/value heads, got {q.shape[-2]} and {k.shape[-2]}")
+                           f"key/value heads (dim -2 of {layout}: {q.shape[-2]} and "
+                           f"{k.shape[-2]}), {shapes}{hint}")
 
 
-def _index_tensor(name, t, device, shape, not_tensor=RuntimeError, kind="an int32 tensor"):
+def _index_tensor(name, t, device, shape, kind="an int32 tensor"):
     """FlashAttention's checks of an index argument (cu_seqlens, cache_seqlens, cache_batch_idx,
     cache_leftpad, block_table): a torch.Tensor of dtype int32 on ``device`` whose shape is
-    ``shape`` (None: any size there); else RuntimeError, as its TORCH_CHECKs raise.
-    ``not_tensor``: the type FlashAttention raises when given no tensor (its custom ops'
-    argument check: RuntimeError; its ``fwd_kvcache`` binding: TypeError)."""
+    ``shape`` (None: any size there); else RuntimeError, as its TORCH_CHECKs raise (also for
+    something that is no tensor: one exception type for every argument check)."""
     if not isinstance(t, torch.Tensor):
-        raise not_tensor(f"{name} must be {kind}, got {type(t).__name__}")
+        raise RuntimeError(f"{name} must be {kind}, got {type(t).__name__}")
     if t.dtype != torch.int32:
         raise RuntimeError(f"{name} must have dtype int32, got {t.dtype}")
     if t.device != device:
@@ -398,9 +439,10 @@ def _probs_dense(q, k, dropout_p, seed, kw):
         c1 = min(Lk, c0 + _PROBS_KEYS)
         v = _identity_slice(Lk, c0, c1, q.dtype, q.device).expand(B, Hk, Lk, c1 - c0)
         with torch.no_grad():
-            p = attention(q, k, v, dropout_p=0.0, **kw)
+            p = _attention(q, k, v, dropout_p=0.0, **kw)
             if dropout_p > 0:
-                p = _encode_dropped(p, attention(q, k, v, dropout_p=dropout_p, seed=seed, **kw))
+                p = _encode_dropped(p, _attention(q, k, v, dropout_p=dropout_p, seed=seed,
+                                                  **kw))
         probs[..., c0:c1] = p
     return probs
 
@@ -429,10 +471,10 @@ def _probs_varlen(q, k, cu_q, cu_k, max_q, max_k, dropout_p, seed, kw):
         v = v[:, None, :].expand(k.shape[0], k.shape[1], c1 - c0)
         args = (q, k, v, cu_q, cu_k, max_q, max_k)
         with torch.no_grad():
-            p = attention_varlen(*args, dropout_p=0.0, **kw)
+            p = _attention_varlen(*args, dropout_p=0.0, **kw)
             if dropout_p > 0:
-                p = _encode_dropped(p, attention_varlen(*args, dropout_p=dropout_p, seed=seed,
-                                                        **kw))
+                p = _encode_dropped(p, _attention_varlen(*args, dropout_p=dropout_p, seed=seed,
+                                                         **kw))
         probs[seq_q, :, row_q, c0:c1] = p
     return probs
 
@@ -495,7 +537,7 @@ def _dense(q, k, v, dropout_p, return_attn_probs, kw):
     """The dense functions in our layout (batch, heads, seq, head_dim); ``kw``: the call's
     ``kernels.attention`` keywords other than dropout."""
     seed = _seed(dropout_p, return_attn_probs)
-    out, lse = attention(q, k, v, dropout_p=dropout_p, seed=seed, return_lse=True, **kw)
+    out, lse = _attention(q, k, v, dropout_p=dropout_p, seed=seed, return_lse=True, **kw)
     if not return_attn_probs:
         return out.transpose(1, 2)
     return out.transpose(1, 2), lse, _s_dmask(q, dropout_p, lambda: _probs_dense(
@@ -648,13 +690,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
             if longest > capacity:
                 raise RuntimeError(f"paged KV cache: the longest key sequence ({longest}) "
                                    f"exceeds the {capacity} positions block_table addresses")
-        out, lse = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                    max_seqlen_k, block_table=block_table, seqused_k=seqused_k,
-                                    return_lse=True, **kw)
+        out, lse = _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                     max_seqlen_k, block_table=block_table, seqused_k=seqused_k,
+                                     return_lse=True, **kw)
         return (out, lse, q.new_empty(0)) if return_attn_probs else out
     seed = _seed(dropout_p, return_attn_probs)
-    out, lse = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                dropout_p=dropout_p, seed=seed, return_lse=True, **kw)
+    out, lse = _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                 max_seqlen_k, dropout_p=dropout_p, seed=seed, return_lse=True,
+                                 **kw)
     if not return_attn_probs:
         return out
     return out, lse, _s_dmask(q, dropout_p, lambda: _probs_varlen(
@@ -770,7 +813,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if paged and cache_batch_idx is not None:
         raise RuntimeError("cache_batch_idx cannot be combined with block_table (a paged "
                            "cache's rows are chosen by the block table)")
-    _check(q, k_cache, v_cache, 4, "(batch, seqlen, heads, head_dim)", fp8_cache=True)
+    _check(q, k_cache, v_cache, 4, "(batch, seqlen, heads, head_dim)", fp8_cache=True,
+           names=("q", "k_cache", "v_cache"))
     if (k is None) != (v is None):
         raise RuntimeError("k and v (new keys and values) must be given together")
     if k is not None:
@@ -804,7 +848,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         lens = torch.full((B,), int(cache_seqlens), dtype=torch.int32, device=q.device)
     else:
         lens = _index_tensor("cache_seqlens", cache_seqlens, q.device, (B,),
-                             not_tensor=TypeError, kind="an int or an int32 tensor")
+                             kind="an int or an int32 tensor")
     if paged and not torch.compiler.is_compiling():
         # FlashAttention's guard (a device-to-host read, as there): a row longer than its
         # block_table row addresses would send the kernels past the table's end.
@@ -817,8 +861,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 f"(max_blocks_per_seq {block_table.shape[1]} * page_block_size "
                 f"{k_cache.shape[1]}): give block_table more columns")
     if cache_leftpad is not None:
-        _index_tensor("cache_leftpad", cache_leftpad, q.device, (B,),
-                      not_tensor=TypeError)
+        _index_tensor("cache_leftpad", cache_leftpad, q.device, (B,))
     # FlashAttention rotates each query at its own position when causal or local (a window
     # or, in FlashAttention 3, a chunk).
     local = bool(causal) or tuple(window_size) != (-1, -1) or chunk > 0
@@ -855,11 +898,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         # No paged path: the selected rows are gathered (a copy; the appends went in above).
         idx = cache_batch_idx.to(device=q.device, dtype=torch.long)
         kc, vc = kc[idx], vc[idx]
-    out, lse = attention_with_kvcache(q.transpose(1, 2), kc, vc, lens, new_k, new_v,
-                                      softmax_scale=softmax_scale, num_splits=num_splits,
-                                      return_lse=True, softcap=_softcap(softcap),
-                                      alibi_slopes=alibi_slopes, sinks=sinks, **mask_kw,
-                                      **_fp8_kw(q, q_descale, k_descale, v_descale), **extra)
+    out, lse = _attention_with_kvcache(q.transpose(1, 2), kc, vc, lens, new_k, new_v,
+                                       softmax_scale=softmax_scale, num_splits=num_splits,
+                                       return_lse=True, softcap=_softcap(softcap),
+                                       alibi_slopes=alibi_slopes, sinks=sinks, **mask_kw,
+                                       **_fp8_kw(q, q_descale, k_descale, v_descale), **extra)
     out = out.transpose(1, 2)
     return (out, lse) if return_softmax_lse else out
 

@@ -645,7 +645,7 @@ ERRORS = [
     (lambda: flash_attn_func(*_dense_inputs(dk=32)), RuntimeError, "same head dim"),
     (lambda: flash_attn_func(*_dense_inputs(hq=3)), RuntimeError, "multiple of the number"),
     (lambda: flash_attn_func(*(t[0] for t in _dense_inputs())), RuntimeError, "4-D"),
-    (lambda: flash_attn_func(*_dense_inputs(), q_descale=torch.ones(1)), ValueError,
+    (lambda: flash_attn_func(*_dense_inputs(), q_descale=torch.ones(1)), RuntimeError,
      "q_descale applies to FP8"),
     (lambda: flash_attn_func(*_dense_inputs(), qv=torch.ones(1)), NotImplementedError, "qv"),
     (lambda: flash_attn_func(*_dense_inputs(), bogus=1), TypeError, "bogus"),
@@ -655,7 +655,7 @@ ERRORS = [
      "attention_chunk must be an int >= 0"),
     (lambda: flash_attn_func(*_dense_inputs(), s_aux=torch.zeros(2),
                              learnable_sink=torch.zeros(2)), RuntimeError, "pass one"),
-    (lambda: flash_attn_func(*_dense_inputs(), s_aux=torch.zeros(3)), ValueError, "sinks"),
+    (lambda: flash_attn_func(*_dense_inputs(), s_aux=torch.zeros(3)), RuntimeError, "sinks"),
     (lambda: flash_attn_with_kvcache(*_dense_inputs(), cache_seqlens=2,
                                      cache_leftpad=torch.zeros(1, dtype=torch.int32),
                                      block_table=torch.zeros(1, 1, dtype=torch.int32)),
@@ -682,9 +682,9 @@ ERRORS = [
 ]
 
 # The index arguments, checked by one rule as FlashAttention checks them: int32, on q's device,
-# of the right shape, else RuntimeError naming the argument; a list where a tensor belongs
-# raises what FlashAttention raises (its custom op's check in varlen: RuntimeError; its
-# fwd_kvcache binding: TypeError). The meta device stands for "another device" on any machine.
+# of the right shape, else RuntimeError naming the argument, also for a list where a tensor
+# belongs (the module's one exception type for argument checks). The meta device stands for
+# "another device" on any machine.
 _I32 = dict(dtype=torch.int32, device=DEVICE)
 
 
@@ -700,7 +700,7 @@ def _kvcache(**kw):
 
 
 INDEX_ERRORS = [
-    (lambda: _kvcache(cache_seqlens=[3]), TypeError,
+    (lambda: _kvcache(cache_seqlens=[3]), RuntimeError,
      "cache_seqlens must be an int or an int32 tensor, got list"),
     (lambda: _kvcache(cache_seqlens=torch.tensor([3], device=DEVICE)), RuntimeError,
      "cache_seqlens must have dtype int32, got torch.int64"),
@@ -718,7 +718,7 @@ INDEX_ERRORS = [
     (lambda: _kvcache(cache_seqlens=2, cache_batch_idx=torch.zeros(1, dtype=torch.long,
                                                                    device=DEVICE)),
      RuntimeError, "cache_batch_idx must have dtype int32"),
-    (lambda: _kvcache(cache_seqlens=2, cache_leftpad=[0]), TypeError, "cache_leftpad"),
+    (lambda: _kvcache(cache_seqlens=2, cache_leftpad=[0]), RuntimeError, "cache_leftpad"),
     (lambda: _kvcache(cache_seqlens=2, cache_leftpad=torch.zeros(1, dtype=torch.long,
                                                                  device=DEVICE)),
      RuntimeError, "cache_leftpad must have dtype int32"),
