@@ -55,7 +55,8 @@ def quantiles(samples):
 
 
 def time_cpu(fn, *, reps=5, max_s=3.0):
-    """(median, p20, p80) in ms of ``fn`` over up to ``reps`` runs or ``max_s`` seconds (>= 1 run).
+    """(median, p20, p80, runs) in ms of ``fn`` over up to ``reps`` runs or ``max_s`` seconds (>= 1
+    run); ``runs``: how many there were.
 
     ``fn`` has already been called once (warm-up) by the caller.
     """
@@ -65,7 +66,7 @@ def time_cpu(fn, *, reps=5, max_s=3.0):
         t0 = time.perf_counter()
         fn()
         samples.append((time.perf_counter() - t0) * 1e3)
-    return quantiles(samples)
+    return (*quantiles(samples), len(samples))
 
 
 def time_cuda(fn, *, warmup_ms=25, rep_ms=100, grad_to_none=None):
@@ -144,24 +145,33 @@ def ops_run(fn):
     return {e.name() for e in prof.profiler.kineto_results.events()}
 
 
+# Fewer timed runs than this give no spread: a p20-p80 range of one or two runs is not one (a
+# slow CPU row gets a single run within --cpu-max-s).
+MIN_RUNS_FOR_SPREAD = 3
+
+
 def ratio_spread(num, den):
-    """``num`` ms / ``den`` ms (two ok rows, or dicts with ``ms``, ``ms_p20``, ``ms_p80``) with
-    its spread: (ratio, low, high, noise), low = num p20 / den p80, high = num p80 / den p20;
-    ``noise`` when 1 lies in [low, high], i.e. the two p20-p80 ranges overlap: the run cannot
-    tell the two apart. Without percentiles: (ratio, None, None, None)."""
+    """``num`` ms / ``den`` ms (two ok rows, or dicts with ``ms``, ``ms_p20``, ``ms_p80`` and
+    optionally ``timed_runs``) with its spread: (ratio, low, high, noise), low = num p20 / den
+    p80, high = num p80 / den p20; ``noise`` when 1 lies in [low, high], i.e. the two p20-p80
+    ranges overlap: the run cannot tell the two apart. Without percentiles, or with fewer than
+    MIN_RUNS_FOR_SPREAD timed runs on a side: (ratio, None, None, None), no spread measured."""
     ratio = num["ms"] / den["ms"]
     if None in (num.get("ms_p20"), num.get("ms_p80"), den.get("ms_p20"), den.get("ms_p80")):
+        return ratio, None, None, None
+    if min(r.get("timed_runs") or MIN_RUNS_FOR_SPREAD for r in (num, den)) < MIN_RUNS_FOR_SPREAD:
         return ratio, None, None, None
     low, high = num["ms_p20"] / den["ms_p80"], num["ms_p80"] / den["ms_p20"]
     return ratio, low, high, bool(low <= 1.0 <= high)
 
 
 def format_ratio(ratio, low, high, noise):
-    """``1.23x [1.10-1.35]``, ``NOISE`` appended when the ranges overlap (:func:`ratio_spread`)."""
+    """``1.23x [1.10-1.35]``, ``NOISE`` appended when the ranges overlap (:func:`ratio_spread`);
+    ``1.23x [no spread]`` where none was measured (too few timed runs)."""
     text = f"{ratio:.3g}x"
     if low is not None:
-        text += f" [{low:.3g}-{high:.3g}]" + (" NOISE" if noise else "")
-    return text
+        return text + f" [{low:.3g}-{high:.3g}]" + (" NOISE" if noise else "")
+    return text + " [no spread]"
 
 
 class CpuPeakMemory:
@@ -235,7 +245,9 @@ def time_interleaved(fns, *, min_rounds=1, min_s=0.0, max_s=float("inf"), inner=
 
 
 # ``runs``: on CPU, the PyTorch attention op the warm-up call ran (ATTENTION_OPS), else None.
-MEASURE_KEYS = ("status", "ms", "ms_p20", "ms_p80", "peak_mem_bytes", "first_call_s", "runs")
+# ``timed_runs``: how many wall-clock runs the quantiles come from (None: do_bench's many).
+MEASURE_KEYS = ("status", "ms", "ms_p20", "ms_p80", "timed_runs", "peak_mem_bytes",
+                "first_call_s", "runs")
 
 
 def mode_maker(forward, mode, dout, grads):
@@ -320,8 +332,9 @@ def measure(make, device, *, grads=(), warmup_ms=25, rep_ms=100, cpu_reps=3, cpu
                 fn()
                 synchronize(device)
             with PeakMemory(device) as pm:
-                ms, p20, p80 = time_cpu(synced, reps=gpu_wall_reps, max_s=float("inf"))
-            result.update(ms=ms, ms_p20=p20, ms_p80=p80, peak_mem_bytes=pm.extra_bytes)
+                ms, p20, p80, runs = time_cpu(synced, reps=gpu_wall_reps, max_s=float("inf"))
+            result.update(ms=ms, ms_p20=p20, ms_p80=p80, timed_runs=runs,
+                          peak_mem_bytes=pm.extra_bytes)
             status = "ok"
         if status is None and cuda:
             clear_grads()
@@ -340,7 +353,8 @@ def measure(make, device, *, grads=(), warmup_ms=25, rep_ms=100, cpu_reps=3, cpu
                     fn()
                 # The warm-up counts toward the row's window (at least one timed run).
                 left_s = max(0.0, cpu_max_s - result["first_call_s"])
-                ms, p20, p80 = time_cpu(timed, reps=cpu_reps, max_s=left_s)
+                ms, p20, p80, runs = time_cpu(timed, reps=cpu_reps, max_s=left_s)
+                result["timed_runs"] = runs
             result.update(ms=ms, ms_p20=p20, ms_p80=p80)
             status = "ok"
     except Exception as exc:

@@ -201,9 +201,10 @@ def format_tables(rows, metric="tflops", memory=False):
     out.append("best_sdpa_ms_over_ours = the fastest SDPA backend's ms / ours (above 1: ours is "
                "faster; the backend in brackets) among those that run other code than ours; "
                "[low-high] = its p20 / our p80 to its p80 / our p20; NOISE = the range holds 1 "
-               "(the two rows' p20-p80 ranges overlap: no difference measured); 'same op as X, "
-               "not compared' = ours ran the very op X ran (runs:), so PyTorch was timed "
-               "against itself")
+               "(the two rows' p20-p80 ranges overlap: no difference measured); no spread = a "
+               "row had fewer than 3 timed runs (raise --cpu-max-s); 'same op as X, not "
+               "compared' = ours ran the very op X ran (runs:), so PyTorch was timed against "
+               "itself")
     out.append("cells: number = ok; oom; n/a = unsupported; '-' = skipped (quadratic limit, "
                "earlier OOM, compile provider on CPU); time = time budget ran out; ERR = error "
                "(see status in the JSON)")
@@ -266,7 +267,8 @@ def _module_lines(rows):
                    f"  {r['status'][:40]}")
     out.append("book / fused = the book's row's ms / ours' ms at the same mode and dropout "
                "(above 1: ours is faster); [low-high] from the two rows' p20 / p80; NOISE = the "
-               "range holds 1")
+               "range holds 1; no spread = fewer than 3 timed runs; python -m benchmarks "
+               "modules times them interleaved, at four sizes")
     return out
 
 
