@@ -8,8 +8,8 @@ Layout (each layer imports only the ones below it)::
     the integrations         built on the public functions only, one module each under the
                              name users import: kernels.modules, kernels.fuse, kernels.book
                              (a package), kernels.sdpa, kernels.hf, kernels.distributed,
-                             kernels.flash_attn_interface; model_checks.py holds the
-                             checks modules, fuse and book share
+                             kernels.flash_attn_interface, kernels.vllm (a package);
+                             model_checks.py holds the checks modules, fuse and book share
 
 Note: the import name ``kernels`` clashes with the unrelated ``kernels`` package on PyPI; do
 not install both in one environment.

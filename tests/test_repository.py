@@ -44,8 +44,9 @@ def test_plain_install_holds_kernels_and_reference_only(tmp_path):
             "print(kernels.__file__); print(kernels.book.__file__)")
     out = subprocess.run([sys.executable, "-c", code], check=True, cwd=elsewhere, env=env,
                          capture_output=True, text=True, timeout=300).stdout.split()
-    # The installed copy was imported, not the checkout, and the short paths are real modules.
-    assert out == [str(target / "kernels" / "__init__.py"), str(target / "kernels" / "book.py")]
+    # The installed copy was imported, not the checkout, with the book's twins as one package.
+    assert out == [str(target / "kernels" / "__init__.py"),
+                   str(target / "kernels" / "book" / "__init__.py")]
 
 
 # What may not appear in the repository's text: a sibling checkout's folder, a machine's home

@@ -162,8 +162,7 @@ def assert_whole_mask(sizes, q, k, v, *, module, scaling=0.3, **layer_kwargs):
     result matches eager's attention over ``sdpa_mask`` by the parity rule."""
     from transformers import masking_utils as mu
 
-    from kernels.integrations import hf as hf_impl
-    hf_impl._WHOLE_MASK_SAID.clear()
+    hf._WHOLE_MASK_SAID.clear()
     with pytest.warns(UserWarning, match="whole boolean mask"):
         info = hf.mask_hook(**sizes)
     assert info.unsupported is None and info.dense_mask is not None, info

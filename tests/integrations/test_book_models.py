@@ -1,4 +1,4 @@
-"""Twins of llms-from-scratch's attention classes (kernels/integrations/book/) against the
+"""Twins of llms-from-scratch's attention classes (kernels/book/) against the
 package itself.
 
 The package (``pip install --no-deps llms-from-scratch==1.0.19``) is the oracle: every twin

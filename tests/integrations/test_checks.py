@@ -1,10 +1,10 @@
-"""The integrations' shared checks (kernels/integrations/checks.py): the causal pattern as a
+"""The integrations' shared checks (kernels/model_checks.py): the causal pattern as a
 mask, the head split, what an attention module declares. No kernel runs here."""
 import pytest
 import torch
 import torch.nn as nn
 
-from kernels.integrations import checks
+from kernels import model_checks as checks
 
 
 def _masked_by_formula(q_len, k_len):

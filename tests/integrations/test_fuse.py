@@ -1,4 +1,4 @@
-"""fuse_attention (kernels/integrations/fuse.py): swapping the book's attention modules inside
+"""fuse_attention (kernels/fuse.py): swapping the book's attention modules inside
 a model.
 
 A tiny GPTModel (reference/gpt.py) is fused in place; training with an optimizer created before

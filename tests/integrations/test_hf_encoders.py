@@ -29,7 +29,6 @@ from transformers import masking_utils as mu  # noqa: E402
 
 import kernels  # noqa: E402
 from kernels import hf  # noqa: E402
-from kernels.integrations import hf as hf_integration  # noqa: E402
 
 skip_module_unless_registered()
 
@@ -297,8 +296,8 @@ def test_t5_position_bias_logits_generate_and_gradients_match_eager(padded, monk
         src_mask[0, 2] = 0
     _assert_seq2seq((ours, eager, oracle), src, src_mask, tgt, tgt_mask, "T5")
     if padded:   # one additive mask per position bias and forward, shared by its layers
-        built, biased = [], hf_integration._biased
-        monkeypatch.setattr(hf_integration, "_biased",
+        built, biased = [], hf._biased
+        monkeypatch.setattr(hf, "_biased",
                             lambda *a: built.append(1) or biased(*a))
         with torch.no_grad():
             ours(src, attention_mask=src_mask, decoder_input_ids=tgt,

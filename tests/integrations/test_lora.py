@@ -22,7 +22,7 @@ from helpers import DEVICE, GRAD_FACTOR, assert_parity, randn
 pytest.importorskip("llms_from_scratch", reason="llms-from-scratch is not installed "
                     "(pip install --no-deps llms-from-scratch==1.0.19)")
 
-import kernels.integrations.fuse  # noqa: E402
+import kernels.fuse  # noqa: E402
 from benchmarks.book_models import gpt2_kv_generate, gpt2_uncached_generate  # noqa: E402
 from kernels import (  # noqa: E402
     FusedMultiHeadAttention,
@@ -244,13 +244,13 @@ class RawProjection(nn.Module):
 
 def test_unknown_projections_are_checked_and_never_wrong(capsys, monkeypatch):
     checked = []
-    real_check = kernels.integrations.fuse._numerical_check
+    real_check = kernels.fuse._numerical_check
 
     def recording_check(module, twin, seed=0):
         checked.append(module)
         return real_check(module, twin, seed)
 
-    monkeypatch.setattr(kernels.integrations.fuse, "_numerical_check", recording_check)
+    monkeypatch.setattr(kernels.fuse, "_numerical_check", recording_check)
     torch.manual_seed(0)
     mods = [MultiHeadAttention(16, 16, 8, 0.0, num_heads=2) for _ in range(5)]
     mods[0].W_query = TanhProjection(16, 16)

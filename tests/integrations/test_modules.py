@@ -1,4 +1,4 @@
-"""The fused drop-in modules (kernels/integrations/modules.py) against the book's modules
+"""The fused drop-in modules (kernels/modules.py) against the book's modules
 (reference/).
 
 Parity follows tests/helpers.py: a float64 copy of the reference module is the oracle, the

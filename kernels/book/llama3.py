@@ -15,7 +15,7 @@ seed gives the same weights and the same state_dict), attributes ``d_out``, ``nu
 import torch
 import torch.nn as nn
 
-from ..checks import check_head_split
+from ..model_checks import check_head_split
 from .base import GQATwin, check_mask
 
 

@@ -18,9 +18,9 @@ import weakref
 import torch
 import torch.nn as nn
 
-from ... import ops as _ops
-from ...core.common import MAX_HEAD_DIM
-from ..checks import causal_mask_mismatch
+from .. import ops as _ops
+from ..core.common import MAX_HEAD_DIM
+from ..model_checks import causal_mask_mismatch
 
 
 class BookTwin(nn.Module):

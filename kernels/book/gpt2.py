@@ -10,8 +10,8 @@ are the book's own and are swapped by ``kernels.fuse_attention`` for ``kernels.m
 import torch
 import torch.nn as nn
 
-from ... import ops as _ops
-from ..checks import check_head_split
+from .. import ops as _ops
+from ..model_checks import check_head_split
 from .base import BookTwin
 
 

@@ -16,8 +16,8 @@ package's order (same seed, same weights, same state_dict). ``out_proj`` maps
 import torch
 import torch.nn as nn
 
-from ... import ops as _ops
-from ..checks import check_head_split
+from .. import ops as _ops
+from ..model_checks import check_head_split
 from .base import GQATwin, check_mask, rope_rows
 
 
