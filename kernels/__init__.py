@@ -28,7 +28,8 @@ from .modules import (
 )
 from . import flash_attn_interface  # FlashAttention 2's API on the functions above
 
-__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "write_kv_cache", "plans", "PlanCache",
+__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "write_kv_cache", "plans",
+           "PlanCache",
            "FallbackNotice", "ScoreMod", "MaskMod", "SOFTCAP", "ALIBI", "TensorMask",
            "FusedCausalAttention", "FusedMultiHeadAttentionWrapper",
            "FusedMultiHeadAttention", "fuse_attention", "book", "distributed", "fuse", "hf",

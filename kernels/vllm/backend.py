@@ -14,6 +14,7 @@ metadata, metadata builder and impl, on ``kernels``' public functions only.
   last positions, causal bottom-right), written into vLLM's output buffer; decode-only batches
   take the split-KV path (the heuristic, or ``KERNELS_VLLM_DECODE_SPLITS``).
 """
+import collections
 import os
 from dataclasses import dataclass
 from typing import ClassVar, Optional
@@ -37,6 +38,9 @@ FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 # Split count for decode-only batches: 0 = kernels' heuristic (splits batches too small to
 # fill the GPU; none on the CPU). Tests set it to force the split-KV kernels.
 ENV_DECODE_SPLITS = "KERNELS_VLLM_DECODE_SPLITS"
+# Calls served in this process ("forward", "cache_write", "split_forward"): how tests (and a
+# user) see that this backend, not another, served an engine.
+CALLS = collections.Counter()
 
 
 @dataclass
@@ -212,6 +216,7 @@ class TritonFusedImpl(AttentionImpl):
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Write this step's keys and values (num_tokens, heads_kv, head_size) into the layer's
         cache at ``slot_mapping`` (-1: a padding token, skipped)."""
+        CALLS["cache_write"] += 1
         k_cache, v_cache = _cache_halves(kv_cache, self.head_size, self.fp8)
         n = slot_mapping.shape[0]
         scales = dict(k_scale=layer._k_scale, v_scale=layer._v_scale) if self.fp8 else {}
@@ -228,6 +233,7 @@ class TritonFusedImpl(AttentionImpl):
         if attn_metadata is None:   # vLLM's profiling run: no cache yet
             return output.fill_(0)
         md = attn_metadata
+        CALLS["forward" if md.num_splits == 1 else "decode_forward"] += 1
         n = md.num_actual_tokens
         k_cache, v_cache = _cache_halves(kv_cache, self.head_size, self.fp8)
         if self.alibi_slopes is not None and self.alibi_slopes.device != query.device:
