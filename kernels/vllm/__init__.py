@@ -30,3 +30,15 @@ def register() -> None:
         from vllm.platforms import current_platform
         if current_platform.is_cpu():
             register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
+
+
+def probe(model) -> dict:
+    """What serves ``model``'s attention in this vLLM worker: {"impls": the attention layers'
+    impl class names, "calls": our backend's call counts in this process (``forward``,
+    ``decode_forward``, ``cache_write``)}. For ``LLM.apply_model(kernels.vllm.probe)``: proof
+    that an engine runs ``TRITON_FUSED``, not another backend, in every worker process."""
+    import sys
+    from vllm.model_executor.layers.attention import Attention
+    impls = sorted({type(m.impl).__name__ for m in model.modules() if isinstance(m, Attention)})
+    backend = sys.modules.get(__name__ + ".backend")
+    return {"impls": impls, "calls": dict(backend.CALLS) if backend is not None else {}}

@@ -1,4 +1,4 @@
-"""One tensor passed as two arguments (issue 54, item 1): ``attention_varlen(q, k, v, cu, cu,
+"""One tensor passed as two arguments: ``attention_varlen(q, k, v, cu, cu,
 ...)`` is ordinary packed self-attention, yet Dynamo refuses an ``autograd.Function`` given
 one tensor twice. Every entry point, compiled fullgraph (``aot_eager``) with gradients where
 it is differentiable, gets every pair of its same-typed tensor arguments (same dtype, shape and

@@ -1,4 +1,4 @@
-"""Plan-cache keys as a property (issue 54, item 2): for every option and every tensor property
+"""Plan-cache keys as a property: for every option and every tensor property
 in a plan's signature (``_signature``, ``_opt_sig``, ``_options_key``, ``_fp8_key`` and the
 keys of ``attention_plan``, ``kvcache_runner``, ``paged_varlen``, ``_op_plan`` in
 kernels/pipeline.py), a cache hit gives the same bits as a cache miss.

@@ -1,8 +1,9 @@
 """Runs vLLM engines in this process and prints their greedy tokens and logprobs as one JSON
-line after ``RESULT:`` (vLLM's shutdown logs may follow it). Used by tests/vllm/test_engine.py,
-one subprocess per attention-backend choice: vLLM caches the backend selection per process.
+line after ``RESULT:`` (vLLM's shutdown logs may follow it). Used by
+tests/vllm_backend/test_engine.py, one subprocess per attention-backend choice: vLLM caches
+the backend selection per process.
 
-    python tests/vllm/driver.py '<json: {"runs": [run, ...]}>'
+    python tests/vllm_backend/driver.py '<json: {"runs": [run, ...]}>'
 
 A run: {"model": dir, "prompts": [[ids]], "max_tokens": n, "rounds": r, "engine": {LLM
 kwargs}}. For each, the result holds the tokens, each token's logprob, the prompt tokens
@@ -16,20 +17,11 @@ import os
 import sys
 
 
-def _probe(model):
-    """(impl class names, our backend's call counts) in the worker holding ``model``."""
-    from vllm.model_executor.layers.attention import Attention
-    impls = sorted({type(m.impl).__name__ for m in model.modules() if isinstance(m, Attention)})
-    counts = {}
-    backend = sys.modules.get("kernels.vllm.backend")
-    if backend is not None:
-        counts = dict(backend.CALLS)
-    return {"impls": impls, "calls": counts}
-
-
 def main(spec):
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+
+    import kernels.vllm
     results = []
     for run in spec["runs"]:
         engine = dict(skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
@@ -50,7 +42,7 @@ def main(spec):
                 logprobs.append([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
                 cached.append(o.num_cached_tokens or 0)
         results.append({"tokens": tokens, "logprobs": logprobs, "cached": cached,
-                        "probe": llm.apply_model(_probe)})
+                        "probe": llm.apply_model(kernels.vllm.probe)})
         del llm
         gc.collect()
     print("RESULT:" + json.dumps(results), flush=True)

@@ -6,7 +6,7 @@ split-KV kernels themselves, not the PyTorch fallback)."""
 import pytest
 import torch
 
-from conftest import PROMPTS, run_engines
+from engine_helpers import PROMPTS, run_engines
 
 # Logprobs of ours against vLLM's CPU backend and transformers (fp32): the issue's bound.
 LOGPROB_TOL = 1e-4
