@@ -283,7 +283,10 @@ def _distinct(*args):
     ("duplicate tensor input"); a view reads the same memory and sends its gradient to the
     same tensor. Every ``.apply`` and custom-op call that torch.compile can trace takes its
     tensors through here; nothing is allocated when no tensor repeats. (``_PlannedAttention``,
-    the eager route, is never traced -- keyable calls only -- and skips the ~9 us this costs.)"""
+    the eager route, is never traced -- keyable calls only -- and skips the ~9 us this costs.)
+    Outside tracing the arguments go through as they are: only Dynamo refuses a repeat."""
+    if not torch.compiler.is_compiling():
+        return args
     seen = []
 
     def one(a):
