@@ -32,7 +32,8 @@ def _save(model_cls, config, path):
 def models(tmp_path_factory):
     """{name: directory} of tiny random fp32 models. Weights are drawn wider than the default
     (initializer_range) so greedy choices are far from ties between implementations."""
-    from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers import (Gemma2Config, Gemma2ForCausalLM, GptOssConfig, GptOssForCausalLM,
+                              LlamaConfig, LlamaForCausalLM)
     root = tmp_path_factory.mktemp("vllm_models")
     common = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=32,
@@ -44,4 +45,21 @@ def models(tmp_path_factory):
         "gemma2": _save(Gemma2ForCausalLM, Gemma2Config(
             **common, sliding_window=8, attn_logit_softcapping=20.0,
             final_logit_softcapping=None, query_pre_attn_scalar=32), root / "gemma2"),
+        # learnable sinks (drawn away from 0, their default) with a window of 8 on one layer
+        "gptoss": _save(_with_sinks(GptOssForCausalLM), GptOssConfig(
+            **dict(common, intermediate_size=128), num_local_experts=4, num_experts_per_tok=2,
+            sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+            root / "gptoss"),
     }
+
+
+def _with_sinks(model_cls):
+    """``model_cls`` whose attention sinks are drawn from N(0, 1) (they start at 0)."""
+    def make(config):
+        model = model_cls(config)
+        with torch.no_grad():
+            for module in model.modules():
+                if hasattr(module, "sinks"):
+                    module.sinks.normal_(0, 1.0)
+        return model
+    return make

@@ -1,8 +1,9 @@
-"""Our backend inside vLLM's own engine (vLLM's CPU build): tiny random models generate the
-greedy tokens of transformers' eager attention and of vLLM's own CPU backend, with and without
-chunked prefill, with prefix-cache hits, in vLLM's multiprocess mode through the installed
-entry point, with tensor parallelism, and through the Triton interpreter (the paged and
-split-KV kernels themselves, not the PyTorch fallback)."""
+"""Our backend inside vLLM's own engine (vLLM's CPU build): tiny random models (grouped-query
+heads, sliding windows, soft-capping, sinks) generate the greedy tokens of transformers' eager
+attention and of vLLM's own CPU backend, with and without chunked prefill, with prefix-cache
+hits, in vLLM's multiprocess mode through the installed entry point, with tensor parallelism,
+and through the Triton interpreter (the paged and split-KV kernels themselves, not the PyTorch
+fallback)."""
 import pytest
 import torch
 
@@ -26,6 +27,9 @@ def _runs(models):
                                   block_size=32))),
         ("gemma2 window 8 + softcap, chunked", dict(
             model=models["gemma2"], prompts=PROMPTS, max_tokens=MAX_TOKENS,
+            engine=dict(max_num_batched_tokens=32))),
+        ("gpt-oss sinks + window 8, chunked", dict(
+            model=models["gptoss"], prompts=PROMPTS, max_tokens=MAX_TOKENS,
             engine=dict(max_num_batched_tokens=32))),
     ]
 
