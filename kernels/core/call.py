@@ -29,6 +29,7 @@ from typing import NamedTuple, Optional
 
 import torch
 import triton
+from torch.fx.experimental.symbolic_shapes import guard_scalar
 
 from .common import LOG2E, dot_precision
 from .dropout import dropout_threshold
@@ -168,11 +169,24 @@ def call_spec(call: AttentionCall, num_splits: int = 0) -> str:
     the call's fields and read back by ``parse_spec``, not kept in parallel by hand. The seed
     and the mods' tensors travel as tensor arguments."""
     mods = call.mods
-    return repr((call.causal, call.softmax_scale, call.dropout_p, call.window,
-                 call.drop_layout, call.chunk_size, mods.softcap,
+    fields = (call.causal, call.softmax_scale, call.dropout_p, call.window, call.drop_layout,
+              call.chunk_size, mods.softcap)
+    if torch.compiler.is_compiling():
+        # A number that changes between compiled calls (window=4, then 5) becomes symbolic
+        # (Dynamo's automatic dynamic); the kernels specialise on it anyway, so it is made a
+        # constant again, guarded (a new value recompiles, as a first value compiles).
+        fields = tuple(_static(f) for f in fields)
+    return repr((*fields,
                  mods.score_mod.name if mods.score_mod is not None else "",
                  mods.mask_mod.name if mods.mask_mod is not None else "", int(num_splits),
                  "" if call.out_dtype is None else str(call.out_dtype).replace("torch.", "")))
+
+
+def _static(x):
+    """``x`` (a number, None, or a tuple of them) with symbolic numbers guarded to constants."""
+    if isinstance(x, tuple):
+        return tuple(_static(y) for y in x)
+    return x if x is None else guard_scalar(x)
 
 
 _SPECS = {}   # spec -> (call without tensors, num_splits): parsed once per spec

@@ -181,10 +181,9 @@ def _varlen_variants(compiled=False):
         return kernels.attention_varlen(q, k, v, cu, cu, max_len, max_len, causal=True,
                                         window=window, return_lse=True)
 
-    # (dynamic=False: an int argument seen with two values turns symbolic on the next
-    # compile, which the call's spec string cannot take: "repr_impl not implemented")
-    fn = torch.compile(run, fullgraph=True, backend="aot_eager", dynamic=False) if compiled \
-        else run
+    # (automatic dynamic: window and max_len seen with two values turn symbolic on the next
+    # compile; the spec string guards them back to constants, core/call.py)
+    fn = torch.compile(run, fullgraph=True, backend="aot_eager") if compiled else run
 
     def call(lens, window=WINDOW, v=v):
         leaves = _leaves(q, k, v) if not compiled else [q, k, v]   # (compiling: forward only)
@@ -252,10 +251,9 @@ def _paged_varlen_variants(compiled=False):
                                         seqused_k=used, causal=True, window=window,
                                         return_lse=True)
 
-    # (dynamic=False: an int argument seen with two values turns symbolic on the next
-    # compile, which the call's spec string cannot take: "repr_impl not implemented")
-    fn = torch.compile(run, fullgraph=True, backend="aot_eager", dynamic=False) if compiled \
-        else run
+    # (automatic dynamic: window and max_len seen with two values turn symbolic on the next
+    # compile; the spec string guards them back to constants, core/call.py)
+    fn = torch.compile(run, fullgraph=True, backend="aot_eager") if compiled else run
     return {
         "short": lambda: _results(fn(q, _cu(SHORT), max(SHORT), WINDOW), None),
         "crossing": lambda: _results(fn(q, _cu(CROSSING), max(CROSSING), WINDOW), None),
