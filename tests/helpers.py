@@ -2,6 +2,7 @@
 with its mods against the oracle: out, lse, gradients) (the budget rule lives in
 reference.parity; fa2_oracle derives the extra allowance of FlashAttention-2-style gradients in
 float64)."""
+import contextlib
 import math
 
 import torch
@@ -230,3 +231,24 @@ def check_call(case, dtype=torch.float32, b=2, hq=4, hkv=2, q_len=19, k_len=23, 
     for name, g, r, l in zip(names, grads, rg, lg):
         assert_parity(g, r, l, factor=GRAD_FACTOR, name=name)
     return out, grads
+
+
+@contextlib.contextmanager
+def metadata_on_a_gpu(monkeypatch, *watched):
+    """Treat index tensors as a GPU's (``host_readable`` False: no free host read, as for a
+    serving engine's metadata on the device) and record every host read of the ``watched``
+    tensors (``tolist``, ``item``, ``int``, ``bool``, ``index``): yields the list of reads."""
+    from kernels import pipeline, validation
+    monkeypatch.setattr(validation, "host_readable", lambda t: False)
+    monkeypatch.setattr(pipeline, "host_readable", lambda t: False)
+    reads = []
+    ids = {id(t) for t in watched}
+    for name in ("tolist", "item", "__int__", "__bool__", "__index__"):
+        real = getattr(torch.Tensor, name)
+
+        def spy(self, *a, _real=real, _name=name, **k):
+            if id(self) in ids:
+                reads.append(_name)
+            return _real(self, *a, **k)
+        monkeypatch.setattr(torch.Tensor, name, spy)
+    yield reads

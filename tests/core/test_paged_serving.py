@@ -3,15 +3,12 @@
 ``max_seqlen_q`` (a sync on a GPU, and CUDA-graph capture fails on one), cached plans across
 steps whose longest query changes, ``out=`` written in place, and slot-mapped cache writes
 (FP8 quantized as our own quantization, bit for bit)."""
-import contextlib
-
 import pytest
 import torch
-from helpers import DEVICE, assert_parity
+from helpers import DEVICE, assert_parity, metadata_on_a_gpu
 
 import kernels
 import reference
-from kernels import pipeline, validation
 from kernels.core.fp8 import quantize_e4m3_torch
 
 PAGE = 4
@@ -66,25 +63,6 @@ def test_out_and_splits_match_the_oracle(route):
         assert_parity(out.cpu(), ref, ref_lowp)
 
 
-@contextlib.contextmanager
-def _metadata_on_a_gpu(monkeypatch, *watched):
-    """Treat index tensors as a GPU's (``host_readable`` False: no free host read) and record
-    every host read of the ``watched`` tensors (``tolist``, ``item``, ``int``, ``bool``)."""
-    monkeypatch.setattr(validation, "host_readable", lambda t: False)
-    monkeypatch.setattr(pipeline, "host_readable", lambda t: False)
-    reads = []
-    ids = {id(t) for t in watched}
-    for name in ("tolist", "item", "__int__", "__bool__", "__index__"):
-        real = getattr(torch.Tensor, name)
-
-        def spy(self, *a, _real=real, _name=name, **k):
-            if id(self) in ids:
-                reads.append(_name)
-            return _real(self, *a, **k)
-        monkeypatch.setattr(torch.Tensor, name, spy)
-    yield reads
-
-
 def test_a_steady_step_reads_no_metadata_and_hits_its_plan(monkeypatch):
     """Steps whose tensors vLLM updates in place: after the first, no host read of
     cu_seqlens_q, the key counts or the block table, and plan-cache hits, also when the
@@ -96,7 +74,7 @@ def test_a_steady_step_reads_no_metadata_and_hits_its_plan(monkeypatch):
                                     ("q", "kc", "vc", "table", "cu_q", "lens"))
     out = torch.empty_like(q)
     kernels.plans.clear()
-    with _metadata_on_a_gpu(monkeypatch, cu_q, lens, table) as reads:
+    with metadata_on_a_gpu(monkeypatch, cu_q, lens, table) as reads:
         for step, (lens_q, longest) in enumerate((([1, 5, 1, 3], 5), ([1, 7, 1, 1], 7),
                                                    ([8, 1, 0, 1], 8))):
             cu_q.copy_(torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()]))

@@ -83,21 +83,30 @@ def test_core_does_not_import_upward():
                     f"{path.name}: import {names}"
 
 
-def _package_imports(path):
-    """The ``kernels`` modules ``path`` imports, as dotted names (relative imports resolved)."""
+def _imports_of(path):
+    """(node, the dotted module it imports from, relative imports resolved) of every import
+    statement in ``path``, lazy ones too; ``ast.Import`` nodes give None."""
     package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
-    found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")[:len(package.split(".")) - node.level + 1]
-                module = ".".join(base + ([node.module] if node.module else []))
+                yield node, ".".join(base + ([node.module] if node.module else []))
             else:
-                module = node.module or ""
+                yield node, node.module or ""
+        elif isinstance(node, ast.Import):
+            yield node, None
+
+
+def _package_imports(path):
+    """The ``kernels`` modules ``path`` imports, as dotted names (relative imports resolved)."""
+    found = set()
+    for node, module in _imports_of(path):
+        if isinstance(node, ast.ImportFrom):
             if module.startswith("kernels"):
                 found.add(module)
                 found.update(f"{module}.{a.name}" for a in node.names)
-        elif isinstance(node, ast.Import):
+        else:
             found.update(a.name for a in node.names if a.name.startswith("kernels"))
     return found
 
@@ -150,20 +159,14 @@ def _is_module(dotted):
 def _imported_modules(path):
     """The ``kernels`` modules ``path`` imports (anywhere in it, lazily too), resolved:
     ``from X import a`` is module ``X.a`` where that is a module, else module ``X``."""
-    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node, module in _imports_of(path):
         if isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[:len(package.split(".")) - node.level + 1]
-                module = ".".join(base + ([node.module] if node.module else []))
-            else:
-                module = node.module or ""
             if module == "kernels" or module.startswith("kernels."):
                 for alias in node.names:
                     sub = f"{module}.{alias.name}"
                     found.add(sub if _is_module(sub) else module)
-        elif isinstance(node, ast.Import):
+        else:
             found.update(a.name for a in node.names
                          if a.name == "kernels" or a.name.startswith("kernels."))
     return found

@@ -132,31 +132,21 @@ def test_a_steady_decode_step_reads_no_metadata_and_hits_its_plan(vb, monkeypatc
     """vLLM updates its metadata tensors in place each step: with the metadata off the host
     (a GPU's), no step after the first reads them, and every one hits its plan."""
     import kernels
-    from kernels import pipeline, validation
+    from helpers import metadata_on_a_gpu
     monkeypatch.setenv("TRITON_INTERPRET", "1")   # the kernels' route: what a GPU runs
-    monkeypatch.setattr(validation, "host_readable", lambda t: False)
-    monkeypatch.setattr(pipeline, "host_readable", lambda t: False)
     table = torch.arange(9, dtype=torch.int32).view(3, 3)
     common = _common(vb, [1, 1, 1], [5, 6, 7], table)
-    watched = {id(t) for t in (common.query_start_loc, common.seq_lens, table)}
-    reads = []
-    for name in ("tolist", "item", "__int__", "__bool__", "__index__"):
-        real = getattr(torch.Tensor, name)
-
-        def spy(self, *a, _real=real, _name=name, **k):
-            if id(self) in watched:
-                reads.append(_name)
-            return _real(self, *a, **k)
-        monkeypatch.setattr(torch.Tensor, name, spy)
     impl, kv, output = _impl(vb), _layer_cache(), torch.empty(3, HEADS, D)
     kernels.plans.clear()
-    for step in range(3):
-        md = _builder(vb).build(0, common)
-        impl.forward(_layer(), torch.randn(3, HEADS, D), None, None, kv, md, output)
-        common.seq_lens.add_(1)   # in place, as vLLM's persistent buffers
-        common.query_start_loc.copy_(common.query_start_loc_cpu)   # rewritten each step
-        if step == 0:
-            warm = kernels.plans.stats()
+    with metadata_on_a_gpu(monkeypatch, common.query_start_loc, common.seq_lens,
+                           table) as reads:
+        for step in range(3):
+            md = _builder(vb).build(0, common)
+            impl.forward(_layer(), torch.randn(3, HEADS, D), None, None, kv, md, output)
+            common.seq_lens.add_(1)   # in place, as vLLM's persistent buffers
+            common.query_start_loc.copy_(common.query_start_loc_cpu)   # rewritten each step
+            if step == 0:
+                warm = kernels.plans.stats()
     stats = kernels.plans.stats()
     assert reads == []
     assert stats["misses"] == warm["misses"] and stats["hits"] == warm["hits"] + 2, stats
