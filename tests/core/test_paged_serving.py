@@ -169,3 +169,54 @@ def test_write_kv_cache_checks():
         kernels.write_kv_cache(kc, vc, k[:, :1], k, torch.tensor([0, 1], device=DEVICE))
     with pytest.raises(ValueError, match="k_scale / v_scale quantize"):
         kernels.write_kv_cache(kc, vc, k, k, torch.tensor([0, 1], device=DEVICE), k_scale=2.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 0])
+def test_a_decode_step_captures_in_a_cuda_graph_gpu(num_splits):
+    """What vLLM's full CUDA graphs of decode batches do (TRITON_FUSED declares
+    UNIFORM_SINGLE_TOKEN_DECODE): a step -- slot writes, then the paged decode with vLLM's
+    bound -- captured once under ``torch.cuda.set_sync_debug_mode("error")`` (a host read
+    would raise), replayed after the metadata buffers are rewritten in place, equals the same
+    step run eagerly."""
+    dev = "cuda"
+    s = _step([1, 1, 1, 1], [9, 7, 13, 11])
+    q, kc, vc, table, cu_q, lens = (s[n].to(dev) for n in ("q", "kc", "vc", "table", "cu_q",
+                                                            "lens"))
+    new_k, new_v = torch.randn(4, 2, 16, device=dev), torch.randn(4, 2, 16, device=dev)
+    slots = torch.zeros(4, dtype=torch.int64, device=dev)
+    out = torch.empty_like(q)
+
+    def step():
+        kernels.write_kv_cache(kc, vc, new_k, new_v, slots)
+        kernels.attention_varlen(q, kc, vc, cu_q, None, max_seqlen_q=1, block_table=table,
+                                 seqused_k=lens, num_splits=num_splits, out=out)
+
+    def set_positions():   # the last key of each sequence is this step's token
+        pos = lens.long() - 1
+        slots.copy_(table.long()[torch.arange(4, device=dev), pos // PAGE] * PAGE + pos % PAGE)
+
+    set_positions()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()   # warm-up: plans built, kernels compiled
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.graph(graph):
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for _ in range(2):   # next steps: new tokens, one more key each, in the same buffers
+        lens.add_(1)
+        set_positions()
+        for t in (q, new_k, new_v):
+            t.copy_(torch.randn_like(t))
+        graph.replay()
+        torch.cuda.synchronize()
+        got = out.clone()
+        step()
+        assert torch.equal(got, out)
