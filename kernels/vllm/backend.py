@@ -188,13 +188,18 @@ class TritonFusedImpl(AttentionImpl):
                  attn_type: str = AttentionType.DECODER,
                  kv_sharing_target_layer_name: Optional[str] = None,
                  sinks: Optional[torch.Tensor] = None) -> None:
-        if attn_type != AttentionType.DECODER:
-            raise NotImplementedError(f"{BACKEND_NAME} serves decoder attention only, got "
-                                      f"{attn_type}")
-        if kv_cache_dtype not in TritonFusedBackend.supported_kv_cache_dtypes:
-            raise NotImplementedError(f"{BACKEND_NAME} takes kv_cache_dtype in "
-                                      f"{TritonFusedBackend.supported_kv_cache_dtypes}, got "
-                                      f"{kv_cache_dtype!r}")
+        # vLLM's GPU platforms refuse a configuration at selection (validate_configuration);
+        # its CPU platform takes CPU_ATTN's class path unvalidated: the same reasons here, at
+        # the model's construction (start-up), whichever platform selected us. The layer is
+        # built under the model's dtype as the default dtype.
+        reasons = TritonFusedBackend.validate_configuration(
+            head_size=head_size, dtype=torch.get_default_dtype(),
+            kv_cache_dtype=kv_cache_dtype, block_size=None, use_mla=False,
+            has_sink=sinks is not None, use_sparse=False, use_mm_prefix=False,
+            use_per_head_quant_scales=False, device_capability=None, attn_type=attn_type)
+        if reasons:
+            raise NotImplementedError(f"{BACKEND_NAME} cannot serve this layer: "
+                                      f"{'; '.join(reasons)}")
         self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
         self.num_kv_heads = num_kv_heads
         self.alibi_slopes = (None if alibi_slopes is None

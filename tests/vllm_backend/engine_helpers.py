@@ -14,9 +14,10 @@ ENGINE_DEADLINE_S = 600
 PROMPTS = [[(7 * i + 3 * j) % 500 + 1 for j in range(n)] for i, n in enumerate((5, 17, 40))]
 
 
-def run_engines(runs, *, ours=True, extra_env=None, timeout=ENGINE_DEADLINE_S):
+def run_engines(runs, *, ours=True, extra_env=None, timeout=ENGINE_DEADLINE_S, fails=False):
     """Run ``runs`` (driver.py's spec) in a fresh process, our backend in CPU_ATTN's place
-    when ``ours`` (KERNELS_VLLM=1: the installed entry point does it); their results."""
+    when ``ours`` (KERNELS_VLLM=1: the installed entry point does it); their results (with
+    ``fails``: the output of a process that must fail)."""
     env = {k: v for k, v in os.environ.items() if k not in ("KERNELS_VLLM", "TRITON_INTERPRET")}
     # (insecure serialization: the driver's probe is a function sent to vLLM's worker
     # processes by ``LLM.apply_model``; a test's own engine only)
@@ -25,6 +26,9 @@ def run_engines(runs, *, ours=True, extra_env=None, timeout=ENGINE_DEADLINE_S):
     env.update(extra_env or {})
     proc = subprocess.run([sys.executable, str(HERE / "driver.py"), json.dumps({"runs": runs})],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if fails:   # a run that must stop: its output, for the test to read the reason
+        assert proc.returncode != 0, proc.stdout[-3000:]
+        return proc.stdout + proc.stderr
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT:")]
     assert proc.returncode == 0 and lines, (
         f"engine process failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n"

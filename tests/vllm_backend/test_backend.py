@@ -83,8 +83,13 @@ def test_fp8_cache_writes_are_our_quantization_bit_for_bit(vb):
     key = (torch.randn(3, HEADS_KV, D) * 100).to(torch.bfloat16)
     value = torch.randn(3, HEADS_KV, D).to(torch.bfloat16)
     slots = torch.tensor([2, 9, -1])
-    _impl(vb, kv_cache_dtype="fp8").do_kv_cache_update(_layer(0.25, 4.0), key, value, kv,
-                                                      slots)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)   # vLLM builds a layer under the model's dtype
+    try:
+        impl = _impl(vb, kv_cache_dtype="fp8")
+    finally:
+        torch.set_default_dtype(default)
+    impl.do_kv_cache_update(_layer(0.25, 4.0), key, value, kv, slots)
     flat = kv.transpose(1, 2).reshape(-1, HEADS_KV, 2 * D)
     for t, s in ((0, 2), (1, 9)):
         want_k = quantize_e4m3_torch(key[t:t + 1, :, None], torch.full((1, HEADS_KV), 0.25))
@@ -202,3 +207,14 @@ def test_supported_options_pass(vb):
             has_sink=True, use_sparse=False, use_mm_prefix=False,
             use_per_head_quant_scales=False, device_capability=DeviceCapability(9, 0),
             attn_type="decoder", has_sliding_window=True) == []
+
+
+def test_the_impl_refuses_what_the_backend_declares_unsupported(vb):
+    """vLLM's CPU platform takes our class path without validate_configuration: the impl
+    refuses the same configurations as the model is built (start-up)."""
+    with pytest.raises(NotImplementedError, match="FP8 KV cache needs a float16 or bfloat16"):
+        _impl(vb, kv_cache_dtype="fp8")   # under fp32, the default dtype here
+    with pytest.raises(NotImplementedError, match="kv_cache_dtype not supported"):
+        _impl(vb, kv_cache_dtype="fp8_e5m2")
+    with pytest.raises(NotImplementedError, match="attention type encoder not supported"):
+        _impl(vb, attn_type="encoder")

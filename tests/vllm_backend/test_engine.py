@@ -127,3 +127,14 @@ def test_triton_interpreter_serves_vllm(models):
         assert max(abs(x - y) for x, y in zip(got, want)) <= LOGPROB_TOL
     calls = res["probe"][0]["calls"]
     assert calls["forward"] > 0 and calls["decode_forward"] > 0, calls
+
+
+def test_a_configuration_we_do_not_serve_stops_the_engine_at_start_up(models):
+    """An FP8 cache under an fp32 model (our FP8-cache kernel takes fp16 / bf16 queries): vLLM's
+    CPU platform does not validate the backend it takes, so our impl refuses as the model is
+    built, with the reasons of ``validate_configuration``: no step runs, no wrong answer."""
+    run = dict(model=models["llama"], prompts=PROMPTS[:1], max_tokens=2,
+               engine=dict(kv_cache_dtype="fp8"))
+    output = run_engines([run], fails=True)
+    assert "TRITON_FUSED cannot serve this layer" in output
+    assert "FP8 KV cache needs a float16 or bfloat16 model" in output
