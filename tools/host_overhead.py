@@ -243,6 +243,12 @@ def parse_args(argv):
     ap.add_argument("--compiled", action="store_true",
                     help="also time fwd+bwd through torch.compile (ours vs SDPA, first shape): "
                          "the path of users who compile their model")
+    ap.add_argument("--serving", action="store_true",
+                    help="also time a serving engine's decode step per layer (vLLM's "
+                         "TRITON_FUSED backend: kernels.write_kv_cache at the step's slots, then "
+                         "kernels.attention_varlen over a paged cache with max_seqlen_q and "
+                         "out=), index tensors treated as a GPU's (no free host read), against "
+                         "SDPA's one-token decode over a dense cache of the same keys")
     ap.add_argument("--profile", metavar="SUBSTRING",
                     help="instead of timing: cProfile 2000 calls of each case whose name "
                          "contains SUBSTRING (first shape) after the warm-up, and print the "
@@ -647,6 +653,58 @@ def compiled_cases(kernels, shape, dtype):
     return cases
 
 
+SERVING_SHAPE = dict(seqs=2, heads_q=2, heads_kv=1, head_dim=16, page=16, pages_per_seq=2)
+
+
+def serving_cases(kernels, dtype):
+    """A decode step of one layer as vLLM's TRITON_FUSED backend makes it (kernels/vllm/): the
+    new keys and values written at their slots, then one paged attention call with the
+    engine's bound and output buffer; baseline: SDPA's one-token decode (no_grad) over a dense
+    cache of the same length. The metadata tensors are updated in place between calls, as the
+    engine's persistent buffers are, and treated as a GPU's (``host_readable`` False: reading
+    them would sync), so the steady step's plan-cache hit is what is timed."""
+    import torch
+    import torch.nn.functional as F
+    from kernels import pipeline, validation
+    for module in (validation, pipeline):
+        if hasattr(module, "host_readable"):
+            module.host_readable = lambda t: False
+    sh = SERVING_SHAPE
+    n, hq, hkv, d, page = sh["seqs"], sh["heads_q"], sh["heads_kv"], sh["head_dim"], sh["page"]
+    blocks = n * sh["pages_per_seq"]
+    gen = torch.Generator().manual_seed(2)
+    cache = torch.randn(blocks, page, hkv, 2 * d, generator=gen).to(dtype)
+    k_cache, v_cache = cache[..., :d], cache[..., d:]   # vLLM's halves of one layer tensor
+    table = torch.arange(blocks, dtype=torch.int32).view(n, -1)
+    lens = torch.full((n,), page * sh["pages_per_seq"] // 2, dtype=torch.int32)
+    cu_q = torch.arange(n + 1, dtype=torch.int32)
+    slots = (table[:, 0].long() * page)   # any slots: the stub's kernels write nothing
+    q = torch.randn(n, hq, d, generator=gen).to(dtype)
+    new_k, new_v = (torch.randn(n, hkv, d, generator=gen).to(dtype) for _ in range(2))
+    out = torch.empty(n, hq, d, dtype=dtype)
+    k_len = int(lens[0])
+    q4 = torch.randn(n, hq, 1, d, generator=gen).to(dtype)
+    k4, v4 = (torch.randn(n, hq, k_len, d, generator=gen).to(dtype) for _ in range(2))
+
+    def step():
+        lens.add_(0)   # in place, as the engine's buffers: a new version each step
+        cu_q.add_(0)
+        kernels.write_kv_cache(k_cache, v_cache, new_k, new_v, slots)
+        kernels.attention_varlen(q, k_cache, v_cache, cu_q, None, max_seqlen_q=1,
+                                 block_table=table, seqused_k=lens, out=out)
+
+    def sdpa_decode():
+        with torch.no_grad():
+            F.scaled_dot_product_attention(q4, k4, v4)
+
+    label = f"{n} seqs x {k_len} keys, {hq}/{hkv} heads, d{d}, page {page}"
+    cases = [Case("serving", "paged decode step", label, step, True, ("sdpa", "decode")),
+             Case("sdpa", "decode", label, sdpa_decode, False)]
+    for c in cases:
+        c.key = (c.group, c.variant, label)
+    return cases
+
+
 def bare_launch_case():
     import torch
     import triton
@@ -846,6 +904,8 @@ def child(argv):
         probe_tensors = probe_tensors or tensors
     if a.compiled:
         cases += compiled_cases(kernels, a.shape_list[0], dtype)
+    if a.serving:
+        cases += serving_cases(kernels, dtype)
     bare = bare_launch_case()
     cases.append(bare)
     log(f"{len(cases)} cases; warming up (compiles, C launchers; the first run builds them)")
@@ -858,7 +918,7 @@ def child(argv):
         run_checked(stub, c, 1, hook)
     if a.profile:
         return profile_cases([c for c in cases if a.profile in c.name
-                              and c.shape == cases[0].shape])
+                              and (c.shape == cases[0].shape or c.group == "serving")])
     log(f"seed probe {time.time() - t1:.1f} s; timing until the budget ({a.budget:.0f} s) ends")
     compiled_before = len(stub.variants)
     rounds = time_all(stub, cases, a.inner, deadline, a.rounds)
@@ -934,6 +994,13 @@ def child(argv):
             o, b_ = p20("attention", variant), p20("sdpa", variant)
             parts.append(f"{label} {fmt_us(o)} us (SDPA {fmt_us(b_)}, {fmt_ratio(o / b_)})")
             summary[label] = dict(ours_p20_us=o, baseline_p20_us=b_, ratio=round(o / b_, 3))
+    if a.serving:
+        step = next(c for c in cases if c.group == "serving")
+        o, b_ = res[step.key]["p20_us"], res[step.pair + (step.key[2],)]["p20_us"]
+        parts.append(f"paged decode step {fmt_us(o)} us (SDPA decode {fmt_us(b_)}, "
+                     f"{fmt_ratio(o / b_)})")
+        summary["paged decode step"] = dict(ours_p20_us=o, baseline_p20_us=b_,
+                                            ratio=round(o / b_, 3))
     floor = res[bare.key]["p20_us"]
     parts.append(f"launch floor {fmt_us(floor)} us")
     parts.append(f"recompiles per {probe['seeds']} seeds: {probe['recompiles']}")

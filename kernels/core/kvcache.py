@@ -93,29 +93,24 @@ def append_kv(k_cache, v_cache, cache_seqlens, k, v, block_table=None, descale=N
 class SlotWritePlan:
     """Writes of new rows at given slots of a paged cache (vLLM's ``reshape_and_cache``):
     token t's k, v go to row slot[t] % page_size of page slot[t] // page_size; slots < 0
-    (padding) are skipped. The append kernel with one batch row per token: a one-column block
-    table holds each token's page and its "cache length" the row in that page (-1 for a
-    skipped slot: the kernel stores no row outside [0, page_size)). Built once per signature;
-    per call three small device ops, no host read."""
+    (padding) are skipped. The append kernel with one batch row per token whose "cache length"
+    is its slot and whose block table is the identity over all pages (one arange row seen
+    through a stride-0 view): the kernel's own position -> (page, row) split places each row,
+    and a negative slot lies outside [0, capacity), where it stores nothing. Built once per
+    signature; a call is one launch, no per-call tensor op and no host read."""
 
     def __init__(self, k_cache, v_cache, k, v):
-        page_size = k_cache.shape[1]
-        self.page_size = page_size
+        num_blocks = k_cache.shape[0]
         self.one = _append_one(k_cache, k)
-        # The block table the step is specialised on: (tokens, 1), unit column stride.
-        table = k.new_empty((k.shape[0], 1), dtype=torch.int32)
-        self.step = _append_step(k_cache, v_cache, k.unsqueeze(2), v.unsqueeze(2), table)
+        self.table = torch.arange(num_blocks, dtype=torch.int32, device=k.device)[None, :] \
+            .expand(k.shape[0], num_blocks)
+        self.step = _append_step(k_cache, v_cache, k.unsqueeze(2), v.unsqueeze(2), self.table)
 
     def __call__(self, k_cache, v_cache, k, v, slot_mapping, descale=None):
         """``descale``: a ``mods.Descale`` whose k, v are (tokens, heads_kv) (None = 1)."""
-        if self.step is None:
-            return
-        slots = slot_mapping.to(torch.int64)
-        table = slots.div(self.page_size, rounding_mode="floor").clamp_(min=0)
-        table = table.to(torch.int32).unsqueeze(1)
-        rows = torch.where(slots >= 0, slots % self.page_size, -1).to(torch.int32)
-        _run_append(self.step, k_cache, v_cache, rows, k.unsqueeze(2), v.unsqueeze(2), table,
-                    descale, self.one)
+        if self.step is not None:
+            _run_append(self.step, k_cache, v_cache, slot_mapping, k.unsqueeze(2),
+                        v.unsqueeze(2), self.table, descale, self.one)
 
 
 def _quantizes(cache, new) -> bool:
