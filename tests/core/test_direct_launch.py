@@ -45,7 +45,7 @@ def _cases(torch):
     from kernels.core.backward import BackwardPlan
     from kernels.core.call import AttentionCall
     from kernels.core.forward import ForwardPlan
-    from kernels.core.kvcache import KVCachePlan
+    from kernels.core.kvcache import KVCachePlan, SlotWritePlan, VarlenPagedPlan
 
     g = torch.Generator().manual_seed(0)
     f16 = torch.float16
@@ -99,6 +99,24 @@ def _cases(torch):
         return (lambda: KVCachePlan(qd, kk, vv, seqlens, kn, vn, c, block_table=table_, **kw),
                 lambda plan: plan(qd, kk, vv, seqlens, kn, vn, c, block_table=table_))
 
+    # A serving step (kernels/vllm/): slot writes (int64 slots, -1 skipped) into the two
+    # halves of one layer cache, then packed queries over the pages into a strided out.
+    layer = rnd(8, page, Hkv, 2 * D)
+    kl, vl = layer[..., :D], layer[..., D:]
+    kt, vt = rnd(3, Hkv, D), rnd(3, Hkv, D)
+    slots = torch.tensor([17, -1, 100], dtype=torch.int64)
+    qv = rnd(5, Hq, D)
+    out_v = rnd(5, Hq, D + 8)[..., :D]
+    cu_v, used = torch.tensor([0, 1, 5], dtype=torch.int32), torch.tensor([9, 40],
+                                                                            dtype=torch.int32)
+
+    def serving_fwd(c):
+        init = dict(cu_seqlens_q=cu_v, max_seqlen_q=4, seqused_k=used, block_table=table,
+                    out=out_v)
+        return (lambda: VarlenPagedPlan(qv, kl, vl, c, **init),
+                lambda plan: plan(qv, kl, vl, c, cu_seqlens_q=cu_v, seqused_k=used,
+                                  block_table=table, out=out_v))
+
     # Host descriptors (TMA mode 3): one per Q, K, V, made per call from the tensor. A head dim
     # of its own for the decomposed ones (a variant compiled anew, without TMA lowering).
     D2 = 64
@@ -121,6 +139,10 @@ def _cases(torch):
         ("kvcache append + fwd (GQA packed)", *kvc(c0, num_splits=1)),
         ("kvcache append + fwd split-KV + combine", *kvc(c0, num_splits=2)),
         ("paged kvcache append + fwd", *kvc(c0, table, num_splits=1)),
+        ("slot write (identity table, int64 slots)",
+         lambda: SlotWritePlan(kl, vl, kt, vt),
+         lambda plan: plan(kl, vl, kt, vt, slots)),
+        ("paged varlen fwd into a strided out (a serving step)", *serving_fwd(c0)),
         ("bwd dense tma=3 (host descriptors)", *bwd((do, q, k, v, o, lse), c0, tma=3)),
         ("bwd dense tma=3 (host descriptors) dropout", *bwd((do, q, k, v, o, lse), cd, tma=3)),
         ("bwd dense tma=1", *bwd((do, q, k, v, o, lse), c0, tma=1)),
