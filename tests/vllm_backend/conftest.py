@@ -32,8 +32,8 @@ def _save(model_cls, config, path):
 def models(tmp_path_factory):
     """{name: directory} of tiny random fp32 models. Weights are drawn wider than the default
     (initializer_range) so greedy choices are far from ties between implementations."""
-    from transformers import (Gemma2Config, Gemma2ForCausalLM, GptOssConfig, GptOssForCausalLM,
-                              LlamaConfig, LlamaForCausalLM)
+    from transformers import (BloomConfig, BloomForCausalLM, Gemma2Config, Gemma2ForCausalLM,
+                              GptOssConfig, GptOssForCausalLM, LlamaConfig, LlamaForCausalLM)
     root = tmp_path_factory.mktemp("vllm_models")
     common = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=32,
@@ -50,6 +50,10 @@ def models(tmp_path_factory):
             **dict(common, intermediate_size=128), num_local_experts=4, num_experts_per_tok=2,
             sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
             root / "gptoss"),
+        # ALiBi (4 heads of 32)
+        "bloom": _save(BloomForCausalLM, BloomConfig(
+            vocab_size=512, hidden_size=128, n_layer=2, n_head=4, initializer_range=0.2,
+            torch_dtype="float32"), root / "bloom"),
     }
 
 

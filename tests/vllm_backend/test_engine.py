@@ -1,9 +1,9 @@
-"""Our backend inside vLLM's own engine (vLLM's CPU build): tiny random models (grouped-query
-heads, sliding windows, soft-capping, sinks) generate the greedy tokens of transformers' eager
-attention and of vLLM's own CPU backend, with and without chunked prefill, with prefix-cache
-hits, in vLLM's multiprocess mode through the installed entry point, with tensor parallelism,
-and through the Triton interpreter (the paged and split-KV kernels themselves, not the PyTorch
-fallback)."""
+"""Our backend inside vLLM's own engine (vLLM's CPU build): tiny random models
+(grouped-query heads, sliding windows, soft-capping, sinks, ALiBi) generate the greedy tokens
+of transformers' eager attention and of vLLM's own CPU backend, with and without chunked
+prefill, with prefix-cache hits, in vLLM's multiprocess mode through the installed entry
+point, with tensor parallelism, and through the Triton interpreter (the paged and split-KV
+kernels themselves, not the PyTorch fallback)."""
 import pytest
 import torch
 
@@ -30,6 +30,9 @@ def _runs(models):
             engine=dict(max_num_batched_tokens=32))),
         ("gpt-oss sinks + window 8, chunked", dict(
             model=models["gptoss"], prompts=PROMPTS, max_tokens=MAX_TOKENS,
+            engine=dict(max_num_batched_tokens=32))),
+        ("bloom alibi, chunked", dict(
+            model=models["bloom"], prompts=PROMPTS, max_tokens=MAX_TOKENS,
             engine=dict(max_num_batched_tokens=32))),
     ]
 
@@ -69,7 +72,11 @@ def test_tokens_equal_transformers_and_vllm_cpu_backend(served):
         assert a["tokens"] == ref_tokens * rounds, f"{name}: ours vs transformers"
         for got, want, ref in zip(a["logprobs"], b["logprobs"], ref_lps * rounds):
             assert max(abs(x - y) for x, y in zip(got, want)) <= LOGPROB_TOL, name
-            assert max(abs(x - y) for x, y in zip(got, ref)) <= LOGPROB_TOL, name
+            # As close to transformers as vLLM's own backend is (vLLM's Bloom is 6e-4 from
+            # transformers' with either backend: its model code, not the attention), and
+            # within LOGPROB_TOL where vLLM's model agrees (1e-6 for the others).
+            theirs = max(abs(x - y) for x, y in zip(want, ref))
+            assert max(abs(x - y) for x, y in zip(got, ref)) <= theirs + LOGPROB_TOL, name
 
 
 def test_our_backend_served_and_theirs_did_not(served):
