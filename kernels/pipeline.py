@@ -26,8 +26,9 @@ import torch
 
 from .core import call as _call_module
 from .core.backend import AttentionPlan, KVCacheRunner, PagedVarlenRunner, SlotWriter
-from .core.call import (AttentionCall, call_spec, default_softmax_scale, lse_shape, new_like,
-                        new_out, out_dtype_of, parse_spec, with_tensors, without_tensors)
+from .core.call import (NO_DOUBLE_BACKWARD, AttentionCall, call_spec, default_softmax_scale,
+                        lse_shape, new_like, new_out, out_dtype_of, parse_spec, with_tensors,
+                        without_tensors)
 from .core.mods import Descale, aux_grad_buffers, aux_grad_mask, sinks_grad
 from .validation import (FP8_DTYPE, SEED_LIMIT, check_attn_mask, check_cache_lengths,
                          check_cu_seqlens, check_drop_layout, check_fp8, check_kvcache, check_mods,
@@ -367,11 +368,7 @@ class _NoDoubleBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *_):
-        raise RuntimeError(
-            "double backward (a gradient of a gradient) of kernels.attention is not supported: "
-            "its backward is a fused kernel with no derivative of its own. Use "
-            "reference.attention (plain PyTorch) or torch.nn.functional."
-            "scaled_dot_product_attention where second derivatives are needed.")
+        raise RuntimeError(NO_DOUBLE_BACKWARD)
 
 
 def _gradients(run_backward, do, q, k, v, out, lse, sinks, packed, want_sinks):

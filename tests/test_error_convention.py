@@ -209,7 +209,7 @@ def test_double_backward_same_error_on_every_route(route):
     assert torch.equal(dq, plain[0]) and torch.equal(dk, plain[1])
     err = _raises(RuntimeError, lambda: torch.autograd.grad((dq.sum() + dk.sum()), v),
                   "double backward", "kernels.attention is not supported", "reference.attention")
-    # Word for word the message both routes share (the fallback's copy of the pipeline's).
+    # Word for word the message of every route (one constant, kernels/core/call.py).
     assert str(err) == fallback.NO_DOUBLE_BACKWARD
 
 

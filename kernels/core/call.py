@@ -163,6 +163,15 @@ class AttentionCall:
         return dropout_threshold(self.dropout_p) if self.dropout else 0
 
 
+# The one double-backward error of every route (the pipeline's autograd routes and the CPU
+# fallback's hook on PyTorch's flash op): the backward is a fused kernel without a derivative.
+NO_DOUBLE_BACKWARD = (
+    "double backward (a gradient of a gradient) of kernels.attention is not supported: its "
+    "backward is a fused kernel with no derivative of its own. Use reference.attention (plain "
+    "PyTorch) or torch.nn.functional.scaled_dot_product_attention where second derivatives are "
+    "needed.")
+
+
 def call_spec(call: AttentionCall, num_splits: int = 0) -> str:
     """The one string that carries ``call``'s non-tensor fields (mods by name) and
     ``num_splits`` through the custom ops (kernels/pipeline.py): op arguments generated from

@@ -48,7 +48,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from .call import FP8_DTYPE, lse_shape, make_problem, new_like, new_out
+from .call import (FP8_DTYPE, NO_DOUBLE_BACKWARD, lse_shape, make_problem, new_like,
+                   new_out)
 from .fp8 import P_SCALE, quantize_e4m3_torch
 from .dropout import DROPOUT_BITS, draw_groups, dropout_mask_block, dropout_threshold
 
@@ -476,14 +477,6 @@ def _sdpa_forward(q, k, v, causal, softmax_scale, o):
     return _result(o, out, q), lse.float().contiguous()
 
 
-# The interpreter / GPU route's double-backward error (kernels/pipeline.py, _NoDoubleBackward),
-# word for word: the core cannot import the pipeline, so tests/test_error_convention.py checks
-# that the two routes say the same.
-NO_DOUBLE_BACKWARD = (
-    "double backward (a gradient of a gradient) of kernels.attention is not supported: its "
-    "backward is a fused kernel with no derivative of its own. Use reference.attention (plain "
-    "PyTorch) or torch.nn.functional.scaled_dot_product_attention where second derivatives are "
-    "needed.")
 
 
 class _NoDoubleBackward(torch.autograd.Function):
