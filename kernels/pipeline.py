@@ -33,8 +33,8 @@ from .core.mods import Descale, aux_grad_buffers, aux_grad_mask, sinks_grad
 from .validation import (FP8_DTYPE, SEED_LIMIT, check_attn_mask, check_cache_lengths,
                          check_cu_seqlens, check_drop_layout, check_fp8, check_kvcache, check_mods,
                          check_num_splits, check_out, check_paged_varlen, check_seed,
-                         check_slot_write,
-                         expand_scale, host_readable, validate_attention)
+                         check_slot_write, check_written_in_place, expand_scale, host_readable,
+                         validate_attention)
 
 PACKED_LAYOUT = "(total_rows, heads, head_dim) (packed sequences)"
 # Options of an attention call, in the order the public functions pass them.
@@ -685,9 +685,7 @@ def resolve_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, optio
                                    q.device)
     mods = _with_fp8(mods, descale)
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must have a unit stride in head_dim (it is written in "
-                             f"place), got strides {t.stride()}")
+        check_written_in_place(name, t)
     if softmax_scale is None:
         softmax_scale = default_softmax_scale(q.shape[-1])
     call = AttentionCall(causal, float(softmax_scale), 0.0, 0,
@@ -839,15 +837,6 @@ def grid_rows(longest, total_q):
     return max(1, min(1 << max(int(longest) - 1, 0).bit_length(), int(total_q)))
 
 
-def _trusted_bound(cu_seqlens_q, max_seqlen_q):
-    """max_seqlen_q, for cu_seqlens_q off the host (a GPU's: reading it would sync); None
-    where the values are read instead (on the host, free; or no bound given)."""
-    if (isinstance(max_seqlen_q, int) and not isinstance(max_seqlen_q, bool)
-            and max_seqlen_q >= 0 and not host_readable(cu_seqlens_q)):
-        return max_seqlen_q
-    return None
-
-
 def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
                  max_seqlen_q, options, sinks, alibi_slopes, mod_aux, descale=None,
                  out_dtype=None, out=None):
@@ -863,10 +852,10 @@ def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, seqused_k, blo
     key = None
     if _keyable(*tensors):
         try:
-            bound = _trusted_bound(cu_seqlens_q, max_seqlen_q)
-            if bound is None:
-                bound = check_cu_seqlens(cu_seqlens_q, cu_seqlens_q, q, q, max_seqlen_q,
-                                         None)[0]
+            # (a given bound is trusted off the host, read and checked on it: one rule,
+            # check_cu_seqlens', as the miss path's check_paged_varlen applies it)
+            bound = check_cu_seqlens(cu_seqlens_q, cu_seqlens_q, q, q, max_seqlen_q,
+                                     max_seqlen_q, trust_hints=True)[0]
             key = ("paged-varlen", *(_opt_sig(t) for t in tensors),
                    grid_rows(bound, q.shape[0]),
                    *_options_key(options, sinks, alibi_slopes, mod_aux),
@@ -937,21 +926,18 @@ def write_kv_cache(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale):
         key = ("slot-write", *map(_opt_sig, tensors), type(k_scale), type(v_scale))
     writer = None if key is None else plans.get(key)
     if writer is None:
-        check_slot_write(k_cache, v_cache, k, v, slot_mapping)
+        check_slot_write(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale)
         writer = SlotWriter(fp8=k_cache.dtype == FP8_DTYPE)
         if key is not None:
             plans.put(key, writer)
     descale = None
-    if k_cache.dtype == FP8_DTYPE and k.dtype != FP8_DTYPE:
+    if k_scale is not None or v_scale is not None:   # (an FP8 cache: checked with the key)
         rows = (k.shape[0], k.shape[1])
         # (expand_scale of a 3-D k and no cache: a (1, 1) view, then one per row and head)
         descale = Descale(None, *(expand_scale(name, scale, None, k, None, None)
                                   .expand(rows) if scale is not None else None
                                   for name, scale in (("k_scale", k_scale),
                                                       ("v_scale", v_scale))))
-    elif k_scale is not None or v_scale is not None:
-        raise ValueError(f"k_scale / v_scale quantize rows into a float8_e4m3fn cache; the "
-                         f"cache is {k_cache.dtype} and the rows {k.dtype}")
     writer(k_cache, v_cache, k, v, slot_mapping, descale)
 
 

@@ -343,6 +343,14 @@ def check_attn_mask(attn_mask, q, k, score_mod, mask_mod, mod_aux):
     return score_mod, TENSOR_MASK, mask.aux(*target)
 
 
+def check_written_in_place(name, t):
+    """A tensor a call writes into (caches, ``out``): any strides but a unit one in head_dim,
+    which the kernels' row stores need."""
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must have a unit stride in head_dim (it is written in "
+                         f"place), got strides {t.stride()}")
+
+
 def check_out(out, shape, dtype, device):
     """``out=``: a tensor the call writes its result into, of the result's shape, dtype and
     device, with a unit stride in head_dim (any other strides: it is written in place)."""
@@ -352,9 +360,8 @@ def check_out(out, shape, dtype, device):
         raise ValueError(f"out must be {tuple(shape)} {dtype} on {device} (the result's "
                          f"shape, dtype and device), got {tuple(out.shape)} {out.dtype} on "
                          f"{out.device}")
-    if out.numel() and out.stride(-1) != 1:
-        raise ValueError(f"out must have a unit stride in head_dim (it is written in place), "
-                         f"got strides {out.stride()}")
+    if out.numel():
+        check_written_in_place("out", out)
     if out.requires_grad and torch.is_grad_enabled():
         raise RuntimeError("out= is for forward-only calls (serving); it cannot require grad")
 
@@ -482,7 +489,7 @@ def check_block_table(block_table, q, k_cache, rows=None, rows_name="batch"):
 _SLOT_LAYOUT = "(num_tokens, heads_kv, head_dim) (one row per new token)"
 
 
-def check_slot_write(k_cache, v_cache, k, v, slot_mapping):
+def check_slot_write(k_cache, v_cache, k, v, slot_mapping, k_scale=None, v_scale=None):
     """Validation of ``write_kv_cache``: paged caches (num_blocks, page_size, heads_kv, D / Dv)
     written in place (unit stride in head_dim), new rows k (num_tokens, heads_kv, D) and v
     (num_tokens, heads_kv, Dv) in the caches' dtype (or fp16 / bf16 / fp32 into an e4m3 cache:
@@ -490,9 +497,7 @@ def check_slot_write(k_cache, v_cache, k, v, slot_mapping):
     caller's contract on a GPU; on the CPU they are checked."""
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         check_tensor(name, t, 4, _PAGED_LAYOUT)
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must have a unit stride in head_dim (it is written in "
-                             f"place), got strides {t.stride()}")
+        check_written_in_place(name, t)
     for name, t in (("k", k), ("v", v)):
         check_tensor(name, t, 3, _SLOT_LAYOUT)
     if k_cache.shape[:-1] != v_cache.shape[:-1] or k_cache.dtype != v_cache.dtype:
@@ -509,6 +514,10 @@ def check_slot_write(k_cache, v_cache, k, v, slot_mapping):
     if k.dtype != v.dtype or (k.dtype != k_cache.dtype and k_cache.dtype != FP8_DTYPE):
         raise TypeError(f"k and v must have the caches' dtype {k_cache.dtype} (or fp16 / bf16 "
                         f"/ fp32 into a float8_e4m3fn cache), got {k.dtype} and {v.dtype}")
+    quantizes = k_cache.dtype == FP8_DTYPE and k.dtype != FP8_DTYPE
+    if not quantizes and (k_scale is not None or v_scale is not None):
+        raise ValueError(f"k_scale / v_scale quantize rows into a float8_e4m3fn cache; the "
+                         f"cache is {k_cache.dtype} and the rows {k.dtype}")
     devices = {t.device for t in (k_cache, v_cache, k, v)}
     if not isinstance(slot_mapping, torch.Tensor):
         raise TypeError(f"slot_mapping must be a torch.Tensor, got "
