@@ -10,6 +10,9 @@
   (FlashAttention's two-sided windows and FA3's chunks, as a mask_mod).
 * ``dropout``: the kernel's Philox dropout mask, bit for bit (``dropout_keep_mask`` dense,
   ``dropout_keep_mask_varlen`` packed, ``dropout_keep_rows`` selected rows).
+* ``mla``: DeepSeek's multi-head latent attention, non-absorbed (``mla_attention``, the
+  oracle of the absorbed latent-cache calls) and the absorbed form's helpers (``latent_rows``,
+  ``absorb_query``, ``expand_output``, ``split_kv_b_proj``).
 
 Nothing here imports ``kernels``: the reference must not share the code it checks.
 """
@@ -30,6 +33,7 @@ from .gpt import (
     TransformerBlock,
     generate_text_simple,
 )
+from .mla import absorb_query, expand_output, latent_rows, mla_attention, split_kv_b_proj
 from .modules import (
     CausalAttention,
     MultiHeadAttention,
@@ -60,4 +64,9 @@ __all__ = [
     "dropout_keep_mask_varlen",
     "dropout_keep_rows",
     "philox4x32",
+    "mla_attention",
+    "latent_rows",
+    "absorb_query",
+    "expand_output",
+    "split_kv_b_proj",
 ]
