@@ -139,7 +139,7 @@ def test_only_the_core_chooses_the_backend():
 # package each) with one name, the one users import, plus the checks modules, fuse and book
 # share.
 INTEGRATIONS = ("modules", "fuse", "book", "sdpa", "hf", "distributed", "flash_attn_interface",
-                "vllm")
+                "flash_mla_interface", "vllm")
 INTEGRATION_HELPERS = ("model_checks",)
 # The public layer (the functions, their pipeline and checks) and the kernel core (kernels/core/).
 PUBLIC_LAYER = ("__init__", "ops", "pipeline", "validation")
