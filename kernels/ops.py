@@ -13,7 +13,8 @@ from .core.backend import _use_fallback  # noqa: F401  (the backend decision; to
 from .pipeline import (SEED_LIMIT, attention_plan, check_arguments, check_attn_mask,  # noqa: F401
                        check_grad_shapes,
                        integration_backward, integration_forward, integration_plan,
-                       public_descales, kvcache_descales, kvcache_runner, paged_varlen, plans,
+                       public_descales, kvcache_descales, kvcache_runner, latent_values,
+                       paged_varlen, plans,
                        run_attention, run_kvcache, _packed)
 from .pipeline import write_kv_cache as write_kv_slots
 
@@ -228,14 +229,17 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
         lse (only with ``return_lse``): float32 (heads_q, total_q), natural log, -inf for rows
             that see no key. Not differentiable.
     """
-    descale = public_descales(q_descale, k_descale, v_descale)
     if block_table is not None:
+        latent, _, (v_descale,) = latent_values(k, v, None, None, (k_descale,), (v_descale,))
         out, lse = paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
                                 max_seqlen_q, (causal, dropout_p, softmax_scale, window,
                                                num_splits, softcap, chunk_size, score_mod,
                                                mask_mod, None),
-                                sinks, alibi_slopes, mod_aux, descale, out_dtype, out)
+                                sinks, alibi_slopes, mod_aux,
+                                public_descales(q_descale, k_descale, v_descale), out_dtype,
+                                out, latent)
         return (out, lse) if return_lse else out
+    descale = public_descales(q_descale, k_descale, v_descale)
     for name, value, default in (("seqused_k", seqused_k, None), ("out", out, None),
                                  ("num_splits", num_splits, 0)):
         if (value is not None) if default is None else (value != default):
@@ -336,11 +340,13 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, *
         ``attention`` or ``attention_varlen``); works under ``torch.inference_mode()`` and
         ``torch.compile(fullgraph=True)`` (a custom op that declares it mutates the caches).
     """
+    latent, v, (v_scale, v_descale) = latent_values(k_cache, v_cache, k, v, (k_scale, k_descale),
+                                                    (v_scale, v_descale))
     descale = kvcache_descales(q, k_cache, block_table, q_descale, k_descale, v_descale,
                                k_scale, v_scale)
     runner, mods = kvcache_runner(q, k_cache, v_cache, cache_seqlens, k, v, block_table, (
         causal, softmax_scale, window, num_splits, softcap, chunk_size, score_mod, mask_mod),
-        sinks, alibi_slopes, mod_aux, descale, out_dtype)
+        sinks, alibi_slopes, mod_aux, descale, out_dtype, latent)
     out, lse = run_kvcache(runner, mods, q, k_cache, v_cache, cache_seqlens, k, v, block_table,
                            sinks, alibi_slopes, mod_aux, descale)
     return (out, lse) if return_lse else out

@@ -33,8 +33,8 @@ from .core.mods import Descale, aux_grad_buffers, aux_grad_mask, sinks_grad
 from .validation import (FP8_DTYPE, SEED_LIMIT, check_attn_mask, check_cache_lengths,
                          check_cu_seqlens, check_drop_layout, check_fp8, check_kvcache, check_mods,
                          check_num_splits, check_out, check_paged_varlen, check_seed,
-                         check_slot_write, check_written_in_place, expand_scale, host_readable,
-                         validate_attention)
+                         check_slot_write, check_values_in_keys, check_written_in_place,
+                         expand_scale, host_readable, validate_attention)
 
 PACKED_LAYOUT = "(total_rows, heads, head_dim) (packed sequences)"
 # Options of an attention call, in the order the public functions pass them.
@@ -670,6 +670,32 @@ def _bwd_vmap(info, in_dims, do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, seed
 # --------------------------------------------------------------------------------------------
 # The KV cache (forward only)
 # --------------------------------------------------------------------------------------------
+def _values_offset(k_cache, v_cache) -> int:
+    """The byte offset of v_cache's first element inside k_cache's first row, or -1 (v_cache
+    is its own tensor or another part of one, e.g. the V half of a vLLM cache). 0: the values
+    may be the keys' first columns (MLA's latent cache: ``latent_values``)."""
+    try:
+        offset = v_cache.data_ptr() - k_cache.data_ptr()
+        row = k_cache.shape[-1] * k_cache.element_size()
+    except (AttributeError, TypeError, RuntimeError, IndexError):
+        return -1   # (not tensors, or without storage: the other checks say what is wrong)
+    return offset if 0 <= offset < row else -1
+
+
+def latent_values(k_cache, v_cache, k, v, k_scales, v_scales):
+    """A cache call's values when v_cache may lie inside k_cache: (latent, v, v_scales).
+    latent True: v_cache is ``k_cache[..., :Dv]`` (MLA: the values are the latent rows' first
+    Dv columns), the new values are k's first Dv columns (None without k; written again
+    through v_cache: the same bytes) and k's scales are v's (a tuple like ``v_scales``).
+    Else (False, v, v_scales) as given. A v_cache starting inside k_cache's first row any
+    other way, a v or v scale with a latent cache: ``check_values_in_keys`` says why."""
+    offset = _values_offset(k_cache, v_cache)
+    if offset < 0:
+        return False, v, v_scales
+    check_values_in_keys(k_cache, v_cache, offset, v, v_scales)
+    return True, (None if k is None else k[..., :v_cache.shape[-1]]), k_scales
+
+
 def resolve_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, options, sinks,
                     alibi_slopes, mod_aux, descale=None, out_dtype=None):
     """Validate an ``attention_with_kvcache`` call; (its ``KVCacheRunner``, its ``CallMods``
@@ -716,12 +742,13 @@ def kvcache_descales(q, k_cache, block_table, q_descale, k_descale, v_descale, k
 
 
 def kvcache_runner(q, k_cache, v_cache, cache_seqlens, k, v, block_table, options, sinks,
-                   alibi_slopes, mod_aux, descale=None, out_dtype=None):
-    """(runner, mods) as ``attention_plan``: cached (mods None) when the call can be keyed."""
+                   alibi_slopes, mod_aux, descale=None, out_dtype=None, latent=False):
+    """(runner, mods) as ``attention_plan``: cached (mods None) when the call can be keyed.
+    ``latent``: v_cache is k_cache's prefix (``latent_values``; the plan reads V in K)."""
     tensors = (q, k_cache, v_cache, cache_seqlens, k, v, block_table)
     if _keyable(*tensors):
         try:
-            key = ("kvcache", *(_opt_sig(t) for t in tensors),
+            key = ("kvcache", latent, *(_opt_sig(t) for t in tensors),
                    *_options_key(options, sinks, alibi_slopes, mod_aux),
                    *_fp8_key(descale, out_dtype))
         except (TypeError, AttributeError, RuntimeError):
@@ -761,8 +788,9 @@ def run_kvcache(runner, mods, q, k_cache, v_cache, cache_seqlens, k, v, block_ta
 def _kvcache_impl(q, k_cache, v_cache, cache_seqlens, k, v, block_table, alibi_slopes, sinks,
                   mod_aux, spec, q_descale=None, k_descale=None, v_descale=None):
     """``fused_attention::kvcache``: append (k, v) into the caches (in place), then attend."""
-    runner, call = _op_plan("kvcache-op", spec, (), (q, k_cache, v_cache, cache_seqlens, k, v,
-                                                     block_table), sinks, alibi_slopes, mod_aux,
+    runner, call = _op_plan("kvcache-op", spec, (_values_offset(k_cache, v_cache) == 0,),
+                            (q, k_cache, v_cache, cache_seqlens, k, v, block_table), sinks,
+                            alibi_slopes, mod_aux,
                             lambda call, n: KVCacheRunner(call, n,
                                                           fp8=k_cache.dtype == FP8_DTYPE),
                             public_descales(q_descale, k_descale, v_descale))
@@ -839,13 +867,14 @@ def grid_rows(longest, total_q):
 
 def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
                  max_seqlen_q, options, sinks, alibi_slopes, mod_aux, descale=None,
-                 out_dtype=None, out=None):
+                 out_dtype=None, out=None, latent=False):
     """(out, lse) of ``attention_varlen(..., block_table=)``: resolved once per signature.
 
     The key holds ``grid_rows`` of the longest query sequence: ``max_seqlen_q`` as given for
     tensors on a GPU (no host read: a serving step neither syncs nor breaks CUDA-graph
     capture), else read on the host (free on the CPU; once per cu_seqlens_q tensor and version
-    on a GPU without a bound). ``out``: written in place (its strides in the key)."""
+    on a GPU without a bound). ``out``: written in place (its strides in the key).
+    ``latent``: v_cache is k_cache's prefix (``latent_values``; in the key)."""
     (causal, dropout_p, softmax_scale, window, num_splits, softcap, chunk_size, score_mod,
      mask_mod, _) = options
     tensors = (q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out)
@@ -856,7 +885,7 @@ def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, seqused_k, blo
             # check_cu_seqlens', as the miss path's check_paged_varlen applies it)
             bound = check_cu_seqlens(cu_seqlens_q, cu_seqlens_q, q, q, max_seqlen_q,
                                      max_seqlen_q, trust_hints=True)[0]
-            key = ("paged-varlen", *(_opt_sig(t) for t in tensors),
+            key = ("paged-varlen", latent, *(_opt_sig(t) for t in tensors),
                    grid_rows(bound, q.shape[0]),
                    *_options_key(options, sinks, alibi_slopes, mod_aux),
                    *_fp8_key(descale, out_dtype))
@@ -918,7 +947,9 @@ def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, seqused_k, blo
 
 def write_kv_cache(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale):
     """``kernels.write_kv_cache``: validated once per signature (``check_slot_write``), then
-    the cached ``SlotWriter`` runs."""
+    the cached ``SlotWriter`` runs. A latent cache (v_cache = k_cache[..., :Dv], v None:
+    ``latent_values``) writes k's first Dv columns again as the values (the same bytes)."""
+    _, v, (v_scale,) = latent_values(k_cache, v_cache, k, v, (k_scale,), (v_scale,))
     tensors = (k_cache, v_cache, k, v, slot_mapping)
     key = None
     if _keyable(*tensors) and not (host_readable(slot_mapping) and k.shape[0]):
@@ -945,8 +976,9 @@ def _varlen_paged_impl(q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table
                        max_seqlen_q, alibi_slopes, sinks, mod_aux, spec, q_descale=None,
                        k_descale=None, v_descale=None):
     runner, call = _op_plan(
-        "paged-varlen-op", spec, max_seqlen_q, (q, k_cache, v_cache, cu_seqlens_q, seqused_k,
-                                                block_table), sinks, alibi_slopes, mod_aux,
+        "paged-varlen-op", spec, (max_seqlen_q, _values_offset(k_cache, v_cache) == 0),
+        (q, k_cache, v_cache, cu_seqlens_q, seqused_k, block_table), sinks, alibi_slopes,
+        mod_aux,
         lambda call, n: PagedVarlenRunner(call, n, max_seqlen_q,
                                           fp8=k_cache.dtype == FP8_DTYPE),
         public_descales(q_descale, k_descale, v_descale))

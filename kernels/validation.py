@@ -10,7 +10,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .core.call import FP8_DTYPE   # FP8 attention (forward only) takes OCP e4m3 alone
-from .core.common import MAX_HEAD_DIM
+from .core.common import MAX_HEAD_DIM, MAX_HEAD_DIM_LATENT
 from .core.mods import CallMods, MaskMod, ScoreMod
 from .core import tensor_mask
 from .core.tensor_mask import (BIAS_BOUNDS, TENSOR_BIAS, TENSOR_MASK, TensorMask, as_4d,
@@ -59,9 +59,10 @@ def as_bool(name, value):
 
 def validate_attention(q, k, v, causal, dropout_p, softmax_scale, seed, window, *, dims=4,
                        layout="(batch, heads, seq_len, head_dim)", head_axis=1,
-                       fp8_cache=False):
+                       fp8_cache=False, max_head_dim=MAX_HEAD_DIM):
     """Checks shared by ``attention`` and ``attention_varlen``; returns causal as a bool.
-    ``fp8_cache``: k and v may be an FP8 cache read by q of another dtype (``check_fp8``)."""
+    ``fp8_cache``: k and v may be an FP8 cache read by q of another dtype (``check_fp8``).
+    ``max_head_dim``: q's and k's limit (the cache paths take MLA's 576; v's is 512)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t, dims, layout)
     if fp8_cache and k.dtype == v.dtype == FP8_DTYPE:
@@ -92,11 +93,15 @@ def validate_attention(q, k, v, causal, dropout_p, softmax_scale, seed, window, 
         raise ValueError(f"the query heads must be a multiple of the key/value heads "
                          f"(grouped-query attention), got heads_q={heads_q} (q "
                          f"{tuple(q.shape)}) and heads_kv={heads_kv} (k {tuple(k.shape)})")
-    for name, head_dim in (("head_dim", q.shape[-1]), ("v's head_dim", v.shape[-1])):
+    for name, head_dim, limit in (("head_dim", q.shape[-1], max_head_dim),
+                                  ("v's head_dim", v.shape[-1], MAX_HEAD_DIM)):
         if head_dim < 1:
             raise ValueError(f"{name} must be >= 1, got {head_dim}")
-        if head_dim > MAX_HEAD_DIM:
-            raise NotImplementedError(f"{name} up to {MAX_HEAD_DIM} is supported, got "
+        if head_dim > limit:
+            where = "" if limit > MAX_HEAD_DIM or name != "head_dim" else (
+                f" here ({MAX_HEAD_DIM_LATENT}, MLA's latent width, is taken by "
+                f"attention_with_kvcache and attention_varlen over a paged cache: forward only)")
+            raise NotImplementedError(f"{name} up to {limit} is supported{where}, got "
                                       f"{head_dim}")
     if heads_q > MAX_GRID_YZ or dims == 4 and q.shape[0] > MAX_GRID_YZ:
         raise NotImplementedError(f"batch and heads must each be <= {MAX_GRID_YZ} (Triton grid "
@@ -343,6 +348,36 @@ def check_attn_mask(attn_mask, q, k, score_mod, mask_mod, mod_aux):
     return score_mod, TENSOR_MASK, mask.aux(*target)
 
 
+def check_values_in_keys(k_cache, v_cache, offset, v, v_scales):
+    """A v_cache that starts inside k_cache's first row (``offset``: its first element's byte
+    offset there, >= 0): legal only as ``k_cache[..., :Dv]`` (MLA's latent cache, whose values
+    are the keys' first Dv columns), which takes no new v of its own (writing k writes them)
+    and no scale of its own (``v_scales``: the call's v_scale / v_descale, each None or
+    given): its entries are the keys', read with k's."""
+    width = v_cache.shape[-1]
+    if offset > 0:
+        raise ValueError(f"v_cache is a column slice of k_cache starting at column "
+                         f"{offset // k_cache.element_size()}: values stored inside the keys' "
+                         f"rows must be their first head_dim_v columns (v_cache = "
+                         f"k_cache[..., :{width}], as MLA's latent cache), got a slice at "
+                         f"columns {offset // k_cache.element_size()}..")
+    if (v_cache.stride() != k_cache.stride() or v_cache.dtype != k_cache.dtype
+            or v_cache.shape[:-1] != k_cache.shape[:-1] or width > k_cache.shape[-1]):
+        raise ValueError(f"v_cache starts where k_cache does, so it must be k_cache's first "
+                         f"head_dim_v columns, k_cache[..., :Dv] (shape "
+                         f"{(*k_cache.shape[:-1], 'Dv')}, strides {k_cache.stride()}, "
+                         f"{k_cache.dtype}), got {tuple(v_cache.shape)} with strides "
+                         f"{v_cache.stride()}, {v_cache.dtype}")
+    if v is not None:
+        raise ValueError(f"v_cache is k_cache[..., :{width}] (the values are the keys' first "
+                         f"{width} columns): pass the new rows as k only (v=None): writing k "
+                         f"writes their values; got a v {tuple(v.shape)}")
+    if any(x is not None for x in v_scales):
+        raise ValueError(f"v_cache is k_cache[..., :{width}]: its entries are the keys' and "
+                         f"are read with k's scale; pass k_scale / k_descale only, got a "
+                         f"v_scale / v_descale")
+
+
 def check_written_in_place(name, t):
     """A tensor a call writes into (caches, ``out``): any strides but a unit one in head_dim,
     which the kernels' row stores need."""
@@ -583,7 +618,7 @@ def check_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scal
         k_cache, v_cache = (t.transpose(1, 2)[:1].expand(B, -1, -1, -1)
                             for t in (k_cache, v_cache))
     causal = validate_attention(q, k_cache, v_cache, causal, 0.0, softmax_scale, None, window,
-                                fp8_cache=fp8_cache)
+                                fp8_cache=fp8_cache, max_head_dim=MAX_HEAD_DIM_LATENT)
     check_num_splits(num_splits)
     if not isinstance(cache_seqlens, torch.Tensor):
         raise TypeError(f"cache_seqlens must be a torch.Tensor, got "
@@ -665,7 +700,7 @@ def check_paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, seqused_
     causal = validate_attention(q, k_cache[0] if len(k_cache) else k_cache.new_empty(
         k_cache.shape[1:]), v_cache[0] if len(v_cache) else v_cache.new_empty(v_cache.shape[1:]),
         causal, dropout_p, softmax_scale, None, window, dims=3, layout=_PAGED_LAYOUT,
-        fp8_cache=True)
+        fp8_cache=True, max_head_dim=MAX_HEAD_DIM_LATENT)
     if not isinstance(cu_seqlens_q, torch.Tensor):
         raise TypeError(f"cu_seqlens_q must be a torch.Tensor, got "
                         f"{type(cu_seqlens_q).__name__}")

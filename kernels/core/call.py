@@ -264,10 +264,13 @@ class KeyLayout(NamedTuple):
     """How the forward finds a row's keys (its KEYS constexpr; part of the autotune key):
     ``varlen`` packed sequences (cu_seqlens), ``k_lens`` per-row key counts (a KV cache's
     filled length, ``SeqArgs.k_lens``), ``page_size`` 0, or the page size of a paged cache
-    (kernels/core/paged.py; one compile per page size)."""
+    (kernels/core/paged.py; one compile per page size), ``v_in_k``: V is K's first
+    HEAD_DIM_V columns, read once as part of the K tile (MLA's latent cache, whose values are
+    its keys' first 512 columns: ``ForwardPlan``'s ``v_in_k``)."""
     varlen: bool
     k_lens: bool
     page_size: int
+    v_in_k: bool = False
 
 
 class ScoreArgs(NamedTuple):

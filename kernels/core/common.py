@@ -9,6 +9,10 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 MAX_HEAD_DIM = 512
+# Queries and keys of the forward-only cache paths (KV cache, paged packed queries) may be
+# wider: DeepSeek's multi-head latent attention (MLA) decodes with 576-wide latent rows (512
+# compressed kv + 64 rope key) whose values are their first 512 columns (docs/features.md, "MLA").
+MAX_HEAD_DIM_LATENT = 576
 # tl.dot needs every dimension >= 16, so small head dims are padded up to this.
 MIN_BLOCK_D = 16
 
@@ -41,6 +45,17 @@ def check_interpreter_setting():
 def block_d(head_dim: int) -> int:
     """Padded tile width for ``head_dim``: the next power of two, at least MIN_BLOCK_D."""
     return max(MIN_BLOCK_D, triton.next_power_of_2(head_dim))
+
+
+def head_blocks(head_dim: int) -> tuple:
+    """(BLOCK_D, BLOCK_D2): the forward's tile widths for a q / k head dim. Up to MAX_HEAD_DIM
+    one padded tile, (``block_d``, 0). Wider (MLA's 576) two: the first MAX_HEAD_DIM columns
+    whole and the rest padded, (512, 64), so Q Kᵀ is two dots summed instead of one over a
+    1024-wide tile that would be 44% padding (the registers and shared memory of a 1024-wide
+    tile spill or do not fit on any GPU)."""
+    if head_dim <= MAX_HEAD_DIM:
+        return block_d(head_dim), 0
+    return MAX_HEAD_DIM, block_d(head_dim - MAX_HEAD_DIM)
 
 
 # AMD GPUs on which Triton's HIP backend accepts a tf32 (xf32) dot: CDNA3 only; gfx950 and the

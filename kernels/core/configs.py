@@ -33,7 +33,7 @@ import triton
 from triton.compiler.errors import CompileTimeAssertionFailure
 from triton.runtime.errors import OutOfResources, PTXASError
 
-from .common import interpreter_active
+from .common import head_blocks, interpreter_active
 
 # ---------------------------------------------------------------------------------------------
 # GPU generations
@@ -700,6 +700,10 @@ def _stages_ok(config, kwargs) -> bool:
 
 def _padded_width(args) -> int:
     """The widest padded head dim of a launch: q/k's or v's (kernels/core/common.block_d)."""
+    if "BLOCK_D" in args and int(args.get("HEAD_DIM", 0)) > int(args["BLOCK_D"]):
+        # A split q / k head dim (common.head_blocks: MLA's 576 as 512 + 64): its two tiles'
+        # width, not the next power of two.
+        return max(sum(head_blocks(int(args["HEAD_DIM"]))), int(args["BLOCK_DV"]))
     dims = [int(args[k]) for k in ("HEAD_DIM", "HEAD_DIM_V", "BLOCK_D", "BLOCK_DV")
             if k in args] or [64]
     return max(16, triton.next_power_of_2(max(dims)))

@@ -30,7 +30,7 @@ import triton.language as tl
 from .call import (AttentionCall, DropArgs, FwdStrides, KeyLayout, Precision, SchedArgs,
                    SplitArgs, make_problem, new_out, packed_view, score_args, score_spec,
                    seed_tensor)
-from .common import (block_d, dot_operand, dot_precision, interpreter_active,
+from .common import (block_d, dot_operand, dot_precision, head_blocks, interpreter_active,
                      round_for_store, widen, widen_bf16)
 from .configs import (FWD_TUNE_KEY, PACK_GQA_MAX_Q_LEN, autotune_enabled, clamp_splits,
                       fixed_configs, fwd_configs, host_descriptors_enabled, nominal_tiles,
@@ -86,14 +86,19 @@ def _attn_fwd(Q, K, V, O, LSE, DESC_Q, DESC_K, DESC_V, strides,
 
     Q: (B, heads_q, q_len, HEAD_DIM); K: (B, heads_kv, k_len, HEAD_DIM); V: (B, heads_kv, k_len,
     HEAD_DIM_V); O: (B, heads_q, q_len, HEAD_DIM_V); heads_q = group * heads_kv (query head h
-    reads kv head h // group); unit stride in the last dim; ``strides`` (``FwdStrides``):
-    ``strides.x`` = x's (batch, head, row) strides, read below as ``stride_x``. SPEC: the
-    score pipeline's ScoreSpec (causal, window / chunk edge, score and mask mods, sinks). KEYS:
-    the keys' layout (``KeyLayout``: varlen, k_lens, page_size, read below as VARLEN,
-    SEQUSED_K, PAGED). Grouped arguments (kernels/core/call.py):
-    ``seq`` (SeqArgs: group, lengths; VARLEN: B = 1 with zero batch strides and sequence b is
-    rows cu_q[b]:cu_q[b+1] of Q (cu_k for K, V); SEQUSED_K: batch entry b has k_lens[b] keys,
-    a KV cache's filled length),
+    reads kv head h // group); unit stride in the last dim; Q and K tiles BLOCK_D wide, or with
+    HEAD_DIM > BLOCK_D (a head dim over 512: MLA's 576; ``common.head_blocks``, per-thread
+    loads only) two tiles, columns [0, BLOCK_D) whole and [BLOCK_D, HEAD_DIM) padded to a
+    power of two, whose two dots sum to S; with ``KEYS.v_in_k`` V is K's first HEAD_DIM_V
+    (= BLOCK_D) columns and its tile is the K tile already loaded (MLA's latent cache: read
+    once);
+    ``strides`` (``FwdStrides``): ``strides.x`` = x's (batch, head, row) strides, read below
+    as ``stride_x``. SPEC: the score pipeline's ScoreSpec (causal, window / chunk edge, score
+    and mask mods, sinks). KEYS: the keys' layout (``KeyLayout``: varlen, k_lens, page_size,
+    v_in_k, read below as VARLEN, SEQUSED_K, PAGED, V_IN_K). Grouped arguments
+    (kernels/core/call.py): ``seq`` (SeqArgs: group, lengths; VARLEN: B = 1 with zero batch
+    strides and sequence b is rows cu_q[b]:cu_q[b+1] of Q (cu_k for K, V); SEQUSED_K: batch
+    entry b has k_lens[b] keys, a KV cache's filled length),
     ``score`` (ScoreArgs), ``drop`` (DropArgs: the dropout mask's row ids and columns,
     kernels/core/dropout.py), ``split`` (SplitArgs). DROPOUT: 0 off, 1 on, 2 on at a column
     offset off the 4-column Philox groups (``AttentionCall.dropout_mode``). LSE: fp32, entry (b,
@@ -141,8 +146,9 @@ def _attn_fwd(Q, K, V, O, LSE, DESC_Q, DESC_K, DESC_V, strides,
         # Causal: the longest rows (the last blocks) of every head first (``program_ids``).
         pid, pid_h, b = program_ids(SPEC.causal, False)
         _fwd_block((pid, pid_h, b), Q, K, V, O, LSE, DESC_Q, DESC_K, DESC_V, strides,
-                   seq, score, drop, split, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, SPEC, KEYS,
-                   PACK_GQA, SPLIT, DROPOUT, PRECISION, TMA, FP8, BLOCK_M, BLOCK_N, WARP_SPEC)
+                   seq, score, drop, split, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV,
+                   SPEC, KEYS, PACK_GQA, SPLIT, DROPOUT, PRECISION, TMA, FP8, BLOCK_M, BLOCK_N,
+                   WARP_SPEC)
     else:
         # Persistent: each program draws tiles from the launch's counter until none is left,
         # in the order a grid's programs would start (``tiles.tile_ids``).
@@ -157,9 +163,9 @@ def _attn_fwd(Q, K, V, O, LSE, DESC_Q, DESC_K, DESC_V, strides,
             pid, pid_h, b = tile_ids(tile, n_blocks, sched.heads, sched.batch, SPEC.causal,
                                      False)
             _fwd_block((pid, pid_h, b), Q, K, V, O, LSE, DESC_Q, DESC_K, DESC_V, strides,
-                       seq, score, drop, split, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, SPEC,
-                       KEYS, PACK_GQA, SPLIT, DROPOUT, PRECISION, TMA, FP8, BLOCK_M, BLOCK_N,
-                       WARP_SPEC)
+                       seq, score, drop, split, HEAD_DIM, BLOCK_D, HEAD_DIM_V,
+                       BLOCK_DV, SPEC, KEYS, PACK_GQA, SPLIT, DROPOUT, PRECISION, TMA, FP8,
+                       BLOCK_M, BLOCK_N, WARP_SPEC)
             tile = tl.atomic_add(sched.tiles, 1).to(tl.int64)
         # The last program to finish drawing resets the counter for the next launch on this
         # stream: every other program has drawn its last ticket before counting itself done.
@@ -197,16 +203,32 @@ def _fwd_block(tile, Q, K, V, O, LSE, DESC_Q, DESC_K, DESC_V, strides,
     # A paged cache's keys are not packed even when the queries are (PACKED_K).
     q_start, q_len, k_start, k_len = seq_bounds(b, seq, VARLEN, SEQUSED_K, PAGED == 0)
     start_m = pid_m * BLOCK_M
+    GROUP = seq.group
     if VARLEN:
-        # The grid covers the longest sequence; shorter ones leave programs with no rows.
-        if start_m >= q_len:
+        # The grid covers the longest sequence (times the group with PACK_GQA); shorter ones
+        # leave programs with no rows.
+        if start_m >= (GROUP * q_len if PACK_GQA else q_len):
             return
     offs_r = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    # A split head dim (HEAD_DIM > BLOCK_D: common.head_blocks): the first tile's BLOCK_D
+    # columns are all real (HEAD_DIM_1 of them), the second tile's HEAD_DIM_2 = HEAD_DIM -
+    # BLOCK_D are padded to BLOCK_D2 (derived here: a kernel parameter less).
+    BLOCK_D2: tl.constexpr = max(16, triton.next_power_of_2(HEAD_DIM - BLOCK_D)) \
+        if HEAD_DIM > BLOCK_D else 0
+    HEAD_DIM_1: tl.constexpr = BLOCK_D if BLOCK_D2 else HEAD_DIM
+    HEAD_DIM_2: tl.constexpr = HEAD_DIM - BLOCK_D if BLOCK_D2 else 0
+    EVEN_D: tl.constexpr = HEAD_DIM_1 == BLOCK_D
+    EVEN_D2: tl.constexpr = HEAD_DIM_2 == BLOCK_D2
     EVEN_DV: tl.constexpr = HEAD_DIM_V == BLOCK_DV
-    GROUP = seq.group
+    V_IN_K: tl.constexpr = KEYS.v_in_k
+    if BLOCK_D2 or V_IN_K:
+        tl.static_assert(TMA == 0 and not WARP_SPEC, "a split head dim / V in K: per-thread "
+                         "loads only")
+    if V_IN_K:
+        tl.static_assert(HEAD_DIM_V == HEAD_DIM_1 and BLOCK_DV == BLOCK_D,
+                         "V in K: V is the first K tile, whole")
     if PACK_GQA:
         # Row r is query i = r % q_len of query head kv_h * GROUP + r // q_len.
         kv_h = pid_h
@@ -254,9 +276,13 @@ def _fwd_block(tile, Q, K, V, O, LSE, DESC_Q, DESC_K, DESC_V, strides,
                       + tl.cast(q_start, tl.int64) * stride_q[2], q_len, stride_q[2],
                       HEAD_DIM, BLOCK_M, BLOCK_D).load([start_m, 0])
     else:
-        q = load_rows(Q + q_rows[:, None] + offs_d[None, :], offs_r, n_rows, offs_d, HEAD_DIM,
+        q = load_rows(Q + q_rows[:, None] + offs_d[None, :], offs_r, n_rows, offs_d, HEAD_DIM_1,
                       True, not EVEN_D)
     q = widen(q, WIDEN)
+    if BLOCK_D2:
+        offs_d2 = tl.arange(0, BLOCK_D2)
+        q2 = widen(load_rows(Q + q_rows[:, None] + BLOCK_D + offs_d2[None, :], offs_r, n_rows,
+                             offs_d2, HEAD_DIM_2, True, not EVEN_D2), WIDEN)
     FP8_MODE: tl.constexpr = FP8.mode
     N_MODS: tl.constexpr = len(SPEC.mods)
     if FP8_MODE != 0:
@@ -336,21 +362,30 @@ def _fwd_block(tile, Q, K, V, O, LSE, DESC_Q, DESC_K, DESC_V, strides,
                 page, page_row = page_rows(seq.block_table, seq.bt_stride, PAGED, b,
                                            offs_n, k_len, MASKED[RANGE])
                 rows_k = page.to(tl.int64) * stride_k[0] + page_row * stride_k[2]
-                k = load_rows(k_base + rows_k[:, None] + offs_d[None, :], offs_n, k_len,
-                              offs_d, HEAD_DIM, MASKED[RANGE], not EVEN_D)
+                k_ptrs = k_base + rows_k[:, None]
+                k = load_rows(k_ptrs + offs_d[None, :], offs_n, k_len, offs_d, HEAD_DIM_1,
+                              MASKED[RANGE], not EVEN_D)
             elif TMA == TMA_HOST:
                 k = desc_tile(DESC_K, b, kv_h, start_n, BLOCK_N, BLOCK_D)
             elif TMA:
                 k = k_desc.load([start_n, 0])
             else:
                 # 64-bit tile bases so huge (batch·seq·heads·dim > 2**31) tensors never wrap.
-                k = load_rows(k_base + start_n.to(tl.int64) * stride_k[2]
-                              + offs_n0[:, None] * stride_k[2] + offs_d[None, :],
-                              offs_n, k_len, offs_d, HEAD_DIM, MASKED[RANGE], not EVEN_D)
+                k_ptrs = k_base + start_n.to(tl.int64) * stride_k[2] \
+                    + offs_n0[:, None] * stride_k[2]
+                k = load_rows(k_ptrs + offs_d[None, :], offs_n, k_len, offs_d, HEAD_DIM_1,
+                              MASKED[RANGE], not EVEN_D)
             k = widen(k, WIDEN)
             if FP8_MODE == 2:
                 k = k.to(q.dtype)   # e4m3 -> fp16 / bf16 (fp32 when widened): exact
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            if BLOCK_D2:
+                # The columns past BLOCK_D (MLA's rope key): a second, narrow dot into S.
+                k2 = widen(load_rows(k_ptrs + BLOCK_D + offs_d2[None, :], offs_n, k_len, offs_d2,
+                                     HEAD_DIM_2, MASKED[RANGE], not EVEN_D2), WIDEN)
+                if FP8_MODE == 2:
+                    k2 = k2.to(q.dtype)
+                qk = tl.dot(q2, tl.trans(k2), qk, input_precision=DOT_PRECISION)
             if FP8_MODE != 0 and N_MODS != 0:
                 qk = qk * qk_descale   # the mods see the true scores
             x, x_scale = scaled_scores(qk, b, h_tile, offs_m[:, None], offs_n[None, :], diag,
@@ -365,7 +400,9 @@ def _fwd_block(tile, Q, K, V, O, LSE, DESC_Q, DESC_K, DESC_V, strides,
                 keep = dropout_keep(drop, drop_seed, drop_rows, offs_m, start_n, BLOCK_M, BLOCK_N,
                                     DROPOUT)
                 p = tl.where(keep, p, 0.0)
-            if PAGED:
+            if V_IN_K:
+                v = k   # V is K's first columns: the tile just read for the scores
+            elif PAGED:
                 rows_v = page.to(tl.int64) * stride_v[0] + page_row * stride_v[2]
                 v = load_rows(v_base + rows_v[:, None] + offs_dv[None, :], offs_n, k_len,
                               offs_dv, HEAD_DIM_V, MASKED[RANGE], not EVEN_DV)
@@ -489,7 +526,7 @@ _attn_fwd_tuned = triton.autotune(configs=_with_desc_blocks(fwd_configs()), key=
 def attention_forward(q, k, v, call=None, *, cu_seqlens_q=None, cu_seqlens_k=None,
                       max_seqlen_q=None, max_seqlen_k=None, k_lens=None, num_splits=1,
                       pack_gqa=None, out=None, config=None, tma=None, block_table=None,
-                      persistent=None, **call_fields):
+                      persistent=None, v_in_k=False, **call_fields):
     """Launch the fused forward on validated inputs.
 
     Args:
@@ -497,7 +534,8 @@ def attention_forward(q, k, v, call=None, *, cu_seqlens_q=None, cu_seqlens_k=Non
             (query head h reads kv head h // (heads_q // heads_kv)); v may have its own head
             dim Dv (then o has Dv). Packed sequences (with ``cu_seqlens_q``): q (total_q,
             heads_q, D), k (total_k, heads_kv, D), v (total_k, heads_kv, Dv). Same dtype and
-            device, unit stride in the last dim (any other strides), 1 <= D, Dv <= 512.
+            device, unit stride in the last dim (any other strides), 1 <= D, Dv <= 512; D up
+            to 576 (``common.MAX_HEAD_DIM_LATENT``) with k_lens (the cache paths).
         call: the call's ``AttentionCall`` (kernels/core/call.py: causal, softmax_scale,
             dropout_p, seed, window, chunk_size, drop_layout, mods); or its fields as keywords
             (``causal=``,
@@ -530,6 +568,10 @@ def attention_forward(q, k, v, call=None, *, cu_seqlens_q=None, cu_seqlens_k=Non
             packed queries (``cu_seqlens_q``, no ``cu_seqlens_k``; not with dropout) too: one
             table row per sequence, whose key count is k_lens[s]
             (``kvcache.varlen_paged_forward`` takes the caches unviewed).
+        v_in_k: v is k's first Dv columns (the same pointer and strides; MLA's latent cache):
+            the kernel reads V from the K tiles (``KeyLayout.v_in_k``) where the tiles allow it
+            (Dv = min(D, 512) and per-thread loads), else from v as usual. The caller's plan
+            key must hold it: plans are not keyed on pointers.
         FP8 (kernels/core/fp8.py; forward only, no dropout): q, k, v torch.float8_e4m3fn, or
             k, v e4m3 with fp16 / bf16 q; their descales in ``call.mods.descale``
             (``mods.Descale(q, k, v)``, each None = 1 or fp32 (B or num_seqs, heads_kv), any
@@ -545,7 +587,8 @@ def attention_forward(q, k, v, call=None, *, cu_seqlens_q=None, cu_seqlens_k=Non
     plan = ForwardPlan(q, k, v, call, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, k_lens=k_lens,
                        num_splits=num_splits, pack_gqa=pack_gqa, config=config, tma=tma,
-                       block_table=block_table, out=out, persistent=persistent)
+                       block_table=block_table, out=out, persistent=persistent,
+                       v_in_k=v_in_k)
     return plan(q, k, v, call, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                 k_lens=k_lens, block_table=block_table, out=out)
 
@@ -560,7 +603,7 @@ class ForwardPlan:
     def __init__(self, q, k, v, call, *, cu_seqlens_q=None, cu_seqlens_k=None,
                  max_seqlen_q=None, max_seqlen_k=None, k_lens=None, num_splits=1,
                  pack_gqa=None, config=None, tma=None, block_table=None, out=None,
-                 persistent=None):
+                 persistent=None, v_in_k=False):
         paged = block_table is not None
         if paged and cu_seqlens_q is not None:
             pb = paged_varlen_problem(q, k, v, cu_seqlens_q, max_seqlen_q, block_table)
@@ -580,8 +623,12 @@ class ForwardPlan:
         if self.empty:
             return
         if pack_gqa is None:
-            pack_gqa = pb.group > 1 and not pb.varlen and pb.q_len <= PACK_GQA_MAX_Q_LEN
-        assert not (pack_gqa and pb.varlen), "packed GQA heads are for dense (decoding) calls"
+            # Decoding: a few queries per sequence, dense or packed over pages (MLA's 128 query
+            # heads on one latent head fill a tile with one token each).
+            pack_gqa = (pb.group > 1 and (paged or not pb.varlen)
+                        and pb.q_len <= PACK_GQA_MAX_Q_LEN)
+        assert not (pack_gqa and pb.varlen and not paged), \
+            "packed GQA heads: dense calls or packed queries over pages (no dropout)"
         rows, heads = (pb.group * pb.q_len, pb.heads_kv) if pack_gqa else (pb.q_len, pb.heads)
         if num_splits == 0:
             # A paged cache's k_len is its capacity; max_seqlen_k, when given, is tighter.
@@ -612,8 +659,13 @@ class ForwardPlan:
         self.score = None if call.mods.has_tensors else self.score_args(call)
         self.split = SplitArgs(o_part=dummy, lse_part=dummy, num_splits=num_splits,
                                n_rows=self.lse_numel)
-        if paged:
-            tma = 0   # a tile's rows may lie on different pages: no descriptor box
+        block_dk, block_d2 = head_blocks(D)
+        # V read from the K tiles: only as the first K tile, whole, with per-thread loads.
+        v_in_k = bool(v_in_k) and Dv == min(D, block_dk) and block_d(Dv) == block_dk
+        if paged or block_d2 or v_in_k:
+            # A tile's rows may lie on different pages: no descriptor box. A split head dim
+            # and V inside K are per-thread loads (descriptors: one box per tensor).
+            tma = 0
         elif tma is None:
             tma = tma_mode(pb, pack_gqa=bool(pack_gqa), dense=k_lens is None)
         # Host descriptors (TMA_HOST): made per call from q, k, v, passed as the DESC_*
@@ -629,10 +681,10 @@ class ForwardPlan:
         fixed = dict(strides=FwdStrides(q=pb.strides(pb.q), k=kv_strides(pb.k),
                                         v=kv_strides(pb.v), o=o_strides, lse=pb.lse_strides),
                      BUCKETS=pb.tune_buckets(),
-                     HEAD_DIM=D, BLOCK_D=block_d(D), HEAD_DIM_V=Dv, BLOCK_DV=block_d(Dv),
-                     SPEC=score_spec(call, q.dtype), KEYS=KeyLayout(
+                     HEAD_DIM=D, BLOCK_D=block_dk, HEAD_DIM_V=Dv,
+                     BLOCK_DV=block_d(Dv), SPEC=score_spec(call, q.dtype), KEYS=KeyLayout(
                          varlen=pb.varlen, k_lens=k_lens is not None,
-                         page_size=k.shape[2] if paged else 0),
+                         page_size=k.shape[2] if paged else 0, v_in_k=v_in_k),
                      PACK_GQA=bool(pack_gqa), SPLIT=num_splits > 1, DROPOUT=call.dropout_mode,
                      PRECISION=Precision(widen=widen_bf16(q.dtype),
                                          dot=dot_precision(q.dtype)), TMA=tma,

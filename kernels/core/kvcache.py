@@ -20,6 +20,15 @@ from .paged import page_rows, paged_view
 _APPEND_BLOCK_M = 16
 
 
+def v_is_k_prefix(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether ``v_cache`` is ``k_cache[..., :Dv]``: the same first element and strides, the
+    same shape but a head dim no wider (MLA's latent cache, whose values are the first 512 of
+    its 576 columns). The forward then reads V from the K tiles (``KeyLayout.v_in_k``)."""
+    return (v_cache.data_ptr() == k_cache.data_ptr() and v_cache.dtype == k_cache.dtype
+            and v_cache.stride() == k_cache.stride()
+            and v_cache.shape[:-1] == k_cache.shape[:-1] and v_cache.shape[-1] <= k_cache.shape[-1])
+
+
 @triton.jit
 def _append_kv(K_CACHE, V_CACHE, K, V, SEQLENS, stride_kc, stride_vc, stride_k, stride_v,
                n_new, max_len, BLOCK_TABLE, bt_stride, page_size, descale,
@@ -201,10 +210,11 @@ class KVCachePlan:
         self.one = None if k is None else _append_one(k_cache, k)
         self.new = 0 if k is None else q.shape[2]
         k_lens = cache_seqlens if k is None else cache_seqlens + self.new
+        v_in_k = v_is_k_prefix(k_cache, v_cache)
         if block_table is not None:
             k_cache, v_cache = paged_view(k_cache), paged_view(v_cache)
         self.fwd = ForwardPlan(q, k_cache, v_cache, call, k_lens=k_lens, num_splits=num_splits,
-                               block_table=block_table)
+                               block_table=block_table, v_in_k=v_in_k)
 
     def __call__(self, q, k_cache, v_cache, cache_seqlens, k, v, call, *, block_table=None):
         block_table = _unit_columns(block_table)
@@ -270,7 +280,7 @@ class VarlenPagedPlan:
                                cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
                                max_seqlen_k=max_seqlen_k, k_lens=seqused_k,
                                block_table=_unit_columns(block_table), num_splits=num_splits,
-                               out=out, config=config)
+                               out=out, config=config, v_in_k=v_is_k_prefix(k_cache, v_cache))
 
     def __call__(self, q, k_cache, v_cache, call, *, cu_seqlens_q, seqused_k, block_table,
                  out=None):
