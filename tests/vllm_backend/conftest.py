@@ -32,7 +32,8 @@ def _save(model_cls, config, path):
 def models(tmp_path_factory):
     """{name: directory} of tiny random fp32 models. Weights are drawn wider than the default
     (initializer_range) so greedy choices are far from ties between implementations."""
-    from transformers import (BloomConfig, BloomForCausalLM, Gemma2Config, Gemma2ForCausalLM,
+    from transformers import (BloomConfig, BloomForCausalLM, DeepseekV3Config,
+                              DeepseekV3ForCausalLM, Gemma2Config, Gemma2ForCausalLM,
                               GptOssConfig, GptOssForCausalLM, LlamaConfig, LlamaForCausalLM)
     root = tmp_path_factory.mktemp("vllm_models")
     common = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -54,6 +55,17 @@ def models(tmp_path_factory):
         "bloom": _save(BloomForCausalLM, BloomConfig(
             vocab_size=512, hidden_size=128, n_layer=2, n_head=4, initializer_range=0.2,
             torch_dtype="float32"), root / "bloom"),
+        # MLA (DeepSeek-V3's latent attention, test_mla.py): DeepSeek's real latent sizes
+        # (kv_lora_rank 512 + rope 64 = the 576-wide cache row; q/k heads 128 + 64, v heads
+        # 128), small elsewhere; first_k_dense_replace = num_hidden_layers: dense MLPs only,
+        # no MoE runs
+        "deepseek_v3": _save(DeepseekV3ForCausalLM, DeepseekV3Config(
+            vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+            num_hidden_layers=2, first_k_dense_replace=2, num_attention_heads=4,
+            num_key_value_heads=4, kv_lora_rank=512, q_lora_rank=128, qk_rope_head_dim=64,
+            qk_nope_head_dim=128, v_head_dim=128, n_routed_experts=8, num_experts_per_tok=2,
+            n_group=1, topk_group=1, max_position_embeddings=256, initializer_range=0.2,
+            torch_dtype="float32"), root / "deepseek_v3"),
     }
 
 

@@ -160,19 +160,24 @@ def test_a_steady_decode_step_reads_no_metadata_and_hits_its_plan(vb, monkeypatc
 def test_registration_and_the_cpu_override(vb, monkeypatch):
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
     import kernels.vllm as kv
-    original = AttentionBackendEnum.CPU_ATTN.get_path()
+    # (register() also puts the MLA backend in CPU_MLA's and AMX_MLA's places: restored too;
+    # test_mla_backend.py checks those)
+    slots = (AttentionBackendEnum.CPU_ATTN, AttentionBackendEnum.CPU_MLA,
+             AttentionBackendEnum.AMX_MLA)
+    original = {e: e.get_path() for e in slots}
     monkeypatch.delenv(kv.ENV_CPU_OVERRIDE, raising=False)
     kv.register()
     kv.register()   # idempotent: the entry point runs in every process, maybe twice
     assert AttentionBackendEnum["TRITON_FUSED"].get_class() is vb.TritonFusedBackend
-    assert AttentionBackendEnum.CPU_ATTN.get_path() == original   # nothing else changed
+    assert {e: e.get_path() for e in slots} == original   # nothing else changed
     monkeypatch.setenv(kv.ENV_CPU_OVERRIDE, "1")
     try:
         kv.register()
         assert AttentionBackendEnum.CPU_ATTN.get_path() == kv.BACKEND_PATH
     finally:
         from vllm.v1.attention.backends.registry import register_backend
-        register_backend(AttentionBackendEnum.CPU_ATTN, original)
+        for e, path in original.items():
+            register_backend(e, path)
 
 
 @pytest.mark.parametrize("what, kwargs, reason", [

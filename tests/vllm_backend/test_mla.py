@@ -1,0 +1,75 @@
+"""Our MLA backend (``TRITON_FUSED_MLA``) inside vLLM's own engine (vLLM's CPU build): a tiny
+random DeepSeek-V3 (latent attention: one 576-wide latent row per token, the query heads
+attending to it absorbed at decode, up-projected at prefill) generates the greedy tokens of
+transformers' eager attention and of vLLM's own CPU_MLA backend, several decode steps after
+prompts of 5, 17 and 40 tokens; and once through the Triton interpreter (the paged and
+split-KV kernels themselves over the 576-wide latent, values read as its first 512 columns).
+
+Every vLLM run here turns vLLM's ``rotary_embedding`` custom op off (``custom_ops: ["all",
+"-rotary_embedding"]``: its PyTorch implementation instead): vLLM's CPU rotary kernel
+mis-handles MLA's strided 3-D q_pe / k_pe, which puts vLLM's CPU_MLA itself far from
+transformers; without it CPU_MLA matches transformers to ~2e-5 in logprobs.
+
+vLLM's CPU platform turns chunked prefill and prefix caching off for MLA models (only AMX
+CPUs keep them), so no engine here has cached context at prefill: that path
+(``forward_mha`` with context) is tested below the engine, test_mla_backend.py."""
+import pytest
+
+from engine_helpers import PROMPTS, run_engines
+from test_engine import LOGPROB_TOL, MAX_TOKENS, _transformers
+
+# vLLM's own CPU rotary op is wrong for MLA's strided q_pe / k_pe (see the module docstring).
+NO_CPU_ROTARY = {"compilation_config": {"custom_ops": ["all", "-rotary_embedding"]}}
+# Both engines ask for CPU_MLA: the CPU platform's choice on CPUs without AMX (AMX CPUs get
+# AMX_MLA unless CPU_MLA is asked for); with KERNELS_VLLM=1 ours is in its place.
+ENGINE = dict(NO_CPU_ROTARY, attention_backend="CPU_MLA")
+
+
+@pytest.fixture(scope="module")
+def served(models):
+    """(run, ours, vLLM CPU_MLA's, transformers' (tokens, logprobs)): one process each."""
+    run = dict(model=models["deepseek_v3"], prompts=PROMPTS, max_tokens=MAX_TOKENS,
+               engine=ENGINE)
+    (ours,) = run_engines([run], ours=True)
+    (theirs,) = run_engines([run], ours=False)
+    return run, ours, theirs, _transformers(run["model"], PROMPTS, MAX_TOKENS)
+
+
+def test_mla_tokens_equal_transformers_and_vllm_cpu_mla(served):
+    run, ours, theirs, (ref_tokens, ref_lps) = served
+    assert ours["tokens"] == theirs["tokens"], "ours vs vLLM's CPU_MLA"
+    assert ours["tokens"] == ref_tokens, "ours vs transformers"
+    for got, want, ref in zip(ours["logprobs"], theirs["logprobs"], ref_lps):
+        assert max(abs(x - y) for x, y in zip(got, want)) <= LOGPROB_TOL
+        assert max(abs(x - y) for x, y in zip(got, ref)) <= LOGPROB_TOL
+
+
+def test_mla_served_by_ours_prefill_and_decode(served):
+    """Not the tokens: the MLA layers' impl class and our call counters (prefill, every decode
+    step, cache writes); vLLM's run has its own impl and none of our calls."""
+    _, ours, theirs, _ = served
+    (probe,), (their_probe,) = ours["probe"], theirs["probe"]
+    assert probe["impls"] == ["TritonFusedMLAImpl"], probe
+    calls = probe["calls"]
+    layers = 2
+    assert calls["mla_prefill"] >= layers, calls
+    assert calls["mla_decode"] >= layers * (MAX_TOKENS - 1), calls   # every decode step
+    assert calls["mla_cache_write"] >= layers * MAX_TOKENS, calls
+    assert their_probe["impls"] == ["CPUMLAImpl"] and not their_probe["calls"], their_probe
+
+
+def test_triton_interpreter_serves_mla(models):
+    """TRITON_INTERPRET=1: the Triton kernels themselves (packed prefill over 192-wide q/k and
+    128-wide v; paged decode and its split-KV form, 2 splits forced, over the 576-wide
+    latent with values its first 512 columns) serve the engine: transformers' tokens."""
+    prompts, max_tokens = PROMPTS[:2], 3
+    run = dict(model=models["deepseek_v3"], prompts=prompts, max_tokens=max_tokens,
+               engine=ENGINE)
+    (res,) = run_engines([run], extra_env={"TRITON_INTERPRET": "1",
+                                           "KERNELS_VLLM_DECODE_SPLITS": "2"})
+    ref, ref_lps = _transformers(run["model"], prompts, max_tokens)
+    assert res["tokens"] == ref
+    for got, want in zip(res["logprobs"], ref_lps):
+        assert max(abs(x - y) for x, y in zip(got, want)) <= LOGPROB_TOL
+    calls = res["probe"][0]["calls"]
+    assert calls["mla_prefill"] > 0 and calls["mla_decode"] > 0, calls
