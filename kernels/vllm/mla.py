@@ -198,9 +198,12 @@ class TritonFusedMLAImpl(MLACommonImpl[MLACommonMetadata]):
         super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes,
                          sliding_window, kv_cache_dtype, logits_soft_cap, attn_type,
                          kv_sharing_target_layer_name, **mla_args)
-        if self.dcp_world_size > 1:
-            raise NotImplementedError(f"{MLA_BACKEND_NAME} cannot serve this layer: decode "
-                                      f"context parallelism not supported")
+        from vllm.config import get_current_vllm_config
+        parallel = get_current_vllm_config().parallel_config
+        if self.dcp_world_size > 1 or parallel.prefill_context_parallel_size > 1:
+            # (supports_dcp / supports_pcp are False: vLLM's GPU selection says so too)
+            raise NotImplementedError(f"{MLA_BACKEND_NAME} cannot serve this layer: decode / "
+                                      f"prefill context parallelism not supported")
         self.fp8 = kv_cache_dtype in FP8_CACHE_DTYPES
         # The query stays in the model's dtype with an FP8 cache: our FP8-cache kernel takes
         # fp16 / bf16 queries and dequantizes the pages it reads.

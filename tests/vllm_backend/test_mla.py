@@ -25,18 +25,25 @@ NO_CPU_ROTARY = {"compilation_config": {"custom_ops": ["all", "-rotary_embedding
 ENGINE = dict(NO_CPU_ROTARY, attention_backend="CPU_MLA")
 
 
+# bf16 logprobs of two implementations (ours and CPU_MLA: 0.05 apart on this model).
+BF16_LOGPROB_TOL = 0.15
+
+
 @pytest.fixture(scope="module")
 def served(models):
-    """(run, ours, vLLM CPU_MLA's, transformers' (tokens, logprobs)): one process each."""
-    run = dict(model=models["deepseek_v3"], prompts=PROMPTS, max_tokens=MAX_TOKENS,
-               engine=ENGINE)
-    (ours,) = run_engines([run], ours=True)
-    (theirs,) = run_engines([run], ours=False)
-    return run, ours, theirs, _transformers(run["model"], PROMPTS, MAX_TOKENS)
+    """(ours, vLLM CPU_MLA's, transformers' (tokens, logprobs)): fp32 and bf16 engines, and
+    ours alone with an FP8 cache (CPU_MLA has none); one process for each backend."""
+    fp32 = dict(model=models["deepseek_v3"], prompts=PROMPTS, max_tokens=MAX_TOKENS,
+                engine=ENGINE)
+    bf16 = dict(fp32, engine=dict(ENGINE, dtype="bfloat16"))
+    fp8 = dict(fp32, engine=dict(ENGINE, dtype="bfloat16", kv_cache_dtype="fp8"))
+    ours = run_engines([fp32, bf16, fp8], ours=True)
+    theirs = run_engines([fp32, bf16], ours=False)
+    return ours, theirs, _transformers(fp32["model"], PROMPTS, MAX_TOKENS)
 
 
 def test_mla_tokens_equal_transformers_and_vllm_cpu_mla(served):
-    run, ours, theirs, (ref_tokens, ref_lps) = served
+    (ours, _, _), (theirs, _), (ref_tokens, ref_lps) = served
     assert ours["tokens"] == theirs["tokens"], "ours vs vLLM's CPU_MLA"
     assert ours["tokens"] == ref_tokens, "ours vs transformers"
     for got, want, ref in zip(ours["logprobs"], theirs["logprobs"], ref_lps):
@@ -44,10 +51,22 @@ def test_mla_tokens_equal_transformers_and_vllm_cpu_mla(served):
         assert max(abs(x - y) for x, y in zip(got, ref)) <= LOGPROB_TOL
 
 
+def test_mla_bf16_and_an_fp8_cache(served):
+    """bf16: CPU_MLA's tokens. An FP8 latent cache (ours only): the first token of each prompt
+    comes from the prefill, which reads the new tokens' exact latents, so it is bf16's; the
+    decode steps read the quantized cache (e4m3 on random weights: the tokens part later)."""
+    (_, bf16, fp8), (_, their_bf16), _ = served
+    assert bf16["tokens"] == their_bf16["tokens"]
+    for got, want in zip(bf16["logprobs"], their_bf16["logprobs"]):
+        assert max(abs(x - y) for x, y in zip(got, want)) <= BF16_LOGPROB_TOL
+    assert [t[0] for t in fp8["tokens"]] == [t[0] for t in bf16["tokens"]]
+    assert all(len(t) == MAX_TOKENS for t in fp8["tokens"])
+
+
 def test_mla_served_by_ours_prefill_and_decode(served):
     """Not the tokens: the MLA layers' impl class and our call counters (prefill, every decode
     step, cache writes); vLLM's run has its own impl and none of our calls."""
-    _, ours, theirs, _ = served
+    (ours, _, _), (theirs, _), _ = served
     (probe,), (their_probe,) = ours["probe"], theirs["probe"]
     assert probe["impls"] == ["TritonFusedMLAImpl"], probe
     calls = probe["calls"]
