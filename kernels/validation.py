@@ -423,7 +423,10 @@ _HOST_VALUES = WeakIdKeyDictionary()   # by identity: tensors' == is elementwise
 def _host_values(cu):
     """``cu.tolist()`` (a small device-to-host copy: a sync on a GPU), read once per tensor
     and version: the layers of a model share their mask's cu_seqlens, so a forward pass syncs
-    once per mask, not once per layer."""
+    once per mask, not once per layer. Inference tensors (made under torch.inference_mode,
+    as vLLM's metadata) have no version counter and change in place unseen: read each time."""
+    if cu.is_inference():
+        return cu.tolist()
     hit = _HOST_VALUES.get(cu)
     if hit is not None and hit[0] == cu._version:
         return hit[1]

@@ -150,17 +150,6 @@ def _paged(kv_cache: torch.Tensor, fp8: bool) -> torch.Tensor:
     return cache
 
 
-def _versioned(cu: torch.Tensor) -> torch.Tensor:
-    """``cu`` itself, or a copy where vLLM made it under ``torch.inference_mode``: the packed
-    call caches the values it reads from a cu_seqlens tensor by the tensor's version counter,
-    which inference tensors lack (RuntimeError "Inference tensors do not track version
-    counter"). (int32 (num_seqs + 1,): a negligible copy.)"""
-    if not cu.is_inference():
-        return cu
-    with torch.inference_mode(False):
-        return cu.clone()
-
-
 class TritonFusedMLAImpl(MLACommonImpl[MLACommonMetadata]):
     """Our MLA for one vLLM layer: cache writes, decode and prefill (see the module)."""
 
@@ -278,7 +267,7 @@ class TritonFusedMLAImpl(MLACommonImpl[MLACommonMetadata]):
         else:
             CALLS["mla_prefill_context"] += 1
             k, v, cu_k, max_k = self._with_context(k, v, kv_c_and_k_pe_cache, pm, k_scale)
-        result = kernels.attention_varlen(q, k, v, _versioned(cu_q), _versioned(cu_k), max_q,
+        result = kernels.attention_varlen(q, k, v, cu_q, cu_k, max_q,
                                           max_k, causal=True, softmax_scale=self.scale)
         output.view(-1, self.num_heads, self.v_head_dim).copy_(result)
 

@@ -413,3 +413,22 @@ def test_varlen_gpu():
     lens = [1, 700, 1024, 0, 33, 2048, 129]
     check_varlen(lens, lens, 16, 4, 128, BF16, window=512, dropout_p=0.1, seed=12)
     check_varlen(lens, [n + 5 for n in lens], 8, 8, 64, F16, causal=False)
+
+
+def test_varlen_cu_seqlens_made_in_inference_mode():
+    """cu_seqlens made under torch.inference_mode (vLLM's metadata) have no version counter:
+    the packed call reads them each time instead of caching their values by version (it raised
+    "Inference tensors do not track version counter"), and an in-place change of their
+    values between calls is seen."""
+    total = 12
+    q, k, v = (randn(total, 2, 16, dtype=F32) for _ in range(3))
+    with torch.inference_mode():
+        cu = torch.tensor([0, 5, total], dtype=torch.int32, device=DEVICE)
+    for split in (5, 9):
+        with torch.inference_mode():
+            cu[1] = split
+            out = kernels.attention_varlen(q, k, v, cu, cu)
+        for lo, hi in ((0, split), (split, total)):
+            ref = reference.attention(*(t[lo:hi].transpose(0, 1)[None] for t in (q, k, v)))
+            torch.testing.assert_close(out[lo:hi], ref[0].transpose(0, 1).to(out.dtype),
+                                       atol=1e-5, rtol=1e-5)
