@@ -95,6 +95,11 @@ QUICK = {
         "tests/core/test_paged_kvcache.py::test_paged_value_head_dim_and_strided_table",
         "tests/core/test_paged_serving.py::test_out_and_splits_match_the_oracle[kernel]",
     ],
+    "MLA's latent cache (head_dim 576, values in the keys' rows)": [
+        "tests/core/test_mla.py::test_kvcache_matches_the_non_absorbed_oracle"
+        "[kernel-page13-mtp4-split]",
+        "tests/core/test_mla.py::test_varlen_mixed_decode_and_prefill_rows[kernel]",
+    ],
     "mods (softcap, ALiBi, score/mask mods, sinks, chunks)": [
         "tests/core/test_mods.py::test_feature_parity[everything]",
     ],
