@@ -22,9 +22,10 @@ decode, ``W_UV`` after it, ``kv_b_proj`` for prefill) and calls three methods of
   ``kernels.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=True)`` runs over
   the prefill sequences (vLLM's selected MLA prefill backend is not used). With context in the
   cache (chunked prefill, prefix-cache hits: GPU platforms; vLLM's CPU platform turns both
-  off for MLA), the context latents are gathered from the pages, up-projected and put before
-  each sequence's new keys, and the same call's bottom-right causal mask does the rest (no
-  log-sum-exp merge).
+  off for MLA unless the CPU has AMX, and only a test engine of ours keeps them there:
+  docs/integrations.md), the context latents are gathered from the pages, up-projected and
+  put before each sequence's new keys, and the same call's bottom-right causal mask does the
+  rest (no log-sum-exp merge).
 """
 import collections
 from dataclasses import dataclass

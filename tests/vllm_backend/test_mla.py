@@ -2,21 +2,25 @@
 random DeepSeek-V3 (latent attention: one 576-wide latent row per token, the query heads
 attending to it absorbed at decode, up-projected at prefill) generates the greedy tokens of
 transformers' eager attention and of vLLM's own CPU_MLA backend, several decode steps after
-prompts of 5, 17 and 40 tokens; and once through the Triton interpreter (the paged and
+prompts of 5, 17, 40, 67 and 69 tokens; and once through the Triton interpreter (the paged and
 split-KV kernels themselves over the 576-wide latent, values read as its first 512 columns).
 
 Every vLLM run here turns vLLM's ``rotary_embedding`` custom op off (``custom_ops: ["all",
 "-rotary_embedding"]``: its PyTorch implementation instead): vLLM's CPU rotary kernel
 mis-handles MLA's strided 3-D q_pe / k_pe, which puts vLLM's CPU_MLA itself far from
-transformers; without it CPU_MLA matches transformers to ~2e-5 in logprobs.
+transformers; without it CPU_MLA matches transformers to ~4e-5 in logprobs.
 
 vLLM's CPU platform turns chunked prefill and prefix caching off for MLA models (only AMX
-CPUs keep them), so no engine here has cached context at prefill: that path
-(``forward_mha`` with context) is tested below the engine, test_mla_backend.py."""
+CPUs keep them). One engine of ours here keeps them anyway (driver.py's
+``mla_cpu_chunked_prefill``: the platform's hook is kept from changing those settings, in the
+driver process, for our backend only): 32-token steps (prompts over 32 tokens are prefilled in
+chunks, each later chunk reading the earlier ones' latents from the pages) and a second round
+that hits the prefix cache, so ``forward_mha`` with cached context serves an engine; compared
+with transformers and with our non-chunked engine (CPU_MLA has no context support)."""
 import pytest
 
 from engine_helpers import PROMPTS, run_engines
-from test_engine import LOGPROB_TOL, MAX_TOKENS, _transformers
+from test_engine import LOGPROB_TOL, MAX_TOKENS, PREFIX_PROMPTS, _transformers
 
 # vLLM's own CPU rotary op is wrong for MLA's strided q_pe / k_pe (see the module docstring).
 NO_CPU_ROTARY = {"compilation_config": {"custom_ops": ["all", "-rotary_embedding"]}}
@@ -29,21 +33,30 @@ ENGINE = dict(NO_CPU_ROTARY, attention_backend="CPU_MLA")
 BF16_LOGPROB_TOL = 0.15
 
 
+# The fp32 engines' prompts: 5, 17 and 40 tokens, and two of 67 and 69 sharing their first 64.
+FP32_PROMPTS = PROMPTS + PREFIX_PROMPTS
+# Page size: vLLM's CPU platform forces 16 for MLA models (CPU_MLA's place).
+MLA_PAGE = 16
+
+
 @pytest.fixture(scope="module")
 def served(models):
-    """(ours, vLLM CPU_MLA's, transformers' (tokens, logprobs)): fp32 and bf16 engines, and
-    ours alone with an FP8 cache (CPU_MLA has none); one process for each backend."""
-    fp32 = dict(model=models["deepseek_v3"], prompts=PROMPTS, max_tokens=MAX_TOKENS,
+    """(ours, vLLM CPU_MLA's, transformers' (tokens, logprobs)): fp32 and bf16 engines; ours
+    alone with an FP8 cache (CPU_MLA has none) and fp32 with chunked prefill and prefix
+    caching (CPU_MLA has no context support); one process for each backend."""
+    fp32 = dict(model=models["deepseek_v3"], prompts=FP32_PROMPTS, max_tokens=MAX_TOKENS,
                 engine=ENGINE)
-    bf16 = dict(fp32, engine=dict(ENGINE, dtype="bfloat16"))
-    fp8 = dict(fp32, engine=dict(ENGINE, dtype="bfloat16", kv_cache_dtype="fp8"))
-    ours = run_engines([fp32, bf16, fp8], ours=True)
+    bf16 = dict(fp32, prompts=PROMPTS, engine=dict(ENGINE, dtype="bfloat16"))
+    fp8 = dict(bf16, engine=dict(ENGINE, dtype="bfloat16", kv_cache_dtype="fp8"))
+    chunked = dict(fp32, rounds=2, mla_cpu_chunked_prefill=True, engine=dict(
+        ENGINE, max_num_batched_tokens=32, enable_prefix_caching=True))
+    ours = run_engines([fp32, bf16, fp8, chunked], ours=True)
     theirs = run_engines([fp32, bf16], ours=False)
-    return ours, theirs, _transformers(fp32["model"], PROMPTS, MAX_TOKENS)
+    return ours, theirs, _transformers(fp32["model"], FP32_PROMPTS, MAX_TOKENS)
 
 
 def test_mla_tokens_equal_transformers_and_vllm_cpu_mla(served):
-    (ours, _, _), (theirs, _), (ref_tokens, ref_lps) = served
+    (ours, _, _, _), (theirs, _), (ref_tokens, ref_lps) = served
     assert ours["tokens"] == theirs["tokens"], "ours vs vLLM's CPU_MLA"
     assert ours["tokens"] == ref_tokens, "ours vs transformers"
     for got, want, ref in zip(ours["logprobs"], theirs["logprobs"], ref_lps):
@@ -55,7 +68,7 @@ def test_mla_bf16_and_an_fp8_cache(served):
     """bf16: CPU_MLA's tokens. An FP8 latent cache (ours only): the first token of each prompt
     comes from the prefill, which reads the new tokens' exact latents, so it is bf16's; the
     decode steps read the quantized cache (e4m3 on random weights: the tokens part later)."""
-    (_, bf16, fp8), (_, their_bf16), _ = served
+    (_, bf16, fp8, _), (_, their_bf16), _ = served
     assert bf16["tokens"] == their_bf16["tokens"]
     for got, want in zip(bf16["logprobs"], their_bf16["logprobs"]):
         assert max(abs(x - y) for x, y in zip(got, want)) <= BF16_LOGPROB_TOL
@@ -66,7 +79,7 @@ def test_mla_bf16_and_an_fp8_cache(served):
 def test_mla_served_by_ours_prefill_and_decode(served):
     """Not the tokens: the MLA layers' impl class and our call counters (prefill, every decode
     step, cache writes); vLLM's run has its own impl and none of our calls."""
-    (ours, _, _), (theirs, _), _ = served
+    (ours, _, _, _), (theirs, _), _ = served
     (probe,), (their_probe,) = ours["probe"], theirs["probe"]
     assert probe["impls"] == ["TritonFusedMLAImpl"], probe
     calls = probe["calls"]
@@ -75,6 +88,34 @@ def test_mla_served_by_ours_prefill_and_decode(served):
     assert calls["mla_decode"] >= layers * (MAX_TOKENS - 1), calls   # every decode step
     assert calls["mla_cache_write"] >= layers * MAX_TOKENS, calls
     assert their_probe["impls"] == ["CPUMLAImpl"] and not their_probe["calls"], their_probe
+
+
+def _max_gap(a, b):
+    return max(max(abs(x - y) for x, y in zip(got, want)) for got, want in zip(a, b))
+
+
+def test_mla_chunked_prefill_and_prefix_cache_hits(served):
+    """A configuration vLLM's CPU platform refuses for MLA by default (driver.py's
+    ``mla_cpu_chunked_prefill`` keeps it): 32-token steps, so the 40-, 67- and 69-token
+    prompts are prefilled in chunks (a later chunk reads the earlier chunks' latents from the
+    pages), and a second round of the same prompts whose full pages are prefix-cache hits.
+    Both rounds: transformers' tokens, as close in logprobs as CPU_MLA's non-chunked engine
+    is (+ LOGPROB_TOL); our non-chunked engine's tokens, logprobs within LOGPROB_TOL."""
+    (plain, _, _, chunked), (theirs, _), (ref_tokens, ref_lps) = served
+    (probe,) = chunked["probe"]
+    assert probe["impls"] == ["TritonFusedMLAImpl"], probe
+    assert probe["calls"]["mla_prefill_context"] > 0, probe["calls"]   # cached context read
+    n = len(FP32_PROMPTS)
+    # second round: every full page of each prompt from the prefix cache (none for 5 tokens)
+    hits = [len(p) // MLA_PAGE * MLA_PAGE for p in FP32_PROMPTS]
+    assert chunked["cached"][n:] == hits and hits[2:] == [32, 64, 64], chunked["cached"]
+    their_gap = _max_gap(theirs["logprobs"], ref_lps)
+    for r in range(2):
+        tokens, lps = chunked["tokens"][r * n:(r + 1) * n], chunked["logprobs"][r * n:(r + 1) * n]
+        assert tokens == ref_tokens, f"round {r}: ours chunked vs transformers"
+        assert tokens == plain["tokens"], f"round {r}: ours chunked vs ours not chunked"
+        assert _max_gap(lps, ref_lps) <= max(their_gap, LOGPROB_TOL), r
+        assert _max_gap(lps, plain["logprobs"]) <= LOGPROB_TOL, r
 
 
 def test_triton_interpreter_serves_mla(models):
