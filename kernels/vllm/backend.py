@@ -158,15 +158,22 @@ class TritonFusedBackend(AttentionBackend):
     @classmethod
     def supports_combination(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla,
                              has_sink, use_sparse, use_mm_prefix, device_capability):
-        if kv_cache_dtype in FP8_CACHE_DTYPES:
-            if dtype not in (torch.float16, torch.bfloat16):
-                return (f"an FP8 KV cache needs a float16 or bfloat16 model with {BACKEND_NAME} "
-                        f"(its FP8-cache kernel), got {dtype}")
-            from vllm.platforms import current_platform
-            if current_platform.fp8_dtype() != torch.float8_e4m3fn:
-                return (f"{BACKEND_NAME}'s FP8 caches are float8_e4m3fn; this platform's fp8 "
-                        f"is {current_platform.fp8_dtype()}")
-        return None
+        return fp8_cache_refusal(BACKEND_NAME, dtype, kv_cache_dtype)
+
+
+def fp8_cache_refusal(name: str, dtype: torch.dtype, kv_cache_dtype: str) -> Optional[str]:
+    """Why backend ``name`` cannot serve an FP8 ``kv_cache_dtype`` for a ``dtype`` model on
+    this platform, or None (also for caches that are not FP8): the FP8-cache kernel reads
+    float8_e4m3fn with fp16 / bf16 queries. Both our backends' ``supports_combination``."""
+    if kv_cache_dtype in FP8_CACHE_DTYPES:
+        if dtype not in (torch.float16, torch.bfloat16):
+            return (f"an FP8 KV cache needs a float16 or bfloat16 model with {name} (its "
+                    f"FP8-cache kernel), got {dtype}")
+        from vllm.platforms import current_platform
+        if current_platform.fp8_dtype() != torch.float8_e4m3fn:
+            return (f"{name}'s FP8 caches are float8_e4m3fn; this platform's fp8 is "
+                    f"{current_platform.fp8_dtype()}")
+    return None
 
 
 def _cache_halves(kv_cache: torch.Tensor, head_size: int, fp8: bool):

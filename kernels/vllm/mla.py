@@ -44,7 +44,7 @@ from vllm.v1.attention.backend import AttentionCGSupport, AttentionType, Multipl
 import kernels
 
 from . import MLA_BACKEND_NAME
-from .backend import FP8_CACHE_DTYPES, MAX_HEAD_SIZE, decode_splits
+from .backend import FP8_CACHE_DTYPES, MAX_HEAD_SIZE, decode_splits, fp8_cache_refusal
 
 # The latent row our paged kernels take: kv_lora_rank + rope_dim (DeepSeek: 512 + 64). Its
 # first kv_lora_rank columns are the values, so kv_lora_rank is bounded by MAX_HEAD_SIZE.
@@ -131,15 +131,7 @@ class TritonFusedMLABackend(MLACommonBackend):
     @classmethod
     def supports_combination(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla,
                              has_sink, use_sparse, use_mm_prefix, device_capability):
-        if kv_cache_dtype in FP8_CACHE_DTYPES:
-            if dtype not in (torch.float16, torch.bfloat16):
-                return (f"an FP8 KV cache needs a float16 or bfloat16 model with "
-                        f"{MLA_BACKEND_NAME} (its FP8-cache kernel), got {dtype}")
-            from vllm.platforms import current_platform
-            if current_platform.fp8_dtype() != torch.float8_e4m3fn:
-                return (f"{MLA_BACKEND_NAME}'s FP8 caches are float8_e4m3fn; this platform's "
-                        f"fp8 is {current_platform.fp8_dtype()}")
-        return None
+        return fp8_cache_refusal(MLA_BACKEND_NAME, dtype, kv_cache_dtype)
 
 
 def _paged(kv_cache: torch.Tensor, fp8: bool) -> torch.Tensor:
