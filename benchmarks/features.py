@@ -1,7 +1,8 @@
 """Feature rows: grouped-query heads, a sliding window, chunked attention, packed sequences
 (also over a paged cache), a value head dim of its own (MLA), split-KV decoding, a boolean
-``attn_mask`` (``mask``: a sliding window given as a mask tensor) and a transformers model
-(``hf``), each against what it should at least match; ``--features`` /
+``attn_mask`` (``mask``: a sliding window given as a mask tensor), DeepSeek's absorbed MLA
+decode over a paged 576-wide latent cache (``mla_decode``: bf16 q, forward only) and a
+transformers model (``hf``), each against what it should at least match; ``--features`` /
 ``--no-features``; run right after the sweep's primary config. Modes ``fwd`` and ``fwd_bwd``
 (decode, paged: ``fwd``), causal, the sweep's first dtype, measured like every row (measure.py);
 the providers and extra columns are in docs/performance.md. ``target_met`` is None on CPU.
@@ -19,7 +20,8 @@ from .measure import (MEASURE_KEYS, classify_failure, describe, free_memory, mea
 from .providers import Case, SdpaProvider
 from .sweep import add_speedups, new_row
 
-FEATURES = ("gqa", "window", "chunk", "varlen", "mla", "decode", "fp8", "mask", "hf")
+FEATURES = ("gqa", "window", "chunk", "varlen", "mla", "decode", "fp8", "mask", "mla_decode",
+            "hf")
 # On CPU ``hf`` is left out of the default (~8 s of interpreted attention; --features hf).
 DEFAULT_FEATURES = {"cuda": FEATURES, "cpu": tuple(f for f in FEATURES if f != "hf")}
 FEATURE_MODES = ("fwd", "fwd_bwd")
@@ -43,7 +45,12 @@ SHAPES = {
                  decode_heads=32, heads_kv=8, cache_len=32768),
         # A window of 1024 at 8k as an (8192, 8192) bool mask (64 MiB; SDPA's efficient
         # backend makes it a 128 MiB additive bias).
-        mask=dict(batch=2, heads=16, seq_len=8192, head_dim=128, window=1024)),
+        mask=dict(batch=2, heads=16, seq_len=8192, head_dim=128, window=1024),
+        # DeepSeek V3's per-GPU query heads with TP8 (16) and without TP (128) on its one
+        # latent head, page 64 (vLLM's and FlashMLA's), split count by the heuristic; then one
+        # MTP point (2 query tokens) beside its one-token twin. 9 points x 3 rows, fwd.
+        mla_decode=dict(heads=(16, 128), batches=(8, 64), cache_lens=(4096, 32768),
+                        mtp=((128, 64, 4096),), mtp_q_len=2, page_size=64, num_splits=0)),
     # CPU: a handful of 16x16 tiles per call (each interpreted call still takes 0.1-1 s).
     "cpu": dict(
         gqa=dict(batch=1, heads=2, heads_kv=1, seq_len=32, head_dim=32),
@@ -59,7 +66,11 @@ SHAPES = {
                     cache_lens=(64, 128)),
         fp8=dict(batch=1, heads=2, seq_len=32, head_dim=32, decode_batch=2, decode_heads=2,
                  heads_kv=1, cache_len=64),
-        mask=dict(batch=1, heads=1, seq_len=64, head_dim=32, window=16)),
+        mask=dict(batch=1, heads=1, seq_len=64, head_dim=32, window=16),
+        # The GPU's head dims and layout, 4 and 8 pages of 16 rows a sequence, split forced to
+        # 4 as decode's: 3 points, 0.1-0.8 s per interpreted call, ~12 s in all.
+        mla_decode=dict(heads=(4,), batches=(2,), cache_lens=(64, 128), mtp=((4, 2, 128),),
+                        mtp_q_len=2, page_size=16, num_splits=4)),
 }
 GQA_SDPA = {"cuda": ("sdpa_flash", "sdpa_efficient", "sdpa_cudnn"),
             "cpu": ("sdpa_math", "sdpa_flash")}  # also the mla rows' SDPA backends
@@ -493,6 +504,11 @@ def feature_rows(device, dtype, features=FEATURES, opts=None, deadline=float("in
             rows += decode_rows(sh, device, dtype, decode_sdpa, opts, deadline, progress,
                                 copy_gbps)
             continue
+        if feature == "mla_decode":  # its own loop too; the decode rows' copy rate if known
+            copy_gbps = copy_gbps or next((r["copy_gbps"] for r in rows if r.get("copy_gbps")),
+                                          None)
+            rows += mla_decode_rows(sh, device, opts, deadline, progress, copy_gbps)
+            continue
         if feature == "hf":  # its own loop too
             rows += hf_rows(HF_SHAPES[prof], device, dtype, opts, deadline, progress)
             continue
@@ -792,6 +808,258 @@ def decode_compare(rows, gpu, copy_gbps):
 
 
 # --------------------------------------------------------------------------------------------
+# mla_decode: DeepSeek V3's absorbed MLA decode (docs/features.md, "MLA") as vLLM's
+# TRITON_FUSED_MLA backend calls it: kernels.attention_varlen, packed queries (B * q_len,
+# heads, 576) over a paged latent cache (num_blocks, page, 1, 576) whose values are its rows'
+# first 512 columns, every row's cache full, pages shuffled, bf16 q, forward only.
+# --------------------------------------------------------------------------------------------
+MLA_HEAD_DIM, MLA_HEAD_DIM_V = 576, 512   # [c_kv (kv_lora_rank 512), k_pe (64)]; v = c_kv
+MLA_SCALE = 192 ** -0.5   # the model's 1 / sqrt(qk_nope 128 + qk_rope 64), not 1 / sqrt(576)
+# kernels: v_cache = k_cache[..., :512] (V read from K's tiles: one read of the latent);
+# kernels_v_copy: v_cache a contiguous copy of those columns (V read as a tensor of its own:
+# 576 + 512 columns a key); kernels_fp8: the latent in float8_e4m3fn, read with a per-tensor
+# k_descale as vLLM passes it (no v_descale: the values are the keys' bytes), V inside K.
+MLA_DECODE_OURS = ("kernels", "kernels_v_copy", "kernels_fp8")
+MLA_DECODE_TARGET = (1.0, "V read inside the latent's rows at least as fast as V as a copy "
+                          "of its own (speedup_vs_v_copy >= 1)")
+
+
+def mla_decode_points(sh):
+    """[(heads, batch, cache_len, q_len)] of an mla_decode shape in run order: every heads x
+    batch x cache length with one query token, then the ``mtp`` points with ``mtp_q_len``
+    (multi-token prediction: the draft token checked in the same step)."""
+    points = [(H, B, L, 1) for H in sh["heads"] for B in sh["batches"]
+              for L in sh["cache_lens"]]
+    return points + [(H, B, L, sh["mtp_q_len"]) for H, B, L in sh["mtp"]]
+
+
+def mla_read_bytes(batch, cache_len, itemsize=2, v_copy=False):
+    """Bytes of the cache one MLA decode call reads: ``batch * cache_len * 576 * itemsize``
+    (keys and values in one read of the latent), plus ``batch * cache_len * 512 * itemsize``
+    when V is a copy of its own. q, the output and the split partials are not counted.
+
+    >>> mla_read_bytes(64, 4096), mla_read_bytes(64, 4096, v_copy=True)
+    (301989888, 570425344)
+    """
+    return batch * cache_len * (MLA_HEAD_DIM + (MLA_HEAD_DIM_V if v_copy else 0)) * itemsize
+
+
+def _forward_only(exc, _):
+    return "forward only" if "forward-only" in str(exc) else None
+
+
+def _mla_decode_inputs(heads, batch, cache_len, q_len, page_size, device):
+    """q packed (batch * q_len, heads, 576) and the bf16 latent cache (batch * cache_len /
+    page_size, page_size, 1, 576) with its pages in a shuffled order, the block table int32
+    (batch, cache_len / page_size), cu_seqlens_q and seqused_k int32 (every cache full)."""
+    if cache_len % page_size:
+        raise ValueError(f"cache_len {cache_len} is not a multiple of page_size {page_size}")
+    bf16, i32 = torch.bfloat16, torch.int32
+    g = torch.Generator(device=device).manual_seed(cache_len + batch + heads)
+    n = batch * (cache_len // page_size)
+    table = torch.randperm(n, generator=torch.Generator(device="cpu").manual_seed(n))
+    return dict(q=_randn(g, (batch * q_len, heads, MLA_HEAD_DIM), device, bf16),
+                cache=_randn(g, (n, page_size, 1, MLA_HEAD_DIM), device, bf16),
+                table=table.to(device=device, dtype=i32).view(batch, -1),
+                cu=torch.arange(0, batch * q_len + 1, q_len, dtype=i32, device=device),
+                used=torch.full((batch,), cache_len, dtype=i32, device=device), q_len=q_len)
+
+
+def _mla_decode_spec(name, inputs, num_splits, douts):
+    """The _Spec of one mla_decode provider (MLA_DECODE_OURS) on ``inputs``; the leaf q lets a
+    fwd_bwd row say what the call says about a backward."""
+    def build():
+        import kernels
+
+        cache, kw = inputs["cache"], {}
+        if name == "kernels_fp8":
+            cache = cache.to(torch.float8_e4m3fn)
+            kw["k_descale"] = torch.ones(1, 1, dtype=torch.float32, device=cache.device).expand(
+                inputs["used"].shape[0], 1)
+        v = cache[..., :MLA_HEAD_DIM_V]
+        if name == "kernels_v_copy":
+            v = v.contiguous()
+        q = _leaf(inputs["q"])
+        return (lambda: [kernels.attention_varlen(
+            q, cache, v, inputs["cu"], None, inputs["q_len"], block_table=inputs["table"],
+            seqused_k=inputs["used"], causal=True, softmax_scale=MLA_SCALE,
+            num_splits=num_splits, **kw)]), (q,)
+    return _Spec(name, build, douts, unsupported=_forward_only)
+
+
+def mla_decode_rows(sh, device, opts, deadline=float("inf"), progress=None, copy_gbps=None):
+    """The mla_decode rows of shape ``sh``: per point (mla_decode_points) ours with V inside
+    the latent's rows, with V as a copy and over an FP8 latent, ``fwd``; the first point also
+    ``fwd_bwd`` (each says "unsupported: forward only", the library's refusal). bf16 q
+    whatever the sweep's dtype. ``copy_gbps`` None: measured once before the first row that
+    runs (GPU only)."""
+    gpu = torch.device(device).type == "cuda"
+    bf16, f8 = torch.bfloat16, torch.float8_e4m3fn
+    ns, page = sh["num_splits"], sh["page_size"]
+    copy = dict(gbps=copy_gbps, known=copy_gbps is not None or not gpu)
+    rows = []
+    for i, (H, B, L, q_len) in enumerate(mla_decode_points(sh)):
+        case = Case(batch=B, heads=H, seq_len=L, head_dim=MLA_HEAD_DIM, dtype=bf16,
+                    dropout_p=0.0, device=device)
+        n, how = splits_used(device, B, H, 1, q_len, L, ns)
+        modes = FEATURE_MODES if i == 0 else ("fwd",)
+        inputs, point = None, []
+        for name in MLA_DECODE_OURS:
+            cache_dtype = f8 if name == "kernels_fp8" else bf16
+            for mode in modes:
+                row = new_row(name, mode, case, bench="mla_decode")
+                row.update(heads_kv=1, window=None, q_len=q_len, head_dim_v=MLA_HEAD_DIM_V,
+                           page_size=page, cache_dtype=str(cache_dtype).replace("torch.", ""),
+                           v_in_k=name != "kernels_v_copy",
+                           kv_bytes=mla_read_bytes(B, L, cache_dtype.itemsize,
+                                                   v_copy=name == "kernels_v_copy"),
+                           gbps=None, copy_gbps=None, bw_fraction=None, num_splits=n,
+                           num_splits_arg=ns, num_splits_how=how)
+                if progress:
+                    progress(None, None, f"mla_decode {name} {mode} heads {H} batch {B} "
+                                         f"cache {L} q {q_len}")
+                if time.monotonic() > deadline:
+                    row["status"] = "skipped: time budget"
+                else:
+                    if not copy["known"]:
+                        copy.update(gbps=measure_copy_gbps(device), known=True)
+                    if inputs is None:
+                        try:
+                            inputs = _mla_decode_inputs(H, B, L, q_len, page, device)
+                        except Exception as exc:  # e.g. no memory for the cache
+                            inputs = classify_failure(exc)
+                    if isinstance(inputs, str):
+                        row["status"] = inputs
+                    else:
+                        douts = [torch.ones(B * q_len, H, MLA_HEAD_DIM_V, dtype=bf16,
+                                            device=device)] if mode != "fwd" else []
+                        row.update(_measure_spec(_mla_decode_spec(name, inputs, ns, douts),
+                                                 mode, device, opts))
+                        if row["status"] == "ok":
+                            row["tflops"] = tflops(attention_flops(
+                                B, H, q_len, L, MLA_HEAD_DIM, causal=False,
+                                head_dim_v=MLA_HEAD_DIM_V), row["ms"])
+                point.append(row)
+        inputs = None
+        free_memory(device)
+        rows += mla_decode_compare(point, gpu, copy["gbps"])
+    return mla_decode_mtp(rows)
+
+
+def mla_decode_compare(rows, gpu, copy_gbps):
+    """Bandwidth fields on every row of one mla_decode point (``gbps`` = kv_bytes / ms,
+    ``copy_gbps``, ``bw_fraction``) and, on its fwd rows, ``speedup_vs_v_copy`` with the
+    target on ``kernels`` and ``speedup_vs_bf16`` on ``kernels_fp8`` (in place; returns
+    ``rows``; ``target_met`` None off a GPU or when a value is missing)."""
+    for r in rows:
+        r["copy_gbps"] = copy_gbps
+        if r["status"] == "ok":
+            r["gbps"] = gbps(r["kv_bytes"], r["ms"])
+            r["bw_fraction"] = r["gbps"] / copy_gbps if copy_gbps else None
+    by = {r["provider"]: r for r in rows if r["mode"] == "fwd"}
+    mine, fp8 = by.get("kernels"), by.get("kernels_fp8")
+    if fp8 is not None:
+        fp8["speedup_vs_bf16"] = ratio(mine, fp8, "ms")
+    if mine is not None:
+        value = mine["speedup_vs_v_copy"] = ratio(by.get("kernels_v_copy"), mine, "ms")
+        mine["target"] = MLA_DECODE_TARGET[1]
+        mine["target_met"] = (value >= MLA_DECODE_TARGET[0]
+                              if gpu and value is not None else None)
+    return rows
+
+
+def mla_decode_mtp(rows):
+    """``ms_over_q_len_1`` on each fwd row of more than one query token: its ms / the same
+    provider's at one token and the same heads, batch and cache (1 = the draft token came
+    free; q_len = it cost a step of its own). In place; returns ``rows``."""
+    one = {(r["provider"], r["heads"], r["batch"], r["seq_len"]): r for r in rows
+           if r["mode"] == "fwd" and r["q_len"] == 1}
+    for r in rows:
+        if r["mode"] == "fwd" and r["q_len"] > 1:
+            r["ms_over_q_len_1"] = ratio(r, one.get((r["provider"], r["heads"], r["batch"],
+                                                     r["seq_len"])), "ms")
+    return rows
+
+
+MLA_DECODE_SHORT = {"kernels": "in_k", "kernels_v_copy": "v_copy", "kernels_fp8": "fp8"}
+
+
+def format_mla_decode(rows, metric="gbps"):
+    """The mla_decode rows' table: a line per point, a cell per provider (GB/s of the cache
+    read, or ``metric="ms"``), then ours' TFLOP/s, %copy, x v_copy, fp8's x bf16, MTP's ms
+    over one token, the split count and the target; "" without such rows."""
+    from .report import _cell
+
+    sel = [r for r in rows if r["bench"] == "mla_decode" and r["mode"] == "fwd"]
+    if not sel:
+        return ""
+    copy = next((r["copy_gbps"] for r in sel if r.get("copy_gbps")), None)
+    unit = "GB/s of the cache read" if metric == "gbps" else "ms (median)"
+    providers = list(dict.fromkeys(r["provider"] for r in sel))
+    out = [f"\nmla_decode: DeepSeek MLA absorbed decode, paged latent (page "
+           f"{sel[0]['page_size']}, 1 kv head, q/k {MLA_HEAD_DIM}, v {MLA_HEAD_DIM_V}), bf16 q  "
+           f"[{unit}; copy " + (f"{copy:.0f} GB/s measured in this run]" if copy else
+                                "GB/s not measured]"),
+           f"{'heads':>5} {'batch':>5} {'cache':>6} {'q':>2} {'splits':>9} "
+           + " ".join(f"{MLA_DECODE_SHORT.get(n, n):>7}" for n in providers)
+           + f" {'TFLOP/s':>7} {'%copy':>5} {'x vcopy':>7} {'fp8 x':>6} {'x q1':>5}  target"]
+    for key in dict.fromkeys((r["heads"], r["batch"], r["seq_len"], r["q_len"]) for r in sel):
+        cells = {r["provider"]: r for r in sel
+                 if (r["heads"], r["batch"], r["seq_len"], r["q_len"]) == key}
+        mine, fp8 = cells.get("kernels", {}), cells.get("kernels_fp8", {})
+        splits = (f"{mine['num_splits']} {mine['num_splits_how'][:5]}"
+                  if mine.get("num_splits") is not None else "")
+
+        def num(value, fmt):
+            return fmt.format(value) if value is not None else ""
+        line = (f"{key[0]:>5} {key[1]:>5} {key[2]:>6} {key[3]:>2} {splits:>9} "
+                + " ".join(f"{_cell(cells[n], metric) if n in cells else '':>7}"
+                           for n in providers)
+                + f" {num(mine.get('tflops'), '{:.3g}'):>7}"
+                + f" {num(mine.get('bw_fraction') and 100 * mine['bw_fraction'], '{:.0f}%'):>5}"
+                + f" {num(mine.get('speedup_vs_v_copy'), '{:.3g}x'):>7}"
+                + f" {num(fp8.get('speedup_vs_bf16'), '{:.3g}x'):>6}"
+                + f" {num(mine.get('ms_over_q_len_1'), '{:.3g}'):>5}")
+        if mine.get("target"):
+            met = mine.get("target_met")
+            line += "  " + ("met" if met else "MISSED" if met is False else "not judged")
+        out.append(line)
+    out.append("in_k = v_cache = k_cache[..., :512] (the latent read once), v_copy = V as a "
+               "contiguous copy, fp8 = an e4m3 latent; TFLOP/s, %copy (of in_k's GB/s), "
+               "x vcopy = v_copy ms / in_k ms, fp8 x = in_k ms / fp8 ms, x q1 = in_k's ms / its "
+               f"ms at one query token (MTP); target: {MLA_DECODE_TARGET[1]}")
+    return "\n".join(out)
+
+
+def main(argv=None):
+    """``python -m benchmarks.features PATH...``: print the mla_decode table of results files
+    (a directory: its *.json), which the command's own terminal tables leave out."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.features", description=main.__doc__)
+    p.add_argument("paths", nargs="+", help="results JSON files or directories holding them")
+    p.add_argument("--metric", choices=["gbps", "ms"], default="gbps")
+    args = p.parse_args(argv)
+    status = 0
+    for path in map(Path, args.paths):
+        files = sorted(path.glob("*.json")) if path.is_dir() else [path]
+        for f in files:
+            try:
+                rows = json.loads(f.read_text())["rows"]
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                print(f"{f}: not a results file ({type(exc).__name__}: {exc})")
+                status = 1
+                continue
+            print(f"{f}:" + (format_mla_decode(rows, args.metric) or " no mla_decode rows"))
+        if not files:
+            print(f"{path}: no results files")
+            status = 1
+    return status
+
+
+# --------------------------------------------------------------------------------------------
 # hf: a Llama-shaped transformers model from a config (random weights, no download),
 # attn_implementation "sdpa" vs ours ("triton_fused"), the same weights (switched with
 # set_attn_implementation): one training forward + backward of the LM loss (``fwd_bwd``) and
@@ -928,3 +1196,7 @@ def _hf_measure(model, ids, mode, sh, device, opts):
     finally:
         for t in params:
             t.grad = None
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

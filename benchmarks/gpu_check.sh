@@ -24,6 +24,15 @@
 # wheel's contents on PYTHONPATH (`pip install --no-deps --target DIR <wheel>`), else the rows
 # say "skipped: llms-from-scratch not installed". ~5-7 min (estimated, not measured yet):
 # BOOK_TIMEOUT (default 540 s); BOOK_ARGS="--book-layers 8" roughly halves the generation part.
+# Stage "mla_decode" (`GPU_CHECK_STAGES="versions mla_decode"`, a device call of its own, in no
+# list): `python -m benchmarks --features mla_decode` into WORK/mla_decode/, DeepSeek V3's
+# absorbed MLA decode over a paged 576-wide latent cache (page 64, bf16 q, heads 16 / 128,
+# batch 8 / 64, 4k / 32k keys, one 2-token MTP point): V read inside the latent's rows
+# (kernels), V as its own copy (kernels_v_copy) and an e4m3 latent (kernels_fp8), GB/s of the
+# cache read and TFLOP/s, then its table (`python -m benchmarks.features DIR`, which the
+# command's own tables leave out). ~3-5 min (estimated, not measured yet: 9 points x 3 rows,
+# ~15 autotune keys compiled at head_dim 576 on first use, nothing precompiled): MLA_TIMEOUT
+# (default 420 s); the time budget marks the points it does not reach "skipped: time budget".
 # Stage "tma_ab" (`GPU_CHECK_STAGES="versions precompile tma_ab"` alone, ~2-3 min; last in the
 # "speed" list): ours and SDPA flash (the drift check), bf16, head_dim 128 and 64, causal, seq
 # 128 / 512 / 1024 / 4096, fwd / bwd / fwd_bwd, with tensor-descriptor loads (KERNELS_TMA=1:
@@ -44,7 +53,8 @@
 # wins here (kernels/core/configs.py: ``persistent_enabled``, ``warp_spec_enabled``).
 # Environment knobs: PYTHON (default python3), GPU_CHECK_BUDGET, TESTS_TIMEOUT (default 240),
 # BENCH_ARGS (extra arguments for `python -m benchmarks`, e.g. "--quick"), BOOK_TIMEOUT and
-# BOOK_ARGS (the same for stage "book", e.g. "--book-models qwen3"), GPU_CHECK_STAGES
+# BOOK_ARGS (the same for stage "book", e.g. "--book-models qwen3"), MLA_TIMEOUT (stage
+# "mla_decode"), GPU_CHECK_STAGES
 # (default "versions ceilings tests bench"; e.g. "versions tests" with TESTS_TIMEOUT=500 gives
 # the compiled test suite a whole device call when compiling every test shape takes longer),
 # TEST_WORKERS (default 8: pytest-xdist processes for the tests stage when xdist is importable,
@@ -102,6 +112,7 @@ TESTS_TIMEOUT=${TESTS_TIMEOUT:-240}
 BENCH_ARGS=${BENCH_ARGS:-}
 BOOK_TIMEOUT=${BOOK_TIMEOUT:-540}
 BOOK_ARGS=${BOOK_ARGS:-}
+MLA_TIMEOUT=${MLA_TIMEOUT:-420}
 TEST_WORKERS=${TEST_WORKERS:-8}
 TEST_ARGS=${TEST_ARGS:-}
 DRY_RUN=${DRY_RUN:-0}
@@ -277,6 +288,17 @@ print(\"device\", torch.cuda.get_device_name() if torch.cuda.is_available() else
         stage "fp8 vs bf16" "$fp8_limit" "${PYM[@]}" benchmarks --out-dir "$WORK/fp8" \
             --no-plots --skip-parity --no-sweep --no-modules --features fp8 \
             --time-budget $(( fp8_limit - 15 ))
+        pack
+    fi
+    if wanted mla_decode; then
+        # MLA's absorbed decode (benchmarks/features.py, "mla_decode"; the header above), then
+        # its table from the results file.
+        local mla_limit
+        mla_limit=$(limit_before_bench "$MLA_TIMEOUT" 60)
+        stage "MLA decode (latent cache)" "$mla_limit" "${PYM[@]}" benchmarks \
+            --out-dir "$WORK/mla_decode" --no-plots --skip-parity --no-sweep --no-modules \
+            --features mla_decode --time-budget $(( mla_limit - 30 ))
+        timeout 60 "${PYM[@]}" benchmarks.features "$WORK/mla_decode" || true
         pack
     fi
     if wanted tma_ab; then

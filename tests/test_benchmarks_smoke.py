@@ -29,6 +29,9 @@ from benchmarks.book_models import (BOOK_SHAPES, FAMILIES, book_rows, family_con
 from benchmarks.features import (HF_SHAPES, SHAPES, decode_compare,
                                  decode_targets, feature_rows, hf_reason, mixed_lengths,
                                  splits_used)
+from benchmarks.features import main as features_main
+from benchmarks.features import (MLA_DECODE_OURS, format_mla_decode, mla_decode_compare,
+                                 mla_decode_mtp, mla_decode_points, mla_read_bytes)
 from benchmarks.cli import DEFAULTS, build_parser, parity_shapes, resolve_args
 from benchmarks.flops import (attention_flops, gbps, gpt_step_flops, ideal_chunk_speedup,
                               ideal_window_speedup, kv_read_bytes, mha_flops, tflops,
@@ -244,6 +247,7 @@ def test_cli_interpreter_cpu(tmp_path):
     assert "features (shape:" in proc.stdout
     _check_decode_rows(rows, csv_path)
     assert "decode: q_len 1" in proc.stdout
+    _check_mla_decode_rows(rows)
     ours = [r for r in rows if r["bench"] in ("gqa", "window", "chunk", "varlen", "mla",
                                               "decode") and r["provider"].startswith("kernels")]
     assert ours and all(r["backend"] == "triton_interpreter" for r in ours)
@@ -699,6 +703,91 @@ def test_chunk_and_mla_flops():
             2, 4, 64, 64, 96, mode=mode)
 
 
+def _check_mla_decode_rows(rows):
+    """The CPU mla_decode rows (interpreter): every point's three rows ran, fwd, bf16 q, the
+    bytes, GB/s, FLOPs (the one formula, Dv 512) and ratios from their own shapes and medians;
+    the first point's fwd_bwd rows say forward only; no copy rate and no verdict on CPU."""
+    sh = SHAPES["cpu"]["mla_decode"]
+    mla = [r for r in rows if r["bench"] == "mla_decode"]
+    points = mla_decode_points(sh)
+    assert list(dict.fromkeys((r["heads"], r["batch"], r["seq_len"], r["q_len"])
+                              for r in mla)) == points
+    assert [(r["provider"], r["mode"]) for r in mla[:6]] == [
+        (p, m) for p in MLA_DECODE_OURS for m in ("fwd", "fwd_bwd")]
+    assert all(r["status"] == "unsupported: forward only" for r in mla if r["mode"] != "fwd")
+    fwd = [r for r in mla if r["mode"] == "fwd"]
+    assert len(fwd) == 3 * len(points) and all(r["status"] == "ok" for r in fwd), fwd
+    by = {(r["provider"], r["heads"], r["batch"], r["seq_len"], r["q_len"]): r for r in fwd}
+    for H, B, L, q in points:
+        mine, copy, fp8 = (by[p, H, B, L, q] for p in MLA_DECODE_OURS)
+        for r in (mine, copy, fp8):
+            assert (r["head_dim"], r["head_dim_v"], r["heads_kv"], r["dtype"]) == (
+                576, 512, 1, "bfloat16")
+            assert r["page_size"] == sh["page_size"] and r["backend"] == "triton_interpreter"
+            assert r["num_splits"] == sh["num_splits"] and r["num_splits_how"] == "forced"
+            assert r["tflops"] == pytest.approx(tflops(B * H * q * L * (576 + 512) * 2, r["ms"]))
+            assert r["gbps"] == pytest.approx(r["kv_bytes"] / (r["ms"] * 1e-3) / 1e9)
+            assert r["copy_gbps"] is None and r["bw_fraction"] is None
+        assert mine["kv_bytes"] == B * L * 576 * 2 == 2 * fp8["kv_bytes"]
+        assert copy["kv_bytes"] == B * L * (576 + 512) * 2
+        assert (mine["cache_dtype"], fp8["cache_dtype"]) == ("bfloat16", "float8_e4m3fn")
+        assert mine["v_in_k"] and fp8["v_in_k"] and not copy["v_in_k"]
+        assert mine["speedup_vs_v_copy"] == pytest.approx(copy["ms"] / mine["ms"])
+        assert fp8["speedup_vs_bf16"] == pytest.approx(mine["ms"] / fp8["ms"])
+        assert mine["target_met"] is None and "v_copy" in mine["target"]
+        if q > 1:
+            assert mine["ms_over_q_len_1"] == pytest.approx(
+                mine["ms"] / by["kernels", H, B, L, 1]["ms"])
+    assert "x vcopy" in format_mla_decode(rows, "ms")
+
+
+def test_mla_decode_bytes_ratios_table_and_printer(tmp_path, capsys):
+    """mla_decode on made-up GPU rows: bytes of the latent read once (V in K), or with V's
+    copy, or in e4m3; GB/s and its fraction of the copy rate, the A/B ratios, the target judged
+    on a GPU only, the MTP ratio, the table and ``python -m benchmarks.features`` printing it
+    from a results file. The GPU points: heads 16 / 128, batch 8 / 64, 4k / 32k keys, page 64,
+    and one two-token (MTP) point with its one-token twin."""
+    gpu = SHAPES["cuda"]["mla_decode"]
+    points = mla_decode_points(gpu)
+    assert len(points) == 9 and points[-1] == (128, 64, 4096, 2) and (128, 64, 4096, 1) in points
+    assert gpu["page_size"] == 64 and gpu["num_splits"] == 0
+    assert mla_read_bytes(64, 4096) == 64 * 4096 * 576 * 2
+    assert mla_read_bytes(64, 4096, 1) * 2 == mla_read_bytes(64, 4096)
+    assert mla_read_bytes(8, 32768, v_copy=True) == 8 * 32768 * 1088 * 2
+
+    def point(q_len, ms, copy_gbps=4246.0, gpu_run=True):
+        rows = []
+        for name, t in zip(MLA_DECODE_OURS, ms):
+            rows.append(dict(bench="mla_decode", provider=name, mode="fwd", heads=128,
+                             batch=64, seq_len=4096, q_len=q_len, page_size=64,
+                             status="ok" if t else "oom", ms=t, num_splits=1,
+                             num_splits_how="heuristic", kv_bytes=mla_read_bytes(
+                                 64, 4096, 1 if name == "kernels_fp8" else 2,
+                                 v_copy=name == "kernels_v_copy"), tflops=1.0))
+        return mla_decode_compare(rows, gpu_run, copy_gbps)
+
+    t = mla_read_bytes(64, 4096) / 3000e9 * 1e3        # 3000 GB/s for the latent read once
+    one = point(1, [t, 1.5 * t, 0.8 * t])
+    mine, copy, fp8 = one
+    assert mine["gbps"] == pytest.approx(3000.0)
+    assert mine["bw_fraction"] == pytest.approx(3000.0 / 4246.0)
+    assert copy["gbps"] == pytest.approx(3000.0 * 1088 / 576 / 1.5)
+    assert mine["speedup_vs_v_copy"] == pytest.approx(1.5) and mine["target_met"] is True
+    assert fp8["speedup_vs_bf16"] == pytest.approx(1.25)
+    assert point(1, [t, 0.9 * t, t])[0]["target_met"] is False
+    assert point(1, [t, None, t])[0]["target_met"] is None       # the copy row's oom
+    assert point(1, [t, 2 * t, t], None, gpu_run=False)[0]["target_met"] is None
+    rows = mla_decode_mtp(one + point(2, [1.2 * t, 1.8 * t, t]))
+    assert rows[3]["ms_over_q_len_1"] == pytest.approx(1.2) and "ms_over_q_len_1" not in rows[0]
+    text = format_mla_decode(rows)
+    assert "copy 4246 GB/s measured in this run" in text and "3000.0" in text
+    assert "71%" in text and "1.5x" in text and "1.25x" in text and " 1.2 " in text
+    assert "met" in text and "page 64" in text
+    (tmp_path / "r.json").write_text(json.dumps({"meta": {}, "rows": rows}))
+    assert features_main([str(tmp_path)]) == 0
+    assert "3000.0" in capsys.readouterr().out
+
+
 def test_sweep_head_dim_512():
     """head_dim 512 is in the GPU default sweep (a secondary config, after d64; heads = hidden //
     512 = 4; its parity shape too), not in the CPU defaults; a d512 point runs through the sweep
@@ -744,7 +833,7 @@ def test_feature_rows_respect_the_time_budget():
     runs), each says why."""
     rows = feature_rows("cpu", torch.bfloat16, deadline=float("-inf"))
     assert {r["bench"] for r in rows} == {"gqa", "window", "chunk", "varlen", "mla", "decode",
-                                          "fp8", "mask", "hf"}
+                                          "fp8", "mask", "mla_decode", "hf"}
     assert all(r["ms"] is None for r in rows)
     assert all(r["status"] == "skipped: time budget" or r["status"].startswith(
         ("unsupported: ", "skipped: transformers")) for r in rows), {
@@ -753,7 +842,7 @@ def test_feature_rows_respect_the_time_budget():
         "kernels", "kernels_mha", "kernels_causal", "kernels_chunks_batched", "kernels_varlen",
         "kernels_dense_each", "kernels_dense_padded", "kernels_padded", "kernels_unsplit",
         "kernels_dense", "kernels_fp8", "kernels_cache", "kernels_cache_fp8", "kernels_window",
-        "kernels_bias"}
+        "kernels_bias", "kernels_v_copy"}
     assert all(r.get("target_met") is None for r in rows)
     assert "features (shape:" in format_features(rows)
     # decode, then the integration rows last: every point written
