@@ -442,10 +442,12 @@ def _run(args, device_type, start):
         except Exception as exc:  # plotting must not lose a finished sweep
             print(f"plots: failed ({type(exc).__name__}: {exc}); results files are intact")
     from .book_models import format_book
+    from .features import format_mla_decode
 
     for text in (report.format_tables(rows, args.table_metric, memory=device_type == "cpu"),
                  report.format_features(rows),
                  report.format_decode(rows, "ms" if args.table_metric == "ms" else "gbps"),
+                 format_mla_decode(rows, "ms" if args.table_metric == "ms" else "gbps"),
                  format_book(rows)):
         if text:
             print(text)
