@@ -14,7 +14,12 @@ Variants (``--variants``, default all): fwd (bf16; causal, plain, causal+dropout
 (causal, causal+dropout: the preprocess, dK/dV and dQ kernels), gqa (16 query heads on 4 kv
 heads, forward and backward), packed (varlen, forward and backward), splitkv (decoding, one
 query row, 4 splits, the combine kernel), paged (decoding over a paged cache, page 16, split
-heuristic), each at ``--head-dims`` (default 64,128,256).
+heuristic), each at ``--head-dims`` (default 64,128,256). Not in the default set: mla
+(DeepSeek MLA's absorbed decode at head dim 576: the launches of ``--mla``, default all of
+sm90_static's ``MLA_ALL``, paged and dense latent caches, V = K's first 512 columns; in
+``--mla-dtypes`` bf16, fp16 (fp8kv, bf16 q over an e4m3 cache, when asked: the project runs
+no FP8 on AMD, configs.fp8_unsupported_reason); flags ``mla <dtype> <launch>``; see
+sm90_static's docstring).
 
 Per compiled kernel: VGPRs (architected) and AGPRs, spilled VGPRs / SGPRs (the amdgcn
 metadata's ``.vgpr_spill_count`` / ``.sgpr_spill_count``), scratch bytes per lane, LDS
@@ -32,6 +37,7 @@ without ROCm: LLVM and the linker ship in the wheel) and a CPU torch (``pip inst
     VENV/bin/python tools/amd_static.py [--arch gfx942,gfx950] [--variants fwd,bwd]
         [--head-dims 64,128] [--fwd-flags "causal;plain"] [--defaults-only | --all-configs]
         [--json out.json]
+    VENV/bin/python tools/amd_static.py --variants mla [--mla "paged;paged+s4"]   # MLA (576)
 The archs run in parallel processes (one each). Compiled kernels are cached (default
 ~/.cache/amd-triton-cache), so a re-run only recompiles what changed; a full cold run of both
 archs takes ~10 minutes on 2 cores. Exit status 1 when a target is missed (a kept config fails
@@ -62,6 +68,8 @@ ARCHS = {a.cc: a for a in (
     AmdArch("gfx950", "MI350X, MI355X", (9, 5), 160 * KB, 256),
 )}
 VARIANTS = ("fwd", "bwd", "gqa", "packed", "splitkv", "paged")
+# Opt-in variants (not in --variants' default): mla, at head dim 576 whatever --head-dims says.
+EXTRA_VARIANTS = ("mla",)
 # Kernels whose source has a tl.dot (a compile without MFMA means the FMA path).
 MATMUL_KERNELS = ("_attn_fwd", "_bwd_dkdv", "_bwd_dq")
 
@@ -123,7 +131,7 @@ FWD_FLAGS = ("causal", "plain", "causal+dropout")
 
 
 def run_project(project, variants, head_dims, seq, all_configs, fwd_flags=FWD_FLAGS,
-                defaults_only=False):
+                defaults_only=False, mla=(), mla_dtypes=("bf16",)):
     import torch
     from triton.runtime.autotuner import Autotuner
     if defaults_only:                # only the first kept config: what KERNELS_AUTOTUNE=0 runs
@@ -141,9 +149,9 @@ def run_project(project, variants, head_dims, seq, all_configs, fwd_flags=FWD_FL
     def t(*shape, dtype=bf16):
         return torch.empty(shape, dtype=dtype)
 
-    def launch(label, fn):
+    def launch(label, fn, dtype="bf16"):
         S.LABEL.clear()
-        S.LABEL.update(side="project", dtype="bf16", **label)
+        S.LABEL.update(side="project", dtype=dtype, **label)
         try:
             fn()
         except Exception as e:   # a failure outside any config's compile (launcher, host code)
@@ -207,6 +215,13 @@ def run_project(project, variants, head_dims, seq, all_configs, fwd_flags=FWD_FL
                     attention_forward(q, kv, kv, causal=True, softmax_scale=sc, k_lens=k_lens,
                                       block_table=table, num_splits=0)
                 launch(dict(head_dim=d, flags="paged decode"), paged)
+        if "mla" in variants:
+            for dt in mla_dtypes:
+                for flags in mla:
+                    fn = S.mla_launch(flags, dt, seq)
+                    if fn is not None:
+                        # the dtype in the flags too: this tool's launches are keyed on them
+                        launch(dict(head_dim=S.MLA_D, flags=f"mla {dt} {flags}"), fn, dt)
     S.LABEL.clear()
     return S.RECORDS
 
@@ -318,7 +333,8 @@ def _worker(a, arch, path):
     print(f"amd_static: triton {triton.__version__}, torch {torch.__version__}, target "
           f"hip:{arch}, seq {a.seq}", file=sys.stderr)
     records = run_project(a.project, a.variants, a.head_dims, a.seq, a.all_configs,
-                          [x for x in a.fwd_flags.split(";") if x], a.defaults_only)
+                          [x for x in a.fwd_flags.split(";") if x], a.defaults_only,
+                          S.mla_launches(a.mla), a.mla_dtypes)
     for r in records:     # the waves_per_eu a config asked for (a compile option on HIP)
         r.setdefault("wpe", "")
     with open(path, "w") as f:
@@ -330,8 +346,16 @@ def main(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--project", default=".", help="the project checkout (default .)")
     ap.add_argument("--arch", default="gfx942,gfx950", help="among " + ", ".join(ARCHS))
-    ap.add_argument("--variants", default=",".join(VARIANTS), help="among " + ",".join(VARIANTS))
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help="among " + ",".join(VARIANTS + EXTRA_VARIANTS) + " (default: all but "
+                         + ",".join(EXTRA_VARIANTS) + ")")
     ap.add_argument("--head-dims", default="64,128,256")
+    ap.add_argument("--mla", default="all",
+                    help="the mla variant's launches (sm90_static's --mla; default all: "
+                         + S.MLA_ALL + ")")
+    ap.add_argument("--mla-dtypes", default="bf16,fp16",
+                    help="the mla variant's dtypes: bf16, fp16, fp8kv (bf16 q, e4m3 cache: "
+                         "compiled when asked, though the project runs no FP8 on AMD)")
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--fwd-flags", default=";".join(FWD_FLAGS),
                     help="';'-separated forward flags among " + ", ".join(FWD_FLAGS))
@@ -346,9 +370,14 @@ def main(argv=None):
     archs = [x.strip() for x in a.arch.split(",") if x.strip()]
     a.variants = [x.strip() for x in a.variants.split(",") if x.strip()]
     a.head_dims = [int(x) for x in a.head_dims.split(",") if x.strip()]
-    bad = [x for x in archs if x not in ARCHS] + [v for v in a.variants if v not in VARIANTS]
+    a.mla_dtypes = [x.strip() for x in a.mla_dtypes.split(",") if x.strip()]
+    S.mla_launches(a.mla)                   # an unknown --mla launch: fail before compiling
+    bad = [x for x in archs if x not in ARCHS] + [
+        v for v in a.variants if v not in VARIANTS + EXTRA_VARIANTS] + [
+        x for x in a.mla_dtypes if x not in ("bf16", "fp16", "fp8kv")]
     if bad:
-        ap.error(f"unknown {bad}: archs {list(ARCHS)}, variants {list(VARIANTS)}")
+        ap.error(f"unknown {bad}: archs {list(ARCHS)}, variants "
+                 f"{list(VARIANTS + EXTRA_VARIANTS)}, mla dtypes bf16, fp16, fp8kv")
     ctx = multiprocessing.get_context("fork")
     records = []
     with tempfile.TemporaryDirectory(prefix="amd_static-") as tmp:

@@ -47,9 +47,22 @@ CPU torch, made once by ``python3 -m venv VENV && VENV/bin/pip install triton==3
     # FP8 forward variants (fp8: q, k, v e4m3; fp8kv: an e4m3 KV cache read by bf16 q):
     VENV/bin/python tools/sm90_static.py --project . --kept-only --dtypes fp8,fp8kv \
         --fwd-flags "causal;plain" --bwd-flags "" --arch 89,90,100,120
+    # DeepSeek MLA's absorbed decode (head dim 576 = 512 + 64, V = K's first 512 columns, one
+    # latent head; --mla all: the launches of MLA_ALL below), bf16 / fp16 q, and an e4m3 cache:
+    VENV/bin/python tools/sm90_static.py --project . --kept-only --mla all \
+        --dtypes bf16,fp16,fp8kv --fwd-flags "" --bwd-flags "" --arch 80,86,89,90,100,120
     # one consumer GPU, fp16 only:
     VENV/bin/python tools/sm90_static.py --project . --kept-only \
         --arch 86 --dtypes fp16 --bwd-dtypes fp16
+MLA launches (``--mla``, ';'-separated, each ``paged`` or ``dense`` with ``+hN`` query heads
+(default 16; DeepSeek has 128 per GPU without tensor parallelism), ``+qN`` query tokens per
+sequence (default 1; 4: speculative decoding) and ``+sN`` KV splits (default 1)): what the
+serving path launches, ``kernels.core.kvcache.varlen_paged_forward(q, k_cache, k_cache[...,
+:512], call, ...)`` for ``paged`` (q (4 x qN, hN, 576), k_cache (pages, 64, 1, 576), 4
+sequences of ``--seq`` - 7 keys) and ``kvcache_forward`` on a dense (4, 1, ``--seq``, 576)
+cache for ``dense``; causal, softmax_scale 1/sqrt(192), over ``--dtypes`` bf16 / fp16 (q and
+cache) and fp8kv (bf16 q, e4m3 cache, k / v descales in ``call.mods.descale``); other dtypes
+are skipped, as is fp8kv below sm_89. Rows: head_dim 576, flags ``mla <launch>``.
 The Triton tutorial (python/tutorials/06-fused-attention.py of Triton 3.6) is not part of this
 repository: without ``--tutorial`` its rows are "not given".
 The table goes to stdout, progress and compile diagnostics to stderr. Compiled kernels are cached
@@ -368,9 +381,68 @@ def _one_line(r):
            f"tcgen05 {r['tcgen05']}) tma {r['tma']} ({r['compile_s']}s)"
 
 
+# ----------------------------------------------------------------------------- MLA
+MLA_D, MLA_DV, MLA_PAGE, MLA_SEQS = 576, 512, 64, 4
+MLA_SCALE = 192 ** -0.5          # DeepSeek's (128 nope + 64 rope) ** -0.5, not 576 ** -0.5
+# ``--mla all``: paged decode at 16 and 128 query heads, 1 and 4 tokens, 1 and 4 splits; dense.
+MLA_ALL = ("paged;paged+s4;paged+q4;paged+q4+s4;paged+h128;paged+h128+s4;paged+h128+q4;"
+           "paged+h128+q4+s4;dense;dense+s4;dense+h128+s4")
+
+
+def mla_launches(spec):
+    """The ';'-separated MLA launches of ``--mla`` (``all``: MLA_ALL)."""
+    spec = MLA_ALL if spec.strip() == "all" else spec
+    out = [x.strip() for x in spec.split(";") if x.strip()]
+    for x in out:
+        kind, *opts = x.split("+")
+        if kind not in ("paged", "dense") or any(not re.fullmatch(r"[hqs]\d+", o) for o in opts):
+            raise SystemExit(f"sm90_static: --mla {x!r}: paged or dense, then +hN, +qN, +sN")
+    return out
+
+
+def mla_launch(flags, dtype, seq):
+    """A callable making the MLA decode launch ``flags`` (``mla_launches``) with ``dtype``
+    (bf16, fp16 or fp8kv: bf16 q over an e4m3 cache) and ``seq`` cache positions per sequence,
+    on CPU tensors; None for another dtype (and for fp8kv below sm_89)."""
+    import torch
+    from kernels.core.call import AttentionCall
+    from kernels.core.kvcache import kvcache_forward, varlen_paged_forward
+    from kernels.core.mods import CallMods, Descale
+    kind, *opts = flags.split("+")
+    opt = {o[0]: int(o[1:]) for o in opts}
+    heads, q_len, splits = opt.get("h", 16), opt.get("q", 1), opt.get("s", 1)
+    qdt, kdt = {"bf16": (torch.bfloat16,) * 2, "fp16": (torch.float16,) * 2,
+                "fp8kv": (torch.bfloat16, torch.float8_e4m3fn)}.get(dtype, (None, None))
+    # FP8 caches from sm_89 on (configs.FP8_MIN_CAPABILITY: the project routes older GPUs'
+    # elsewhere; Triton has no e4m3 there). AMD's ARCH.cc is a gfx name: not skipped.
+    if qdt is None or (kdt == torch.float8_e4m3fn and isinstance(ARCH.cc, int)
+                       and ARCH.cc < 89):
+        return None
+    n = MLA_SEQS
+    mods = CallMods()
+    if kdt == torch.float8_e4m3fn:
+        one = torch.ones((n, 1), dtype=torch.float32)
+        mods = CallMods(descale=Descale(k=one, v=one))
+    call = AttentionCall(causal=True, softmax_scale=MLA_SCALE, mods=mods)
+    k_lens = torch.full((n,), max(seq - 7, 1), dtype=torch.int32)
+    if kind == "dense":
+        q = torch.empty((n, heads, q_len, MLA_D), dtype=qdt)
+        cache = torch.empty((n, 1, seq, MLA_D), dtype=kdt)
+        return lambda: kvcache_forward(q, cache, cache[..., :MLA_DV], k_lens, None, None, call,
+                                       num_splits=splits)
+    pages = -(-seq // MLA_PAGE)
+    q = torch.empty((n * q_len, heads, MLA_D), dtype=qdt)
+    cache = torch.empty((n * pages, MLA_PAGE, 1, MLA_D), dtype=kdt)
+    table = torch.arange(n * pages, dtype=torch.int32).reshape(n, pages)
+    cu = torch.arange(n + 1, dtype=torch.int32) * q_len
+    return lambda: varlen_paged_forward(q, cache, cache[..., :MLA_DV], call, cu_seqlens_q=cu,
+                                        max_seqlen_q=q_len, block_table=table,
+                                        seqused_k=k_lens, num_splits=splits)
+
+
 # ----------------------------------------------------------------------------- project
 def run_project(project, dtypes, head_dims, fwd_flags, bwd_dtypes, bwd_flags, seq, batch, heads,
-                all_configs):
+                all_configs, mla=()):
     import torch
     sys.path.insert(0, os.path.abspath(project))
     for name in [m for m in sys.modules if m == "kernels" or m.startswith("kernels.")]:
@@ -415,6 +487,20 @@ def run_project(project, dtypes, head_dims, fwd_flags, bwd_dtypes, bwd_flags, se
                     os.environ["KERNELS_FWD_WARP_SPEC"] = "1" if "warpspec" in flags else "0"
                     attention_forward(q, k, v, causal=causal, softmax_scale=d ** -0.5,
                                       dropout_p=p, seed=0x5DEECE66D123 if p else 0, **extra)
+        for dt in dtypes:
+            for flags in mla:      # MLA decode (``mla_launch``): head dim 576, forward only
+                fn = mla_launch(flags, dt, seq)
+                if fn is None:
+                    continue
+                LABEL.clear()
+                LABEL.update(side="project", dtype=dt, head_dim=MLA_D, flags=f"mla {flags}")
+                try:
+                    fn()
+                except Exception as e:   # a failure outside any config's compile (host code)
+                    RECORDS.append(dict(arch=ARCH.cc, **LABEL, kernel="(launch)", BLOCK_M=None,
+                                        BLOCK_N=None, warps=None, stages=None, kept=True,
+                                        status="FAIL", error=f"{type(e).__name__}: "
+                                                         f"{str(e)[:160]}"))
         for dt in bwd_dtypes:
             for d in head_dims:
                 for flags in bwd_flags:
@@ -624,7 +710,7 @@ def _run_arch(a, cc):
     if a.project:
         run_project(a.project, split(a.dtypes), hds, split(a.fwd_flags, ";"),
                     split(a.bwd_dtypes), split(a.bwd_flags, ";"), a.seq, a.batch, a.heads,
-                    not a.kept_only)
+                    not a.kept_only, mla_launches(a.mla))
     if a.anchor:
         run_anchor(a.anchor, split(a.anchor_dtypes), hds, split(a.anchor_variants, ";"),
                    a.seq, a.batch, a.heads, not a.kept_only)
@@ -693,6 +779,10 @@ def main(argv=None):
                     help="';'-separated: causal (host TMA descriptors: what the tutorial "
                          "runs causal on Hopper), plain, plain+ws (warp_specialize with device "
                          "descriptors: the tutorial's Hopper non-causal benchmark), causal+ws")
+    ap.add_argument("--mla", default="",
+                    help="';'-separated MLA decode launches at head dim 576: paged or dense, "
+                         "+hN query heads, +qN tokens, +sN splits (e.g. 'paged+h128+s4'); "
+                         "'all': " + MLA_ALL + " (default: none)")
     ap.add_argument("--seq", type=int, default=4096, help="q_len = k_len of the launch")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--heads", type=int, default=16)
@@ -704,6 +794,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if not a.project and not a.anchor:
         ap.error("give --project and/or --tutorial")
+    mla_launches(a.mla)                 # an unknown --mla launch: fail before compiling
     if not a.anchor:
         print("sm90_static: the Triton tutorial: not given (--tutorial PATH)", file=sys.stderr)
     try:

@@ -307,6 +307,22 @@ WIDE = dict(fwd=((32, 32, 8, 1), (32, 16, 8, 2)),
 # The fp32 backward's smallest tiles need 128-129 KiB: on the 99 KiB GPUs it has no config
 # that loads (backend.AttentionPlan then runs the fallback, warned).
 WIDE_FP32 = dict(fwd=((16, 16, 4, 1),))
+# MLA's latent width (q / k head dim 576 = 512 + 64 as two tiles, common.head_blocks; padded
+# width 576; V read from the K tile: KeyLayout.v_in_k): the forward's tiles on every
+# generation, bf16 / fp16 and an e4m3 cache read by bf16 q (fp32 keeps WIDE_FP32). Measured on
+# the decode launches (paged and dense, 16 / 128 query heads packed into rows, 1 / 4 tokens,
+# 1 / 4 splits; tools/sm90_static.py --mla all, triton 3.6; tools/amd_static.py --variants mla,
+# triton 3.9; docs/gpu.md "MLA (576)"): 64-row tiles spilled everywhere (sm_86 mma.sync 92-340
+# B, sm_90 wgmma 1.1-3.4 KB, sm_100 tcgen05 144-208 B on 8 warps, more on 4 or 16), so 32 rows
+# on mma.sync; 32 x 64 spilled 8-104 B with the e4m3 cache on sm_90 / sm_100, 16 x 32 on 4
+# warps 20 B on sm_120. WIDE's 32 x 32 takes 102,400 B, over the 99 KiB (101,376 B) of
+# sm_86 / 89 / 120, where WIDE kept nothing that loads; 32 x 16 takes 69,632 B. One stage: on
+# NVIDIA two took the same shared memory and registers. On AMD (LATENT_CDNA) 32 x 32 on 8
+# waves spilled 157-200 VGPRs on gfx942 and 20-61 on gfx950; 32 x 16 compiled spill-free on
+# both (216-220 VGPRs, 32 KiB of LDS).
+LATENT_MIN_WIDTH = WIDE_MIN_WIDTH + 1
+LATENT = dict(fwd=((32, 32, 8, 1), (32, 16, 8, 1)))
+LATENT_CDNA = dict(fwd=((32, 16, 8, 1),))
 
 # fp32 with IEEE dots (PyTorch's default "highest" matmul precision) on NVIDIA below those
 # widths, per padded head_dim (16 and 32 take 64's): tl.dot is an FMA loop there, no tensor
@@ -444,7 +460,8 @@ def _union(kernel):
     """Every family's entries of this platform for ``kernel`` and the wide tiles, in order,
     once: what an autotuner is built with (its pruning then keeps the running GPU's own)."""
     wide = list(WIDE[kernel]) + ([] if hip_runtime() else list(WIDE_FP32.get(kernel, ())) + [
-        e for table in FMA_FP32.values() for e in table[kernel]])
+        e for table in FMA_FP32.values() for e in table[kernel]]) + [
+        e for table in (LATENT, LATENT_CDNA) for e in table.get(kernel, ())]
     return list(dict.fromkeys([e for fam in _platform_families()
                                for e in getattr(fam, kernel)] + wide))
 
@@ -642,6 +659,8 @@ def _family_entries(configs, family, kernel, width, dropout=False, elem_bytes=2,
         allowed = set(table)
     elif width >= WIDE_MIN_WIDTH:
         table = WIDE[kernel]
+        if width >= LATENT_MIN_WIDTH:
+            table = (LATENT_CDNA if family.wave64 else LATENT).get(kernel, table)
         if elem_bytes >= 4 and not family.wave64:
             table = WIDE_FP32.get(kernel, table)
         allowed = set(table)

@@ -189,3 +189,40 @@ def test_attn_mask_shared_memory_drops_the_tiles_that_would_not_load():
         assert big not in kept(specs[name]) and kept(specs[name]), name
         assert all(smem_bytes(c, 128, 2) + mods_smem_bytes(c, specs[name]) <= HOPPER.fwd_smem_cap
                    for c in kept(specs[name]).values())
+
+
+def test_latent_width_takes_its_tiles_and_fits_every_generation():
+    """MLA's 576-wide latent decode (q / k as 512 + 64, V in the K tile; docs/gpu.md "MLA
+    (576)"): every family lists the latent tiles for it (LATENT; LATENT_CDNA on AMD), and every
+    GPU keeps one whose shared memory estimate fits. Measured (tools/sm90_static.py --mla all,
+    triton 3.6): 32 x 32 takes 102,400 B, over the 99 KiB (101,376 B) of sm_86 / 89 / 120,
+    whose only tile is 32 x 16 (69,632 B); on AMD (tools/amd_static.py --variants mla, triton
+    3.9) 32 x 32 spilled VGPRs on gfx942 and gfx950, 32 x 16 did not. Each estimate is at
+    least what the compiler took."""
+    from kernels.core import configs
+    width = configs._padded_width(dict(HEAD_DIM=576, BLOCK_D=512, HEAD_DIM_V=512,
+                                       BLOCK_DV=512))
+    assert width == 576
+    cands = [c for c in fwd_configs()
+             if configs._key(c) in set(configs.LATENT["fwd"] + configs.LATENT_CDNA["fwd"])]
+    measured = {(32, 32, 8, 1): 102400, (32, 16, 8, 1): 69632}
+    for key, smem in measured.items():
+        assert configs.smem_bytes(configs._configs([key])[0], width, 2) >= smem, key
+    kib = 1024
+    for family, smem, first in ((configs.AMPERE, 163 * kib, (32, 32, 8, 1)),
+                                (configs.AMPERE, 99 * kib, (32, 16, 8, 1)),
+                                (configs.HOPPER, 227 * kib, (32, 32, 8, 1)),
+                                (configs.BLACKWELL, 227 * kib, (32, 32, 8, 1)),
+                                (configs.CDNA3, 64 * kib, (32, 16, 8, 1)),
+                                (configs.CDNA4, 160 * kib, (32, 16, 8, 1))):
+        table = (configs.LATENT_CDNA if family.wave64 else configs.LATENT)["fwd"]
+        entries = configs._family_entries(cands, family, "fwd", width)
+        assert [configs._key(c) for c in entries] == list(table), family.name
+        budget = min(family.fwd_smem_cap, smem)
+        kept = configs._prune_table(cands, {}, width, 2, family, budget)
+        estimate = configs.cdna_fwd_lds if family.wave64 else configs.smem_bytes
+        assert kept and configs._key(kept[0]) == first, (family.name, smem)
+        assert all(estimate(c, width, 2) <= budget for c in kept), (family.name, smem)
+    # Widths up to 512 keep WIDE's tiles.
+    assert [configs._key(c) for c in configs._family_entries(
+        fwd_configs(), configs.HOPPER, "fwd", 512)] == list(configs.WIDE["fwd"])
