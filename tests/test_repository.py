@@ -102,3 +102,15 @@ def test_nothing_points_outside_the_repository():
 def test_the_grep_catches_what_it_should(line, bad):
     line = OTHERS.sub("", line)
     assert any(p.search(line) for p, _ in OUTSIDE) == bad
+
+
+def test_test_modules_have_unique_names():
+    """The test directories are not packages (pytest's rootdir imports), so two test modules
+    of one basename in different directories make the whole run stop at collection ("import
+    file mismatch": tests/core/test_mla.py and tests/vllm_backend/test_mla.py did, in CI's
+    pinned stack, which collects both)."""
+    seen = {}
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        if path.name != "conftest.py" and "__pycache__" not in path.parts:
+            seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    assert not {n: p for n, p in seen.items() if len(p) > 1}

@@ -55,7 +55,7 @@ def models(tmp_path_factory):
         "bloom": _save(BloomForCausalLM, BloomConfig(
             vocab_size=512, hidden_size=128, n_layer=2, n_head=4, initializer_range=0.2,
             torch_dtype="float32"), root / "bloom"),
-        # MLA (DeepSeek-V3's latent attention, test_mla.py): DeepSeek's real latent sizes
+        # MLA (DeepSeek-V3's latent attention, test_mla_engine.py): DeepSeek's real latent sizes
         # (kv_lora_rank 512 + rope 64 = the 576-wide cache row; q/k heads 128 + 64, v heads
         # 128), small elsewhere; first_k_dense_replace = num_hidden_layers: dense MLPs only,
         # no MoE runs
