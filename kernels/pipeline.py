@@ -675,6 +675,8 @@ def _values_offset(k_cache, v_cache) -> int:
     is its own tensor or another part of one, e.g. the V half of a vLLM cache). 0: the values
     may be the keys' first columns (MLA's latent cache: ``latent_values``)."""
     try:
+        if v_cache.numel() == 0 or k_cache.numel() == 0:
+            return -1   # (empty tensors share no element, whatever their data pointers say)
         offset = v_cache.data_ptr() - k_cache.data_ptr()
         row = k_cache.shape[-1] * k_cache.element_size()
     except (AttributeError, TypeError, RuntimeError, IndexError):
