@@ -11,6 +11,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .core.call import FP8_DTYPE   # FP8 attention (forward only) takes OCP e4m3 alone
 from .core.common import MAX_HEAD_DIM, MAX_HEAD_DIM_LATENT
+from .core.kvcache import v_is_k_prefix
 from .core.mods import CallMods, MaskMod, ScoreMod
 from .core import tensor_mask
 from .core.tensor_mask import (BIAS_BOUNDS, TENSOR_BIAS, TENSOR_MASK, TensorMask, as_4d,
@@ -361,8 +362,7 @@ def check_values_in_keys(k_cache, v_cache, offset, v, v_scales):
                          f"rows must be their first head_dim_v columns (v_cache = "
                          f"k_cache[..., :{width}], as MLA's latent cache), got a slice at "
                          f"columns {offset // k_cache.element_size()}..")
-    if (v_cache.stride() != k_cache.stride() or v_cache.dtype != k_cache.dtype
-            or v_cache.shape[:-1] != k_cache.shape[:-1] or width > k_cache.shape[-1]):
+    if not v_is_k_prefix(k_cache, v_cache):   # (the kernels' own rule for reading V in K)
         raise ValueError(f"v_cache starts where k_cache does, so it must be k_cache's first "
                          f"head_dim_v columns, k_cache[..., :Dv] (shape "
                          f"{(*k_cache.shape[:-1], 'Dv')}, strides {k_cache.stride()}, "
